@@ -1,0 +1,98 @@
+//! BF16 weight kernels: `matmul_bf16` (y = W x for t tokens) and `matvec_t_bf16` (out = W^T x).
+//!
+//! Weights are raw little-endian bytes straight from the checkpoint, row-major `[rows, cols]`,
+//! with no alignment promise. A bf16 `b` is the f32 with bits `b << 16` (exact).
+//!
+//! `matmul`: for every (token, row), `y = canonical_dot(W[row] as f32, x[token])` (crate docs).
+//! f32 accumulators, FMA, 16 lanes, fixed tree. The serial version runs on the calling thread;
+//! the parallel one splits rows in fixed blocks over the current rayon pool (never a reduction).
+//! A token's result does not depend on `t` or on the other tokens. Spec §3 (every BF16
+//! projection), §5.
+//!
+//! `matvec_t`: `out[c] = sum_r x[r] * W[r, c]`, f32, sequential in increasing `r` with
+//! `out[c] = fma(x[r], W[r, c], out[c])` from +0.0; vectorised across `c`, no horizontal
+//! reduction. Single-threaded. Spec §5 (MLA absorption of `kv_b_proj`).
+
+pub(crate) mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+
+use crate::isa::Isa;
+use crate::out::RowsOut;
+use crate::par;
+
+/// Converts a bf16 bit pattern to f32, exactly (`bits << 16`).
+#[inline]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// Reads bf16 number `index` from little-endian bytes.
+#[inline]
+pub(crate) fn bf16_at(bytes: &[u8], index: usize) -> f32 {
+    bf16_to_f32(u16::from_le_bytes([bytes[2 * index], bytes[2 * index + 1]]))
+}
+
+/// `(w rows of this block, cols, x [t, cols], t, out)`.
+pub(crate) type MatmulFn = unsafe fn(&[u8], usize, &[f32], usize, &mut RowsOut<'_>);
+/// `(w, rows, cols, x [rows], out [cols])`.
+pub(crate) type MatvecTFn = unsafe fn(&[u8], usize, usize, &[f32], &mut [f32]);
+
+/// The bf16 kernels of one ISA.
+#[derive(Clone, Copy)]
+pub(crate) struct Fns {
+    matmul: MatmulFn,
+    matvec_t: MatvecTFn,
+}
+
+fn check_matmul_shapes(w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &[f32]) {
+    assert_eq!(Some(w.len()), rows.checked_mul(cols).and_then(|n| n.checked_mul(2)),
+        "matmul_bf16: w must hold rows * cols * 2 = {rows} * {cols} * 2 bytes");
+    assert_eq!(Some(x.len()), t.checked_mul(cols), "matmul_bf16: x must hold t * cols = {t} * {cols} floats");
+    assert_eq!(Some(y.len()), t.checked_mul(rows), "matmul_bf16: y must hold t * rows = {t} * {rows} floats");
+}
+
+impl Fns {
+    /// # Safety
+    /// `isa` must be available on this host ([`Isa::is_available`]).
+    pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => Fns { matmul: avx2::matmul, matvec_t: avx2::matvec_t },
+            _ => Fns { matmul: scalar::matmul, matvec_t: scalar::matvec_t },
+        }
+    }
+
+    /// Runs the kernel on one block of rows.
+    fn block(&self, w: &[u8], cols: usize, x: &[f32], t: usize, mut out: RowsOut<'_>) {
+        let row_bytes = 2 * cols;
+        let begin = out.row_begin() * row_bytes;
+        let end = begin + out.rows() * row_bytes;
+        // SAFETY: `self` was built by `for_isa`, whose caller guaranteed the ISA's features.
+        unsafe { (self.matmul)(&w[begin..end], cols, x, t, &mut out) }
+    }
+
+    pub(crate) fn matmul(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
+        check_matmul_shapes(w, rows, cols, x, t, y);
+        self.block(w, cols, x, t, RowsOut::new(y, t, rows));
+    }
+
+    pub(crate) fn par_matmul(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
+        check_matmul_shapes(w, rows, cols, x, t, y);
+        let run = |out: RowsOut<'_>| {
+            self.block(w, cols, x, t, out);
+            Ok(())
+        };
+        // The closure never fails, so neither does the split.
+        let _infallible = par::par_blocks(RowsOut::new(y, t, rows), &run);
+    }
+
+    pub(crate) fn matvec_t(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {
+        assert_eq!(Some(w.len()), rows.checked_mul(cols).and_then(|n| n.checked_mul(2)),
+            "matvec_t_bf16: w must hold rows * cols * 2 = {rows} * {cols} * 2 bytes");
+        assert_eq!(x.len(), rows, "matvec_t_bf16: x must hold rows = {rows} floats");
+        assert_eq!(out.len(), cols, "matvec_t_bf16: out must hold cols = {cols} floats");
+        // SAFETY: `self` was built by `for_isa`, whose caller guaranteed the ISA's features.
+        unsafe { (self.matvec_t)(w, rows, cols, x, out) }
+    }
+}

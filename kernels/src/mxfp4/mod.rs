@@ -1,0 +1,178 @@
+//! MXFP4 weight kernels (spec §4): `matmul_mxfp4`, y = W x for t tokens.
+//!
+//! Layout: `packed[rows, cols / 2]` u8, element `2j` in the LOW nibble of byte `j` and `2j + 1`
+//! in the HIGH nibble; a nibble is E2M1 (bit 3 sign, bits 0-2 index [`E2M1`]).
+//! `scales[rows, cols / 32]` u8, E8M0: element `c` of a row is
+//! `(sign * E2M1[mag]) * 2^(s - 127)` with `s = scales[row, c / 32]`, one f32 multiplication of
+//! the table value by the power of two built exactly (s = 0 is the subnormal 2^-127). Every
+//! decoded value is exact except `6 * 2^127` and `4 * 2^127` (s = 254), which overflow to inf as
+//! the f32 product must. Scale 0xFF (NaN in OCP E8M0) is corrupt data: the matmul returns
+//! [`KernelError::BadScale`] naming the first such byte in row-major order. On error, `y` is
+//! partly written and must not be used.
+//!
+//! Each (token, row) is `canonical_dot(decoded row, x[token])` (crate docs): f32, FMA, 16 lanes,
+//! fixed tree. Serial or split by fixed row blocks over the current rayon pool, never inside a
+//! reduction; a token's result does not depend on `t`, the other tokens, or the thread count.
+
+pub(crate) mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+
+use crate::error::KernelError;
+use crate::isa::Isa;
+use crate::out::RowsOut;
+use crate::par;
+
+/// E2M1 magnitudes, indexed by bits 0-2 of a nibble.
+pub const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+/// Elements per scale group, along the contraction axis.
+pub const GROUP: usize = 32;
+
+/// The E8M0 scale byte reserved for NaN, rejected as corrupt.
+pub const BAD_SCALE: u8 = 0xFF;
+
+/// `2^(s - 127)` built from bits: s >= 1 is the normal float with exponent field `s`; s = 0 is
+/// the subnormal 2^-127 (bits 0x0040_0000). `s = 0xFF` would give +inf; callers reject it first.
+#[inline]
+pub(crate) fn e8m0_pow2(s: u8) -> f32 {
+    if s == 0 {
+        f32::from_bits(0x0040_0000)
+    } else {
+        f32::from_bits(u32::from(s) << 23)
+    }
+}
+
+/// `sign * E2M1[mag]` for a nibble; nibble 8 is -0.0.
+#[inline]
+pub(crate) fn e2m1_signed(nibble: u8) -> f32 {
+    let mag = E2M1[usize::from(nibble & 7)];
+    if nibble & 8 == 0 {
+        mag
+    } else {
+        -mag
+    }
+}
+
+/// The value of one MXFP4 element: `(sign * E2M1[mag]) * 2^(scale - 127)`, or `None` for the
+/// corrupt scale 0xFF. `nibble` must be below 16.
+pub fn mxfp4_value(nibble: u8, scale: u8) -> Option<f32> {
+    assert!(nibble < 16, "mxfp4_value: nibble {nibble} is not 4 bits");
+    if scale == BAD_SCALE {
+        return None;
+    }
+    Some(e2m1_signed(nibble) * e8m0_pow2(scale))
+}
+
+/// `(packed rows of this block, scales rows of this block, cols, x [t, cols], t, out)`.
+/// Scales are already validated (no 0xFF).
+pub(crate) type MatmulFn = unsafe fn(&[u8], &[u8], usize, &[f32], usize, &mut RowsOut<'_>);
+
+/// The MXFP4 kernels of one ISA.
+#[derive(Clone, Copy)]
+pub(crate) struct Fns {
+    matmul: MatmulFn,
+}
+
+/// Positional arguments shared by the serial and parallel matmul.
+pub(crate) struct Args<'a> {
+    pub(crate) packed: &'a [u8],
+    pub(crate) scales: &'a [u8],
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) x: &'a [f32],
+    pub(crate) t: usize,
+}
+
+impl Args<'_> {
+    fn check_shapes(&self, y: &[f32]) {
+        let Args { packed, scales, rows, cols, x, t } = *self;
+        assert_eq!(cols % GROUP, 0, "matmul_mxfp4: cols = {cols} is not a multiple of {GROUP}");
+        assert_eq!(Some(packed.len()), rows.checked_mul(cols / 2),
+            "matmul_mxfp4: packed must hold rows * cols / 2 = {rows} * {cols} / 2 bytes");
+        assert_eq!(Some(scales.len()), rows.checked_mul(cols / GROUP),
+            "matmul_mxfp4: scales must hold rows * cols / 32 = {rows} * {cols} / 32 bytes");
+        assert_eq!(Some(x.len()), t.checked_mul(cols), "matmul_mxfp4: x must hold t * cols = {t} * {cols} floats");
+        assert_eq!(Some(y.len()), t.checked_mul(rows), "matmul_mxfp4: y must hold t * rows = {t} * {rows} floats");
+    }
+}
+
+/// The first 0xFF scale among `scales` (whole rows starting at `row_begin`), as an error.
+pub(crate) fn check_scales(scales: &[u8], groups: usize, row_begin: usize) -> Result<(), KernelError> {
+    // `contains` on bytes is memchr; the position is only searched once something was found.
+    if !scales.contains(&BAD_SCALE) {
+        return Ok(());
+    }
+    let pos = scales.iter().position(|&s| s == BAD_SCALE).unwrap_or(0);
+    Err(KernelError::BadScale { row: row_begin + pos / groups, group: pos % groups })
+}
+
+impl Fns {
+    /// # Safety
+    /// `isa` must be available on this host ([`Isa::is_available`]).
+    pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => Fns { matmul: avx2::matmul },
+            _ => Fns { matmul: scalar::matmul },
+        }
+    }
+
+    /// Validates then computes one block of rows.
+    fn block(&self, a: &Args<'_>, mut out: RowsOut<'_>) -> Result<(), KernelError> {
+        let (r0, n) = (out.row_begin(), out.rows());
+        let (pb, groups) = (a.cols / 2, a.cols / GROUP);
+        let packed = &a.packed[r0 * pb..(r0 + n) * pb];
+        let scales = &a.scales[r0 * groups..(r0 + n) * groups];
+        check_scales(scales, groups, r0)?;
+        // SAFETY: `self` was built by `for_isa`, whose caller guaranteed the ISA's features.
+        unsafe { (self.matmul)(packed, scales, a.cols, a.x, a.t, &mut out) };
+        Ok(())
+    }
+
+    pub(crate) fn matmul(&self, a: &Args<'_>, y: &mut [f32]) -> Result<(), KernelError> {
+        a.check_shapes(y);
+        par::serial_blocks(RowsOut::new(y, a.t, a.rows), &|out| self.block(a, out))
+    }
+
+    pub(crate) fn par_matmul(&self, a: &Args<'_>, y: &mut [f32]) -> Result<(), KernelError> {
+        a.check_shapes(y);
+        par::par_blocks(RowsOut::new(y, a.t, a.rows), &|out| self.block(a, out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn power_of_two_edges() {
+        assert_eq!(e8m0_pow2(127), 1.0);
+        assert_eq!(e8m0_pow2(128), 2.0);
+        assert_eq!(e8m0_pow2(1), f32::MIN_POSITIVE);
+        assert_eq!(e8m0_pow2(254), 2f32.powi(127));
+        assert_eq!(f64::from(e8m0_pow2(0)), 2f64.powi(-127));
+        assert!(e8m0_pow2(0).is_subnormal());
+    }
+
+    #[test]
+    fn values_cover_table_sign_and_scale() {
+        assert_eq!(mxfp4_value(0x1, 127), Some(0.5));
+        assert_eq!(mxfp4_value(0x7, 128), Some(12.0));
+        assert_eq!(mxfp4_value(0xF, 127), Some(-6.0));
+        assert_eq!(mxfp4_value(0x8, 127).map(f32::to_bits), Some((-0.0f32).to_bits()));
+        assert_eq!(mxfp4_value(0x0, 127).map(f32::to_bits), Some(0));
+        assert_eq!(mxfp4_value(0x7, 254), Some(f32::INFINITY));
+        assert_eq!(mxfp4_value(0x1, 0).map(f64::from), Some(2f64.powi(-128)));
+        assert_eq!(mxfp4_value(0x3, BAD_SCALE), None);
+    }
+
+    #[test]
+    fn check_scales_reports_first_in_row_major_order() {
+        let mut s = vec![127u8; 4 * 3];
+        s[2 * 3 + 1] = BAD_SCALE;
+        s[3 * 3] = BAD_SCALE;
+        assert_eq!(check_scales(&s, 3, 10), Err(KernelError::BadScale { row: 12, group: 1 }));
+        assert_eq!(check_scales(&s[..6], 3, 0), Ok(()));
+    }
+}

@@ -1,0 +1,121 @@
+//! [`RowsOut`]: the output of a matmul, `y[t, rows]` row-major, split by output rows so that
+//! threads can write disjoint row ranges of every token at once.
+//!
+//! Why unsafe: a row range of `y[t, rows]` is `t` separate strided segments, which no safe slice
+//! split can hand to another thread without allocating. `RowsOut` is a `&mut [f32]` restricted to
+//! the columns `row_begin..row_end` of the `[t, rows]` matrix; `split_at` hands out disjoint
+//! ranges, exactly like `split_at_mut`. This is the only unsafe code outside the SIMD files.
+
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+
+/// A unique borrow of the entries `y[tok * rows_total + r]` for every token `tok < t` and every
+/// row `r` in `row_begin..row_end`.
+pub(crate) struct RowsOut<'a> {
+    /// Start of the whole `y` slice.
+    ptr: NonNull<f32>,
+    /// Rows of the whole output; the stride between two tokens.
+    rows_total: usize,
+    /// Token count; `y.len() == t * rows_total`.
+    t: usize,
+    row_begin: usize,
+    row_end: usize,
+    _borrow: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: a RowsOut is a unique borrow of its own rows (split_at only ever produces disjoint row
+// ranges and consumes the original), so sending it to another thread is as sound as sending the
+// `&mut [f32]` it was made from.
+unsafe impl Send for RowsOut<'_> {}
+
+impl<'a> RowsOut<'a> {
+    /// Borrows all of `y`, which holds `t` tokens of `rows` outputs each.
+    pub(crate) fn new(y: &'a mut [f32], t: usize, rows: usize) -> Self {
+        let len = t.checked_mul(rows);
+        assert_eq!(len, Some(y.len()), "y must hold t * rows = {t} * {rows} floats");
+        RowsOut {
+            ptr: NonNull::from(y).cast::<f32>(),
+            rows_total: rows,
+            t,
+            row_begin: 0,
+            row_end: rows,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Number of rows this piece owns.
+    pub(crate) fn rows(&self) -> usize {
+        self.row_end - self.row_begin
+    }
+
+    /// Index of this piece's first row in the whole output.
+    pub(crate) fn row_begin(&self) -> usize {
+        self.row_begin
+    }
+
+    /// Splits into rows `[0, mid)` and `[mid, rows)` of this piece.
+    pub(crate) fn split_at(self, mid: usize) -> (RowsOut<'a>, RowsOut<'a>) {
+        assert!(mid <= self.rows(), "split point {mid} past {} rows", self.rows());
+        let cut = self.row_begin + mid;
+        let left = RowsOut { row_end: cut, ..self };
+        let right = RowsOut { row_begin: cut, ..self };
+        (left, right)
+    }
+
+    /// Writes output `(token, row)`, `row` counted from this piece's first row.
+    #[inline]
+    pub(crate) fn set(&mut self, token: usize, row: usize, value: f32) {
+        assert!(token < self.t, "token {token} out of {}", self.t);
+        assert!(row < self.rows(), "row {row} out of {}", self.rows());
+        let index = token * self.rows_total + self.row_begin + row;
+        // SAFETY: token < t and row_begin + row < row_end <= rows_total, so
+        // index < t * rows_total == y.len(): in bounds of the slice `ptr` came from, which this
+        // value borrows mutably for 'a. The entry's row lies in row_begin..row_end, which no other
+        // RowsOut owns (split_at hands out disjoint ranges), so the write races with nothing.
+        unsafe { self.ptr.add(index).write(value) }
+    }
+}
+
+// RowsOut must never be Clone or Copy: two copies would alias the same rows. `split_at` copies
+// its (Copy) fields with `..self`, which consumes the original.
+#[cfg(test)]
+impl RowsOut<'_> {
+    fn tokens(&self) -> usize {
+        self.t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_pieces_write_their_own_rows() {
+        let mut y = vec![0.0f32; 3 * 5];
+        let out = RowsOut::new(&mut y, 3, 5);
+        assert_eq!(out.tokens(), 3);
+        let (mut a, mut b) = out.split_at(2);
+        assert_eq!((a.row_begin(), a.rows()), (0, 2));
+        assert_eq!((b.row_begin(), b.rows()), (2, 3));
+        for tok in 0..3 {
+            for r in 0..2 {
+                a.set(tok, r, (tok * 10 + r) as f32);
+            }
+            for r in 0..3 {
+                b.set(tok, r, (tok * 10 + r + 2) as f32);
+            }
+        }
+        let want: Vec<f32> = (0..3)
+            .flat_map(|tok| (0..5).map(move |r| (tok * 10 + r) as f32))
+            .collect();
+        assert_eq!(y, want);
+    }
+
+    #[test]
+    #[should_panic(expected = "row 2 out of 2")]
+    fn set_outside_piece_panics() {
+        let mut y = vec![0.0f32; 4];
+        let (mut a, _b) = RowsOut::new(&mut y, 1, 4).split_at(2);
+        a.set(0, 2, 1.0);
+    }
+}

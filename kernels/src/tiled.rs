@@ -1,0 +1,121 @@
+//! AVX2 multi-token matmul driver shared by the bf16 and MXFP4 kernels (`t > 1`).
+//!
+//! Each weight is decoded once per block of up to [`TOKENS`] tokens: a tile of [`ROWS`] rows x
+//! [`TILE_COLS`] columns is decoded to f32 on the stack, then every token of the block runs its
+//! FMAs over the tile. Each (token, row) keeps its 16 canonical lanes in a stack buffer between
+//! tiles, so the per-lane FMA order is exactly the canonical one (increasing column) and the
+//! result is bit-identical to the single-token and scalar paths. Stack use: 8 KiB.
+
+use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_setzero_ps};
+
+use crate::dot::avx2::{load16, reduce16, store16};
+use crate::dot::scalar::{pad16, LANES};
+use crate::mxfp4::GROUP;
+use crate::out::RowsOut;
+
+/// Columns per decoded tile; a multiple of [`GROUP`] so MXFP4 tiles hold whole groups.
+pub(crate) const TILE_COLS: usize = 256;
+/// Rows decoded per tile: 8 ymm accumulators per token.
+pub(crate) const ROWS: usize = 4;
+/// Tokens sharing one decode of a tile.
+pub(crate) const TOKENS: usize = 16;
+
+const _: () = assert!(TILE_COLS.is_multiple_of(GROUP));
+const _: () = assert!(TILE_COLS.is_multiple_of(LANES));
+
+/// One decoded row segment: `TILE_COLS` floats as canonical 16-lane chunks.
+pub(crate) type Tile = [[f32; LANES]; TILE_COLS / LANES];
+
+/// The weight matrix rows of one block, in their checkpoint format.
+pub(crate) enum Source<'a> {
+    /// `[rows, cols]` bf16 bytes.
+    Bf16 { w: &'a [u8] },
+    /// `[rows, cols / 2]` packed nibbles and `[rows, cols / 32]` validated scales.
+    Mxfp4 { packed: &'a [u8], scales: &'a [u8] },
+}
+
+impl Source<'_> {
+    /// Decodes columns `c0..c0 + cn` of `row` into `dst`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn decode(&self, row: usize, cols: usize, c0: usize, cn: usize, dst: &mut Tile) {
+        match *self {
+            Source::Bf16 { w } => {
+                crate::bf16::avx2::decode_segment(&w[row * 2 * cols..][..2 * cols], c0, cn, dst);
+            }
+            Source::Mxfp4 { packed, scales } => {
+                let (pb, groups) = (cols / 2, cols / GROUP);
+                crate::mxfp4::avx2::decode_segment(
+                    &packed[row * pb..][..pb],
+                    &scales[row * groups..][..groups],
+                    c0,
+                    cn,
+                    dst,
+                );
+            }
+        }
+    }
+}
+
+/// `y[tok, r] = canonical_dot(W[r], x[tok])` for all rows of `out` and all `t` tokens.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn multi_token(src: &Source<'_>, cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
+    let rows = out.rows();
+    let mut tiles: [Tile; ROWS] = [[[0.0; LANES]; TILE_COLS / LANES]; ROWS];
+    for r0 in (0..rows).step_by(ROWS) {
+        let rn = ROWS.min(rows - r0);
+        for t0 in (0..t).step_by(TOKENS) {
+            let tn = TOKENS.min(t - t0);
+            let mut lanes = [[[0.0f32; LANES]; ROWS]; TOKENS];
+            for c0 in (0..cols).step_by(TILE_COLS) {
+                let cn = TILE_COLS.min(cols - c0);
+                // Rows past `rn` keep stale tiles; their sums are computed and discarded.
+                for (i, tile) in tiles.iter_mut().enumerate().take(rn) {
+                    src.decode(r0 + i, cols, c0, cn, tile);
+                }
+                for (tt, acc) in lanes.iter_mut().enumerate().take(tn) {
+                    tile_fma(&tiles, &x[(t0 + tt) * cols + c0..][..cn], acc);
+                }
+            }
+            for (tt, acc) in lanes.iter().enumerate().take(tn) {
+                for (i, lane) in acc.iter().enumerate().take(rn) {
+                    let (lo, hi) = load16(lane);
+                    out.set(t0 + tt, r0 + i, reduce16(lo, hi));
+                }
+            }
+        }
+    }
+}
+
+/// Continues the canonical lanes `acc[i]` of rows `i < ROWS` over one tile and one token's
+/// segment `x` (`x.len()` columns; a partial last chunk is zero-padded like the tile).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn tile_fma(tiles: &[Tile; ROWS], x: &[f32], acc: &mut [[f32; LANES]; ROWS]) {
+    let mut lo = [_mm256_setzero_ps(); ROWS];
+    let mut hi = [_mm256_setzero_ps(); ROWS];
+    for i in 0..ROWS {
+        (lo[i], hi[i]) = load16(&acc[i]);
+    }
+    let (x_chunks, x_tail) = x.as_chunks::<LANES>();
+    for (c, xc) in x_chunks.iter().enumerate() {
+        let (xl, xh) = load16(xc);
+        for i in 0..ROWS {
+            let (wl, wh) = load16(&tiles[i][c]);
+            lo[i] = _mm256_fmadd_ps(wl, xl, lo[i]);
+            hi[i] = _mm256_fmadd_ps(wh, xh, hi[i]);
+        }
+    }
+    if false {
+        let c = x_chunks.len();
+        let (xl, xh) = load16(&pad16(x_tail));
+        for i in 0..ROWS {
+            let (wl, wh) = load16(&tiles[i][c]);
+            lo[i] = _mm256_fmadd_ps(wl, xl, lo[i]);
+            hi[i] = _mm256_fmadd_ps(wh, xh, hi[i]);
+        }
+    }
+    for i in 0..ROWS {
+        store16(&mut acc[i], lo[i], hi[i]);
+    }
+}

@@ -1,0 +1,172 @@
+//! Expert references: the six tensors of each (layer, expert) and whether one read fetches them.
+//!
+//! The release does not store experts in id order, and nothing guarantees an expert's tensors
+//! are adjacent, so both are discovered from the header offsets rather than assumed.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::{CheckpointError, TensorInfo, MODEL_PREFIX};
+
+/// The six tensors of one routed expert, in this fixed order.
+pub const EXPERT_PARTS: [ExpertPart; 6] = [
+    ExpertPart::W1Packed,
+    ExpertPart::W1Scale,
+    ExpertPart::W3Packed,
+    ExpertPart::W3Scale,
+    ExpertPart::W2Packed,
+    ExpertPart::W2Scale,
+];
+
+/// One of an expert's six tensors. w1 = gate, w3 = up, w2 = down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum ExpertPart {
+    W1Packed,
+    W1Scale,
+    W3Packed,
+    W3Scale,
+    W2Packed,
+    W2Scale,
+}
+
+impl ExpertPart {
+    /// The suffix after `experts.{e}.`.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            ExpertPart::W1Packed => "w1.weight_packed",
+            ExpertPart::W1Scale => "w1.weight_scale",
+            ExpertPart::W3Packed => "w3.weight_packed",
+            ExpertPart::W3Scale => "w3.weight_scale",
+            ExpertPart::W2Packed => "w2.weight_packed",
+            ExpertPart::W2Scale => "w2.weight_scale",
+        }
+    }
+
+    fn from_suffix(s: &str) -> Option<ExpertPart> {
+        EXPERT_PARTS.iter().copied().find(|p| p.suffix() == s)
+    }
+
+    /// Position in [`EXPERT_PARTS`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Full tensor name of one part of one expert.
+pub fn expert_tensor_name(layer: usize, expert: usize, part: ExpertPart) -> String {
+    format!("{MODEL_PREFIX}layers.{layer}.block_sparse_moe.experts.{expert}.{}", part.suffix())
+}
+
+/// Where one expert's bytes are.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExpertRef {
+    pub layer: usize,
+    pub expert: usize,
+    /// Index into the checkpoint's tensor list, per part in [`EXPERT_PARTS`] order.
+    pub parts: [usize; 6],
+    /// When the six tensors tile one byte range of one shard: (shard, start, end).
+    pub contiguous: Option<(usize, u64, u64)>,
+}
+
+impl ExpertRef {
+    /// The O_DIRECT window around a contiguous expert: start rounded down and end rounded up to
+    /// `align` (a power of two).
+    pub fn aligned_window(&self, align: u64) -> Option<(usize, u64, u64)> {
+        debug_assert!(align.is_power_of_two());
+        self.contiguous.map(|(shard, start, end)| {
+            (shard, start & !(align - 1), end.div_ceil(align) * align)
+        })
+    }
+}
+
+/// All experts of a checkpoint, keyed by (layer, expert).
+#[derive(Debug, Default)]
+pub struct ExpertTable {
+    refs: BTreeMap<(usize, usize), ExpertRef>,
+}
+
+impl ExpertTable {
+    /// Collects expert tensors by parsing names in one pass; an expert missing any of its six
+    /// tensors is an error naming the missing one.
+    pub fn build(tensors: &[TensorInfo]) -> Result<ExpertTable, CheckpointError> {
+        let mut partial: BTreeMap<(usize, usize), [Option<usize>; 6]> = BTreeMap::new();
+        for (i, t) in tensors.iter().enumerate() {
+            let Some((layer, expert, part)) = parse_expert_name(&t.name) else { continue };
+            partial.entry((layer, expert)).or_default()[part.index()] = Some(i);
+        }
+        let mut refs = BTreeMap::new();
+        for ((layer, expert), slots) in partial {
+            let mut parts = [0usize; 6];
+            for (k, slot) in slots.iter().enumerate() {
+                parts[k] = slot.ok_or_else(|| CheckpointError::Schema {
+                    tensor: expert_tensor_name(layer, expert, EXPERT_PARTS[k]),
+                    message: "missing, while other tensors of this expert are present".to_owned(),
+                })?;
+            }
+            let contiguous = contiguous_range(tensors, &parts);
+            refs.insert((layer, expert), ExpertRef { layer, expert, parts, contiguous });
+        }
+        Ok(ExpertTable { refs })
+    }
+
+    pub fn get(&self, layer: usize, expert: usize) -> Option<&ExpertRef> {
+        self.refs.get(&(layer, expert))
+    }
+
+    pub fn len(&self) -> usize {
+        self.refs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.refs.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &ExpertRef> {
+        self.refs.values()
+    }
+
+    /// Experts whose tensors need more than one read.
+    pub fn non_contiguous(&self) -> impl Iterator<Item = &ExpertRef> {
+        self.refs.values().filter(|r| r.contiguous.is_none())
+    }
+}
+
+/// `(layer, expert, part)` from `...layers.{L}.block_sparse_moe.experts.{e}.{part}`.
+fn parse_expert_name(name: &str) -> Option<(usize, usize, ExpertPart)> {
+    let rest = name.strip_prefix(MODEL_PREFIX)?.strip_prefix("layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let rest = rest.strip_prefix("block_sparse_moe.experts.")?;
+    let (expert, suffix) = rest.split_once('.')?;
+    Some((layer.parse().ok()?, expert.parse().ok()?, ExpertPart::from_suffix(suffix)?))
+}
+
+/// The byte range the six tensors tile, if they sit back to back in one shard (in any order).
+fn contiguous_range(tensors: &[TensorInfo], parts: &[usize; 6]) -> Option<(usize, u64, u64)> {
+    let shard = tensors[parts[0]].shard;
+    if parts.iter().any(|&p| tensors[p].shard != shard) {
+        return None;
+    }
+    let mut ranges: Vec<(u64, u64)> = parts.iter().map(|&p| (tensors[p].offset, tensors[p].range().end)).collect();
+    ranges.sort_unstable();
+    let tiles = ranges.windows(2).all(|w| w[0].1 == w[1].0);
+    tiles.then(|| (shard, ranges[0].0, ranges[5].1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_expert_names() {
+        let n = expert_tensor_name(7, 123, ExpertPart::W2Scale);
+        assert_eq!(parse_expert_name(&n), Some((7, 123, ExpertPart::W2Scale)));
+        assert_eq!(parse_expert_name("language_model.model.layers.7.block_sparse_moe.gate.weight"), None);
+    }
+
+    #[test]
+    fn aligned_window_rounds_outwards() {
+        let r = ExpertRef { layer: 1, expert: 0, parts: [0; 6], contiguous: Some((0, 5000, 9000)) };
+        assert_eq!(r.aligned_window(4096), Some((0, 4096, 12288)));
+    }
+}

@@ -1,0 +1,151 @@
+//! Command-line edge: clap definitions, dispatch, error printing and exit codes.
+//!
+//! Library code never prints or exits; this module does both, once, at the end.
+#![forbid(unsafe_code)]
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+mod embedded;
+mod inspect;
+mod run;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::error::{exit_code_for, ExitCode};
+
+/// Runs the Kimi K3 model on CPUs by streaming its weights from NVMe.
+#[derive(Debug, Parser)]
+#[command(name = "k3ring", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Validate a model directory and print its config, layer map and byte census.
+    Inspect(InspectArgs),
+    /// Generate text from a prompt (the embedded tiny model when --model is absent).
+    Run(RunArgs),
+}
+
+#[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "ids"])))]
+pub struct RunArgs {
+    /// Model directory; without it, the tiny K3 model built into the binary.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// Prompt text (added tokens such as <|open|> are recognised).
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Option<String>,
+    /// Read the prompt text from a file.
+    #[arg(long, value_name = "FILE")]
+    pub prompt_file: Option<PathBuf>,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, value_name = "ID,ID,...", value_delimiter = ',')]
+    pub ids: Option<Vec<u32>>,
+    /// Prepend the [BOS] token.
+    #[arg(long)]
+    pub bos: bool,
+    /// Tokens to generate at most.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub gen: usize,
+    /// Sampling temperature; 0 means greedy.
+    #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = parse_temperature)]
+    pub temperature: f32,
+    /// Sample only among the K most likely tokens.
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Sample only from the smallest set of tokens whose probability reaches P.
+    #[arg(long, value_name = "P", value_parser = parse_probability)]
+    pub top_p: Option<f32>,
+    /// Seed of the sampler; the same seed reproduces the same tokens.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Compute threads (0 = one per core).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub threads: usize,
+    /// Re-run the whole prefix at every step (verifies the incremental decode).
+    #[arg(long)]
+    pub full_recompute: bool,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Tokens per prefill pass.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = parse_chunk)]
+    pub prefill_chunk: usize,
+    /// Kernel instruction set: auto, scalar or avx2.
+    #[arg(long, value_name = "ISA", default_value = "auto")]
+    pub isa: String,
+    /// Write prompt_ids, generated_ids, text, seconds_per_token and peak_rss_bytes as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+fn parse_temperature(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err(format!("{s:?} is not a temperature (a number >= 0)")),
+    }
+}
+
+fn parse_chunk(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=4096).contains(&n) => Ok(n),
+        _ => Err(format!("{s:?} is not a chunk size in 1..=4096")),
+    }
+}
+
+fn parse_probability(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("{s:?} is not a probability in (0, 1]")),
+    }
+}
+
+/// The kernels named by `--isa` (auto = the best this CPU has).
+pub fn kernels_for(isa: &str) -> anyhow::Result<kernels::Kernels> {
+    if isa == "auto" {
+        return Ok(kernels::Kernels::detect());
+    }
+    let names: Vec<&str> = kernels::Isa::available().iter().map(|i| i.name()).collect();
+    let chosen = kernels::Isa::from_name(isa).ok_or_else(|| {
+        crate::error::UsageError(format!("--isa {isa:?} is unknown; choose from: auto, {}", names.join(", ")))
+    })?;
+    kernels::Kernels::with_isa(chosen).map_err(|e| crate::error::UsageError(format!("--isa {isa}: {e}")).into())
+}
+
+#[derive(Debug, clap::Args)]
+pub struct InspectArgs {
+    /// Model directory (config.json, safetensors shards, tokenizer).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Print the report as JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses `std::env::args`, runs the command and returns the documented exit code.
+pub fn main() -> std::process::ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
+            let _ = e.print();
+            return std::process::ExitCode::from(if e.use_stderr() { ExitCode::Usage as u8 } else { 0 });
+        }
+    };
+    let result = match cli.command {
+        Command::Inspect(args) => inspect::run(&args),
+        Command::Run(args) => run::run(&args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            let code = exit_code_for(&err);
+            eprintln!("k3ring: error: {err:#}");
+            std::process::ExitCode::from(code as u8)
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! Sessions and generation: chunked prefill, then incremental decode that carries the KDA state,
+//! the conv history and the MLA latent cache; or full recompute of the prefix at every step
+//! (used to verify the incremental path). Runs the model inside its own rayon pool so the thread
+//! count is explicit; results never depend on it.
+#![forbid(unsafe_code)]
+
+pub mod sampling;
+
+use std::time::Instant;
+
+use crate::model::weights::WeightSource;
+use crate::model::{LogitRows, Model, ModelError, ModelState, Probe, Scratch};
+pub use sampling::Sampling;
+
+/// Why generation stopped early.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(
+        "the states and KV cache for {positions} positions need {need} bytes ({need_gib:.2} GiB) but only {available} bytes ({available_gib:.2} GiB) are available; use a shorter prompt or --gen"
+    )]
+    Memory { positions: usize, need: u64, need_gib: f64, available: u64, available_gib: f64 },
+    #[error("cannot build a thread pool of {threads} threads: {message}")]
+    Threads { threads: usize, message: String },
+    #[error("the prompt is empty: give at least one token")]
+    EmptyPrompt,
+}
+
+/// Options of one generation.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Tokens to generate at most.
+    pub gen: usize,
+    pub sampling: Sampling,
+    /// Stop after producing any of these (it is still reported).
+    pub stop_ids: Vec<u32>,
+    /// Re-run the whole prefix at every step instead of carrying state.
+    pub full_recompute: bool,
+    /// Tokens per prefill pass.
+    pub prefill_chunk: usize,
+    /// Keep the logits that chose each generated token (tests).
+    pub keep_logits: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            gen: 32,
+            sampling: Sampling::default(),
+            stop_ids: Vec::new(),
+            full_recompute: false,
+            prefill_chunk: 32,
+            keep_logits: false,
+        }
+    }
+}
+
+/// What a generation produced and how long it took.
+#[derive(Clone, Debug, Default)]
+pub struct Generation {
+    pub prompt_ids: Vec<u32>,
+    pub generated_ids: Vec<u32>,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    /// Decode seconds per generated token (the first token comes from the prefill).
+    pub seconds_per_token: f64,
+    pub stopped_on: Option<u32>,
+    /// `[generated, V]` when `keep_logits` was set.
+    pub logits: Vec<Vec<f32>>,
+}
+
+/// A model with its weight store and thread pool.
+pub struct Engine<S: WeightSource> {
+    pub model: Model,
+    pub src: S,
+    pool: rayon::ThreadPool,
+    threads: usize,
+}
+
+/// State, scratch and logits of one conversation.
+pub struct Session {
+    pub state: ModelState,
+    scratch: Scratch,
+    logits: Vec<f32>,
+}
+
+impl<S: WeightSource> Engine<S> {
+    /// `threads` compute threads (0 = one per available core).
+    pub fn new(model: Model, src: S, threads: usize) -> Result<Engine<S>, EngineError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("k3ring-compute-{i}"))
+            .build()
+            .map_err(|e| EngineError::Threads { threads, message: e.to_string() })?;
+        let threads = pool.current_num_threads();
+        Ok(Engine { model, src, pool, threads })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Bytes a session for `capacity` positions and chunks of `chunk` allocates.
+    pub fn session_bytes(&self, capacity: usize, chunk: usize) -> u64 {
+        let cfg = &self.model.cfg;
+        ModelState::bytes(cfg, capacity) + Scratch::bytes(cfg, chunk, capacity) + 4 * (chunk * cfg.vocab_size) as u64
+    }
+
+    /// Allocates a session after checking it fits in available memory.
+    pub fn session(&self, capacity: usize, chunk: usize) -> Result<Session, EngineError> {
+        let need = self.session_bytes(capacity, chunk);
+        if let Some(available) = mem_available_bytes() {
+            if need > available {
+                let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+                return Err(EngineError::Memory {
+                    positions: capacity,
+                    need,
+                    need_gib: gib(need),
+                    available,
+                    available_gib: gib(available),
+                });
+            }
+        }
+        let cfg = &self.model.cfg;
+        Ok(Session {
+            state: ModelState::new(cfg, capacity),
+            scratch: Scratch::new(cfg, chunk, capacity),
+            logits: vec![0.0; chunk * cfg.vocab_size],
+        })
+    }
+
+    /// Runs `tokens` through the model in chunks; returns the logits of the requested rows of
+    /// the LAST chunk ([rows, V]). With `LogitRows::All` and a probe, `tokens` must fit in one
+    /// chunk for the rows to cover the whole prompt.
+    pub fn prefill<'s>(
+        &self,
+        sess: &'s mut Session,
+        tokens: &[u32],
+        rows: LogitRows,
+        mut probe: Option<&mut (dyn Probe + '_)>,
+    ) -> Result<&'s [f32], EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let chunk = sess.scratch.chunk();
+        let vocab = self.model.cfg.vocab_size;
+        let mut last_rows = 0;
+        for piece in tokens.chunks(chunk) {
+            let probe = probe.as_deref_mut();
+            self.pool.install(|| {
+                self.model.forward(&self.src, &mut sess.state, &mut sess.scratch, piece, rows, &mut sess.logits, probe)
+            })?;
+            last_rows = if rows == LogitRows::All { piece.len() } else { 1 };
+        }
+        Ok(&sess.logits[..last_rows * vocab])
+    }
+
+    /// Prefill then decode up to `opts.gen` tokens, calling `on_token` as each is chosen.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Generation, EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let capacity = prompt.len() + opts.gen.max(1);
+        let chunk = opts.prefill_chunk.clamp(1, capacity);
+        let mut sess = self.session(capacity, chunk)?;
+        let mut out = Generation { prompt_ids: prompt.to_vec(), ..Default::default() };
+        let mut rng = sampling::Rng::new(opts.sampling.seed);
+        let mut candidates = Vec::new();
+        let start = Instant::now();
+        self.prefill(&mut sess, prompt, LogitRows::Last, None)?;
+        out.prefill_seconds = start.elapsed().as_secs_f64();
+        let decode_start = Instant::now();
+        let vocab = self.model.cfg.vocab_size;
+        let mut context: Vec<u32> = prompt.to_vec();
+        for step in 0..opts.gen {
+            let logits = &sess.logits[..vocab];
+            if opts.keep_logits {
+                out.logits.push(logits.to_vec());
+            }
+            let next = sampling::sample(logits, &opts.sampling, &mut rng, &mut candidates) as u32;
+            out.generated_ids.push(next);
+            on_token(next);
+            if opts.stop_ids.contains(&next) {
+                out.stopped_on = Some(next);
+                break;
+            }
+            if step + 1 == opts.gen {
+                break;
+            }
+            context.push(next);
+            if opts.full_recompute {
+                sess.state.reset();
+                self.prefill(&mut sess, &context, LogitRows::Last, None)?;
+            } else {
+                self.prefill(&mut sess, &[next], LogitRows::Last, None)?;
+            }
+        }
+        out.decode_seconds = decode_start.elapsed().as_secs_f64();
+        let steps = out.generated_ids.len().saturating_sub(1).max(1);
+        out.seconds_per_token = out.decode_seconds / steps as f64;
+        Ok(out)
+    }
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes.
+pub fn mem_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo_field(&text, "MemAvailable:")
+}
+
+/// Peak resident set size of this process (VmHWM), in bytes.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    meminfo_field(&text, "VmHWM:")
+}
+
+fn meminfo_field(text: &str, key: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    let kib: u64 = line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// A model directory opened for resident (mapped) inference: config, index, tokenizer.
+pub struct Opened {
+    pub engine: Engine<crate::storage::mmap::MmapSource>,
+    pub tokenizer: crate::tokenizer::Tokenizer,
+}
+
+/// Why a model directory could not be opened; each source keeps its own error type so the CLI
+/// maps it to the right exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    #[error(transparent)]
+    Store(#[from] crate::storage::mmap::StoreError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// Opens `dir`: validates config and checkpoint, maps the shards, loads the tokenizer.
+pub fn open_resident(dir: &std::path::Path, threads: usize, kernels: kernels::Kernels) -> Result<Opened, OpenError> {
+    let cfg = crate::config::Config::from_model_dir(dir)?;
+    let index = std::sync::Arc::new(crate::checkpoint::CheckpointIndex::open(dir)?);
+    index.validate(&cfg)?;
+    let weights = crate::model::weights::ModelWeights::resolve(&cfg, &index)?;
+    let src = crate::storage::mmap::MmapSource::open(index)?;
+    let tokenizer = crate::tokenizer::Tokenizer::from_model_dir(dir)?;
+    let model = Model { cfg, weights, kernels };
+    Ok(Opened { engine: Engine::new(model, src, threads)?, tokenizer })
+}

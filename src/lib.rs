@@ -1,0 +1,14 @@
+//! k3ring: runs the Kimi K3 mixture-of-experts model on CPUs with far less RAM than the model,
+//! by streaming its weights from NVMe.
+//!
+//! Dependencies point one way: `cli -> engine -> pipeline -> {model, storage} -> kernels`;
+//! `config` and `checkpoint` are leaves.
+
+pub mod checkpoint;
+pub mod cli;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod model;
+pub mod storage;
+pub mod tokenizer;

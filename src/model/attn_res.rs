@@ -1,0 +1,74 @@
+//! Attention residuals (spec 5): the read R(p, B; w, g) over block snapshots and the partial sum.
+//!
+//! s_j = sum_d (v_j[d] / rms(v_j)) * g[d] * w[d]; pi = softmax(s); out = sum_j pi_j * v_j on the
+//! RAW candidates. Per token, so chunked prefill and decode give the same bits.
+//! Float contract: s_j = canonical_dot(v_j, g*w) * (1 / sqrt(sum_squares(v_j)/D + 1e-5)); the
+//! output accumulates candidates oldest first with fma, starting from +0.
+
+use kernels::Kernels;
+
+use super::weights::{vector_into, ResWeights, TrunkView};
+use crate::config::ATTN_RES_EPS;
+
+/// Buffers for one read, sized once.
+pub struct ResScratch {
+    /// g * w, [D].
+    gw: Vec<f32>,
+    /// One score per candidate.
+    scores: Vec<f32>,
+    /// g as f32, [D].
+    tmp: Vec<f32>,
+}
+
+impl ResScratch {
+    pub fn new(hidden: usize, max_candidates: usize) -> ResScratch {
+        ResScratch { gw: vec![0.0; hidden], scores: vec![0.0; max_candidates], tmp: vec![0.0; hidden] }
+    }
+}
+
+/// Reads the residual stream for `t` tokens into `out` ([t, D]).
+/// `snapshots[j]` and `partial` hold [t, D] first (row stride D); the candidates are the snapshots,
+/// oldest first, then the partial sum.
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    k: &Kernels,
+    view: &dyn TrunkView,
+    w: &ResWeights,
+    snapshots: &[Vec<f32>],
+    partial: &[f32],
+    t: usize,
+    hidden: usize,
+    s: &mut ResScratch,
+    out: &mut [f32],
+) {
+    let n = snapshots.len() + 1;
+    assert!(n <= s.scores.len(), "more residual candidates than scratch slots");
+    let gw = &mut s.gw[..hidden];
+    vector_into(view.bytes(w.norm.id), w.norm.dtype, &mut s.tmp[..hidden]);
+    vector_into(view.bytes(w.proj.id), w.proj.dtype, gw);
+    for (g, x) in gw.iter_mut().zip(&s.tmp[..hidden]) {
+        *g *= *x;
+    }
+    for tok in 0..t {
+        let row = tok * hidden..(tok + 1) * hidden;
+        let candidate = |j: usize| -> &[f32] {
+            if j < snapshots.len() {
+                &snapshots[j][row.clone()]
+            } else {
+                &partial[row.clone()]
+            }
+        };
+        let scores = &mut s.scores[..n];
+        for (j, score) in scores.iter_mut().enumerate() {
+            let v = candidate(j);
+            let inv_rms = 1.0 / (k.sum_squares(v) / hidden as f32 + ATTN_RES_EPS).sqrt();
+            *score = k.dot(v, gw) * inv_rms;
+        }
+        k.softmax(scores);
+        let o = &mut out[row.clone()];
+        o.fill(0.0);
+        for j in 0..n {
+            k.axpy(s.scores[j], candidate(j), o);
+        }
+    }
+}

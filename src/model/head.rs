@@ -1,0 +1,87 @@
+//! The ends of the network: the embedding lookup, and the output aggregator (a last
+//! attention-residual read), the final RMSNorm and the untied lm_head (spec 5).
+
+use kernels::Kernels;
+
+use super::attn_res::{self, ResScratch};
+use super::weights::{vector_into, GlobalWeights, TrunkView};
+use super::ModelError;
+use crate::config::Config;
+
+/// Writes the embedding rows of `tokens` into `out` ([t, D]).
+pub fn embed(
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &GlobalWeights,
+    tokens: &[u32],
+    out: &mut [f32],
+) -> Result<(), ModelError> {
+    let d = cfg.hidden_size;
+    let table = view.bytes(w.embed_tokens.id);
+    for (tok, &id) in tokens.iter().enumerate() {
+        let id = id as usize;
+        if id >= w.embed_tokens.rows {
+            return Err(ModelError::TokenOutOfRange { id, vocab: w.embed_tokens.rows });
+        }
+        let row = &table[id * d * 2..(id + 1) * d * 2];
+        for (o, b) in out[tok * d..(tok + 1) * d].iter_mut().zip(row.chunks_exact(2)) {
+            *o = kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        }
+    }
+    Ok(())
+}
+
+/// Buffers of the head for a chunk of up to `chunk` tokens.
+pub struct HeadScratch {
+    h: Vec<f32>,      // [T, D]
+    hn: Vec<f32>,     // [T, D]
+    norm_w: Vec<f32>, // [D]
+    pub res: ResScratch,
+}
+
+impl HeadScratch {
+    pub fn new(cfg: &Config, chunk: usize, max_candidates: usize) -> HeadScratch {
+        let d = cfg.hidden_size;
+        HeadScratch {
+            h: vec![0.0; chunk * d],
+            hn: vec![0.0; chunk * d],
+            norm_w: vec![0.0; d],
+            res: ResScratch::new(d, max_candidates),
+        }
+    }
+}
+
+/// Computes the final hidden state of tokens `rows` (a range of the chunk) and their logits
+/// into `logits` ([rows.len(), V]). `hidden` receives h when asked (debug probes).
+#[allow(clippy::too_many_arguments)]
+pub fn forward<'a>(
+    k: &Kernels,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &GlobalWeights,
+    snapshots: &[Vec<f32>],
+    partial: &[f32],
+    t: usize,
+    rows: std::ops::Range<usize>,
+    s: &'a mut HeadScratch,
+    logits: &mut [f32],
+) -> &'a [f32] {
+    let d = cfg.hidden_size;
+    attn_res::forward(k, view, &w.output_res, snapshots, partial, t, d, &mut s.res, &mut s.h[..t * d]);
+    vector_into(view.bytes(w.norm.id), w.norm.dtype, &mut s.norm_w);
+    for tok in rows.clone() {
+        let r = tok * d..(tok + 1) * d;
+        k.rmsnorm(&s.h[r.clone()], &s.norm_w, cfg.rms_norm_eps, &mut s.hn[r]);
+    }
+    let n = rows.len();
+    let head = &w.lm_head;
+    k.par_matmul_bf16(
+        view.bytes(head.id),
+        head.rows,
+        head.cols,
+        &s.hn[rows.start * d..rows.end * d],
+        n,
+        &mut logits[..n * head.rows],
+    );
+    &s.h[..t * d]
+}

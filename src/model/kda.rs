@@ -1,0 +1,229 @@
+//! Kimi Delta Attention (spec 5, KDA): projections, causal short conv with carried history,
+//! per-head l2norm, the per-head A_log gate with its lower bound, beta, the delta-rule
+//! recurrence with carried state, head-wise norm then sigmoid gate, output projection.
+//!
+//! Tokens are processed in order (the conv and the state are recurrences); heads run in
+//! parallel, each owning its state, so results never depend on the thread count.
+
+use kernels::Kernels;
+use rayon::prelude::*;
+
+use super::weights::{f32_at, KdaWeights, TrunkView};
+use super::ModelError;
+use crate::config::Config;
+
+/// l2norm eps inside the square root (spec 5).
+const L2NORM_EPS: f32 = 1e-6;
+
+/// Carried state of one KDA layer.
+pub struct KdaState {
+    /// [heads, K, V]: one K x V matrix per head, rows are key dims.
+    s: Vec<f32>,
+    /// Past conv inputs of q, k, v: [3][W][conv - 1], oldest first.
+    conv: Vec<f32>,
+}
+
+impl KdaState {
+    pub fn new(cfg: &Config) -> KdaState {
+        let kd = &cfg.kda;
+        KdaState {
+            s: vec![0.0; kd.n_heads * kd.head_dim * kd.head_dim],
+            conv: vec![0.0; 3 * kd.width() * (kd.conv_kernel_size - 1)],
+        }
+    }
+
+    /// Back to the start of a sequence.
+    pub fn reset(&mut self) {
+        self.s.fill(0.0);
+        self.conv.fill(0.0);
+    }
+
+    /// Bytes this state holds.
+    pub fn bytes(cfg: &Config) -> u64 {
+        let kd = &cfg.kda;
+        4 * (kd.n_heads * kd.head_dim * kd.head_dim + 3 * kd.width() * (kd.conv_kernel_size - 1)) as u64
+    }
+}
+
+/// Buffers for a chunk of up to `chunk` tokens.
+pub struct KdaScratch {
+    raw: [Vec<f32>; 3],   // [T, W] q, k, v projections before the conv
+    conv: [Vec<f32>; 3],  // [T, W] after conv + SiLU (q, k normalised in place)
+    za: Vec<f32>,         // [T, head_dim]
+    gate: Vec<f32>,       // [T, W]: z, then alpha
+    beta: Vec<f32>,       // [T, heads]
+    out_gate: Vec<f32>,   // [T, W]: sigmoid(g_proj x)
+    heads_out: Vec<f32>,  // [heads, T, V]
+    step: Vec<f32>,       // [heads, V] kda_step scratch
+    o: Vec<f32>,          // [T, W] gated, normalised output
+    o_norm: Vec<f32>,     // [head_dim]
+}
+
+impl KdaScratch {
+    pub fn new(cfg: &Config, chunk: usize) -> KdaScratch {
+        let kd = &cfg.kda;
+        let tw = chunk * kd.width();
+        let z = || vec![0.0f32; tw];
+        KdaScratch {
+            raw: [z(), z(), z()],
+            conv: [z(), z(), z()],
+            za: vec![0.0; chunk * kd.head_dim],
+            gate: z(),
+            beta: vec![0.0; chunk * kd.n_heads],
+            out_gate: z(),
+            heads_out: z(),
+            step: vec![0.0; kd.n_heads * kd.head_dim],
+            o: z(),
+            o_norm: vec![0.0; kd.head_dim],
+        }
+    }
+}
+
+/// Runs KDA for `t` tokens: `x` is the normalised input [t, D], `out` [t, D].
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    k: &Kernels,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &KdaWeights,
+    st: &mut KdaState,
+    x: &[f32],
+    t: usize,
+    s: &mut KdaScratch,
+    out: &mut [f32],
+) -> Result<(), ModelError> {
+    let kd = &cfg.kda;
+    let (width, hd, heads) = (kd.width(), kd.head_dim, kd.n_heads);
+    let tw = t * width;
+    let d = cfg.hidden_size;
+    let mm = |m: &super::weights::Mat, input: &[f32], y: &mut [f32]| {
+        k.par_matmul_bf16(view.bytes(m.id), m.rows, m.cols, input, t, y);
+    };
+    for (i, proj) in [&w.q_proj, &w.k_proj, &w.v_proj].into_iter().enumerate() {
+        mm(proj, &x[..t * d], &mut s.raw[i][..tw]);
+    }
+    for (i, conv_w) in [&w.q_conv1d, &w.k_conv1d, &w.v_conv1d].into_iter().enumerate() {
+        let hist_len = width * (kd.conv_kernel_size - 1);
+        let hist = &mut st.conv[i * hist_len..(i + 1) * hist_len];
+        short_conv(view.bytes(conv_w.id), kd.conv_kernel_size, width, t, &s.raw[i][..tw], hist, &mut s.conv[i][..tw]);
+        k.silu(&mut s.conv[i][..tw]);
+    }
+    let q_scale = 1.0 / (hd as f32).sqrt();
+    let [q, kk, v] = &mut s.conv;
+    for tok in 0..t {
+        for h in 0..heads {
+            let r = tok * width + h * hd..tok * width + (h + 1) * hd;
+            l2norm(k, &mut q[r.clone()], Some(q_scale));
+            l2norm(k, &mut kk[r], None);
+        }
+    }
+    // Gate: z = f_b(f_a x); g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias)); alpha = exp(g).
+    mm(&w.f_a_proj, &x[..t * d], &mut s.za[..t * hd]);
+    mm(&w.f_b_proj, &s.za[..t * hd], &mut s.gate[..tw]);
+    let (a_log, dt_bias) = (view.bytes(w.a_log.id), view.bytes(w.dt_bias.id));
+    for tok in 0..t {
+        for h in 0..heads {
+            let decay_rate = super::exp1(k, f32_at(a_log, h));
+            for c in h * hd..(h + 1) * hd {
+                let z = &mut s.gate[tok * width + c];
+                *z = (*z + f32_at(dt_bias, c)) * decay_rate;
+            }
+        }
+    }
+    k.sigmoid(&mut s.gate[..tw]);
+    k.scale(kd.gate_lower_bound, &mut s.gate[..tw]);
+    k.exp(&mut s.gate[..tw]);
+    mm(&w.b_proj, &x[..t * d], &mut s.beta[..t * heads]);
+    k.sigmoid(&mut s.beta[..t * heads]);
+    mm(&w.g_proj, &x[..t * d], &mut s.out_gate[..tw]);
+    k.sigmoid(&mut s.out_gate[..tw]);
+    recurrence(k, cfg, st, q, kk, v, &s.gate, &s.beta, t, &mut s.heads_out, &mut s.step);
+    // o' = RMSNorm_head(o; o_norm) * sigmoid(g_proj x), back to token-major [t, W].
+    let o_norm_bytes = view.bytes(w.o_norm.id);
+    for (i, wn) in s.o_norm.iter_mut().enumerate() {
+        *wn = f32_at(o_norm_bytes, i);
+    }
+    for tok in 0..t {
+        for h in 0..heads {
+            let src = &s.heads_out[(h * t + tok) * hd..(h * t + tok + 1) * hd];
+            let r = tok * width + h * hd..tok * width + (h + 1) * hd;
+            k.rmsnorm(src, &s.o_norm, cfg.rms_norm_eps, &mut s.o[r.clone()]);
+            for (o, g) in s.o[r.clone()].iter_mut().zip(&s.out_gate[r]) {
+                *o *= *g;
+            }
+        }
+    }
+    mm(&w.o_proj, &s.o[..tw], &mut out[..t * d]);
+    Ok(())
+}
+
+/// Depthwise causal conv of width `kw` (no bias): c_t = sum_i W[ch, 0, i] * u_{t-kw+1+i}, tap
+/// kw-1 the current token. `hist` holds the last kw-1 inputs per channel and is advanced.
+/// Float contract: acc = acc + w * u over taps in increasing i from +0 (mul then add, no fma).
+fn short_conv(weight: &[u8], kw: usize, width: usize, t: usize, u: &[f32], hist: &mut [f32], out: &mut [f32]) {
+    let h = kw - 1;
+    for c in 0..width {
+        let past = &mut hist[c * h..(c + 1) * h];
+        for tok in 0..t {
+            let mut acc = 0.0f32;
+            for i in 0..kw {
+                let input = if i < h { past[i] } else { u[tok * width + c] };
+                acc += f32_at(weight, c * kw + i) * input;
+            }
+            out[tok * width + c] = acc;
+            past.rotate_left(1);
+            if h > 0 {
+                past[h - 1] = u[tok * width + c];
+            }
+        }
+    }
+}
+
+/// x <- x / sqrt(sum(x^2) + 1e-6), then times `scale` when given.
+fn l2norm(k: &Kernels, x: &mut [f32], scale: Option<f32>) {
+    let inv = 1.0 / (k.sum_squares(x) + L2NORM_EPS).sqrt();
+    k.scale(inv, x);
+    if let Some(sc) = scale {
+        k.scale(sc, x);
+    }
+}
+
+/// The delta-rule recurrence, heads in parallel. Writes o to `heads_out` as [heads, t, V].
+#[allow(clippy::too_many_arguments)]
+fn recurrence(
+    k: &Kernels,
+    cfg: &Config,
+    st: &mut KdaState,
+    q: &[f32],
+    kk: &[f32],
+    v: &[f32],
+    alpha: &[f32],
+    beta: &[f32],
+    t: usize,
+    heads_out: &mut [f32],
+    step: &mut [f32],
+) {
+    let kd = &cfg.kda;
+    let (width, hd, heads) = (kd.width(), kd.head_dim, kd.n_heads);
+    st.s.par_chunks_mut(hd * hd)
+        .zip(heads_out[..heads * t * hd].par_chunks_mut(t * hd))
+        .zip(step.par_chunks_mut(hd))
+        .enumerate()
+        .for_each(|(h, ((state, o), scratch))| {
+            for tok in 0..t {
+                let r = tok * width + h * hd..tok * width + (h + 1) * hd;
+                k.kda_step(
+                    state,
+                    hd,
+                    hd,
+                    &alpha[r.clone()],
+                    beta[tok * heads + h],
+                    &kk[r.clone()],
+                    &v[r.clone()],
+                    &q[r],
+                    &mut o[tok * hd..(tok + 1) * hd],
+                    scratch,
+                );
+            }
+        });
+}

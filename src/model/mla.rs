@@ -1,0 +1,188 @@
+//! Gated MLA without rotation (spec 5, Gated MLA), computed from the latent cache.
+//!
+//! Only the 576 values [RMSNorm(c_kv) | k_r] per position are cached. kv_b_proj is absorbed:
+//! the query side uses q_lat = W_kb^T q_nope, so q_nope . k_nope_s = q_lat . c_s; the output side
+//! sums probabilities over cached latents and expands once per head with W_vb.
+//! Score scale is (nope + shared)^-0.5 (192 in K3). Heads run in parallel; each head's reduction
+//! order is fixed, so results never depend on the thread count or on the chunk size.
+
+use kernels::Kernels;
+use rayon::prelude::*;
+
+use super::weights::{vector_into, Mat, MlaWeights, TrunkView};
+use super::ModelError;
+use crate::config::{Config, MLA_LATENT_NORM_EPS};
+
+/// The latent cache of one MLA layer: [capacity, kv_lora + rope].
+pub struct MlaCache {
+    data: Vec<f32>,
+    width: usize,
+    len: usize,
+}
+
+impl MlaCache {
+    pub fn new(cfg: &Config, capacity: usize) -> MlaCache {
+        let width = cfg.mla.cache_width();
+        MlaCache { data: vec![0.0; capacity * width], width, len: 0 }
+    }
+
+    /// Bytes of a cache holding `positions` positions.
+    pub fn bytes(cfg: &Config, positions: usize) -> u64 {
+        4 * (positions * cfg.mla.cache_width()) as u64
+    }
+
+    /// Back to the start of a sequence (old entries are never read past `len`).
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.data.len() / self.width
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Buffers for a chunk of up to `chunk` tokens and a context of up to `capacity` positions.
+pub struct MlaScratch {
+    cq: Vec<f32>,     // [T, q_lora]
+    cqn: Vec<f32>,    // [T, q_lora]
+    q: Vec<f32>,      // [T, heads * (nope + rope)]
+    ckv: Vec<f32>,    // [T, kv_lora + rope]
+    gate: Vec<f32>,   // [T, heads * v]
+    heads_out: Vec<f32>, // [heads, T, v]
+    per_head: Vec<f32>,  // [heads, 2 * kv_lora + capacity]
+    o: Vec<f32>,      // [T, heads * v]
+    norm_w: Vec<f32>, // [max(q_lora, kv_lora)]
+}
+
+impl MlaScratch {
+    pub fn new(cfg: &Config, chunk: usize, capacity: usize) -> MlaScratch {
+        let m = &cfg.mla;
+        let hv = m.n_heads * m.v_head_dim;
+        MlaScratch {
+            cq: vec![0.0; chunk * m.q_lora_rank],
+            cqn: vec![0.0; chunk * m.q_lora_rank],
+            q: vec![0.0; chunk * m.n_heads * m.qk_head_dim()],
+            ckv: vec![0.0; chunk * m.cache_width()],
+            gate: vec![0.0; chunk * hv],
+            heads_out: vec![0.0; chunk * hv],
+            per_head: vec![0.0; m.n_heads * (2 * m.kv_lora_rank + capacity)],
+            o: vec![0.0; chunk * hv],
+            norm_w: vec![0.0; m.q_lora_rank.max(m.kv_lora_rank)],
+        }
+    }
+}
+
+/// Runs MLA for `t` tokens at positions cache.len()..cache.len()+t; appends them to the cache.
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    k: &Kernels,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &MlaWeights,
+    cache: &mut MlaCache,
+    x: &[f32],
+    t: usize,
+    s: &mut MlaScratch,
+    out: &mut [f32],
+) -> Result<(), ModelError> {
+    let m = &cfg.mla;
+    let d = cfg.hidden_size;
+    let (qlr, klr) = (m.q_lora_rank, m.kv_lora_rank);
+    let qk = m.qk_head_dim();
+    let hv = m.n_heads * m.v_head_dim;
+    let start = cache.len;
+    if start + t > cache.capacity() {
+        return Err(ModelError::ContextFull { capacity: cache.capacity() });
+    }
+    let mm = |mat: &Mat, input: &[f32], y: &mut [f32]| {
+        k.par_matmul_bf16(view.bytes(mat.id), mat.rows, mat.cols, input, t, y);
+    };
+    mm(&w.q_a_proj, &x[..t * d], &mut s.cq[..t * qlr]);
+    vector_into(view.bytes(w.q_a_layernorm.id), w.q_a_layernorm.dtype, &mut s.norm_w[..qlr]);
+    for tok in 0..t {
+        let r = tok * qlr..(tok + 1) * qlr;
+        k.rmsnorm(&s.cq[r.clone()], &s.norm_w[..qlr], MLA_LATENT_NORM_EPS, &mut s.cqn[r]);
+    }
+    mm(&w.q_b_proj, &s.cqn[..t * qlr], &mut s.q[..t * m.n_heads * qk]);
+    let cw = m.cache_width();
+    mm(&w.kv_a_proj_with_mqa, &x[..t * d], &mut s.ckv[..t * cw]);
+    vector_into(view.bytes(w.kv_a_layernorm.id), w.kv_a_layernorm.dtype, &mut s.norm_w[..klr]);
+    for tok in 0..t {
+        let row = &s.ckv[tok * cw..(tok + 1) * cw];
+        let dst = &mut cache.data[(start + tok) * cw..(start + tok + 1) * cw];
+        k.rmsnorm(&row[..klr], &s.norm_w[..klr], MLA_LATENT_NORM_EPS, &mut dst[..klr]);
+        dst[klr..].copy_from_slice(&row[klr..]);
+    }
+    cache.len = start + t;
+    mm(&w.g_proj, &x[..t * d], &mut s.gate[..t * hv]);
+    k.sigmoid(&mut s.gate[..t * hv]);
+    attend(k, cfg, view.bytes(w.kv_b_proj.id), cache, start, t, &s.q, &mut s.heads_out, &mut s.per_head);
+    for tok in 0..t {
+        for h in 0..m.n_heads {
+            let src = &s.heads_out[(h * t + tok) * m.v_head_dim..(h * t + tok + 1) * m.v_head_dim];
+            let r = tok * hv + h * m.v_head_dim..tok * hv + (h + 1) * m.v_head_dim;
+            for ((o, v), g) in s.o[r.clone()].iter_mut().zip(src).zip(&s.gate[r]) {
+                *o = *v * *g;
+            }
+        }
+    }
+    mm(&w.o_proj, &s.o[..t * hv], &mut out[..t * d]);
+    Ok(())
+}
+
+/// Causal attention over the latent cache, heads in parallel; writes [heads, t, v].
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    k: &Kernels,
+    cfg: &Config,
+    kv_b: &[u8],
+    cache: &MlaCache,
+    start: usize,
+    t: usize,
+    q: &[f32],
+    heads_out: &mut [f32],
+    per_head: &mut [f32],
+) {
+    let m = &cfg.mla;
+    let (klr, nope, v_dim) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
+    let qk = m.qk_head_dim();
+    let cw = m.cache_width();
+    let scale = m.softmax_scale();
+    let rows_per_head = nope + v_dim;
+    let row_bytes = 2 * klr;
+    let head_scratch = 2 * klr + cache.capacity();
+    heads_out[..m.n_heads * t * v_dim]
+        .par_chunks_mut(t * v_dim)
+        .zip(per_head.par_chunks_mut(head_scratch))
+        .enumerate()
+        .for_each(|(h, (o, scratch))| {
+            let w_kb = &kv_b[h * rows_per_head * row_bytes..(h * rows_per_head + nope) * row_bytes];
+            let w_vb = &kv_b[(h * rows_per_head + nope) * row_bytes..(h + 1) * rows_per_head * row_bytes];
+            let (q_lat, rest) = scratch.split_at_mut(klr);
+            let (o_lat, scores) = rest.split_at_mut(klr);
+            for tok in 0..t {
+                let qh = &q[(tok * m.n_heads + h) * qk..(tok * m.n_heads + h + 1) * qk];
+                let (q_nope, q_shared) = qh.split_at(nope);
+                k.matvec_t_bf16(w_kb, nope, klr, q_nope, q_lat);
+                let n_pos = start + tok + 1;
+                for (sc, pos) in scores[..n_pos].iter_mut().zip(0..n_pos) {
+                    let c = &cache.data[pos * cw..(pos + 1) * cw];
+                    *sc = (k.dot(q_lat, &c[..klr]) + k.dot(q_shared, &c[klr..])) * scale;
+                }
+                k.softmax(&mut scores[..n_pos]);
+                o_lat.fill(0.0);
+                for pos in 0..n_pos {
+                    k.axpy(scores[pos], &cache.data[pos * cw..pos * cw + klr], o_lat);
+                }
+                k.matmul_bf16(w_vb, v_dim, klr, o_lat, 1, &mut o[tok * v_dim..(tok + 1) * v_dim]);
+            }
+        });
+}

@@ -1,0 +1,224 @@
+//! Stable LatentMoE (spec 5): sigmoid router in f32, bias for selection only, renormalised
+//! weights, latent down projection, routed experts on MXFP4 bytes, weighted sum in the fixed
+//! top-k order, RMSNorm of the aggregate, up projection, shared experts on the original input.
+//!
+//! Each distinct expert chosen by any token of the chunk is fetched once and applied to all the
+//! tokens that chose it (the matmul kernels are batch invariant, so this equals per-token work
+//! bit for bit). Each token's sum still runs in its own top-k order, whatever order the experts
+//! were fetched or computed in.
+
+use kernels::Kernels;
+
+use super::dense::{self, GluScratch};
+use super::weights::{f32_at, vector_into, ExpertView, MoeWeights, TrunkView, WeightSource};
+use super::ModelError;
+use crate::config::Config;
+
+/// Renormalisation guard added to the weight sum (spec 5, step 3).
+const RENORM_EPS: f32 = 1e-20;
+
+/// The routing decision of one token: experts in the fixed top-k order and their weights.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Route {
+    pub experts: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+/// Buffers for a chunk of up to `chunk` tokens.
+pub struct MoeScratch {
+    scores: Vec<f32>,  // [T, E] sigmoid router scores
+    biased: Vec<f32>,  // [E]
+    bias: Vec<f32>,    // [E]
+    pub routes: Vec<Route>, // [T]
+    u: Vec<f32>,       // [T, LAT]
+    slot_out: Vec<f32>, // [T, k, LAT] expert outputs per (token, slot)
+    gathered: Vec<f32>, // [T, LAT] inputs of the tokens that chose one expert
+    h1: Vec<f32>,      // [T, F]
+    h3: Vec<f32>,      // [T, F]
+    act: Vec<f32>,     // [T, F]
+    eo: Vec<f32>,      // [T, LAT]
+    users: Vec<(usize, usize)>, // (token, slot) pairs for one expert
+    distinct: Vec<usize>,
+    y: Vec<f32>,       // [T, LAT]
+    yn: Vec<f32>,      // [T, LAT]
+    norm_w: Vec<f32>,  // [LAT]
+    up: Vec<f32>,      // [T, D]
+    glu: GluScratch,
+}
+
+impl MoeScratch {
+    pub fn new(cfg: &Config, chunk: usize) -> MoeScratch {
+        let m = &cfg.moe;
+        let (lat, f, e) = (m.latent, m.expert_hidden, m.n_experts);
+        MoeScratch {
+            scores: vec![0.0; chunk * e],
+            biased: vec![0.0; e],
+            bias: vec![0.0; e],
+            routes: (0..chunk)
+                .map(|_| Route { experts: Vec::with_capacity(m.top_k), weights: Vec::with_capacity(m.top_k) })
+                .collect(),
+            u: vec![0.0; chunk * lat],
+            slot_out: vec![0.0; chunk * m.top_k * lat],
+            gathered: vec![0.0; chunk * lat],
+            h1: vec![0.0; chunk * f],
+            h3: vec![0.0; chunk * f],
+            act: vec![0.0; chunk * f],
+            eo: vec![0.0; chunk * lat],
+            users: Vec::with_capacity(chunk * m.top_k),
+            distinct: Vec::with_capacity(chunk * m.top_k),
+            y: vec![0.0; chunk * lat],
+            yn: vec![0.0; chunk * lat],
+            norm_w: vec![0.0; lat],
+            up: vec![0.0; chunk * cfg.hidden_size],
+            glu: GluScratch::new(cfg, chunk, m.shared_hidden()),
+        }
+    }
+}
+
+/// Runs the MoE block of `layer` for `t` tokens: `x` normalised input [t, D], `out` [t, D].
+#[allow(clippy::too_many_arguments)]
+pub fn forward<S: WeightSource>(
+    k: &Kernels,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    src: &S,
+    layer: usize,
+    w: &MoeWeights,
+    x: &[f32],
+    t: usize,
+    s: &mut MoeScratch,
+    out: &mut [f32],
+) -> Result<(), ModelError> {
+    let m = &cfg.moe;
+    let d = cfg.hidden_size;
+    let (lat, e) = (m.latent, m.n_experts);
+    k.par_matmul_bf16(view.bytes(w.gate.id), w.gate.rows, w.gate.cols, &x[..t * d], t, &mut s.scores[..t * e]);
+    k.sigmoid(&mut s.scores[..t * e]);
+    let bias = view.bytes(w.e_score_correction_bias.id);
+    for (i, b) in s.bias.iter_mut().enumerate() {
+        *b = f32_at(bias, i);
+    }
+    for tok in 0..t {
+        route(cfg, layer, tok, &s.scores[tok * e..(tok + 1) * e], &s.bias, &mut s.biased, &mut s.routes[tok])?;
+    }
+    let down = &w.routed_expert_down_proj;
+    k.par_matmul_bf16(view.bytes(down.id), down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat]);
+    distinct_experts(&s.routes[..t], &mut s.distinct);
+    src.will_need_experts(layer, &s.distinct);
+    for i in 0..s.distinct.len() {
+        run_expert(k, cfg, src, layer, s.distinct[i], t, s)?;
+    }
+    // y_t = sum_i w_i E_i(u_t) in the token's own top-k order.
+    for tok in 0..t {
+        let y = &mut s.y[tok * lat..(tok + 1) * lat];
+        y.fill(0.0);
+        for (slot, &wt) in s.routes[tok].weights.iter().enumerate() {
+            let base = (tok * m.top_k + slot) * lat;
+            k.axpy(wt, &s.slot_out[base..base + lat], y);
+        }
+    }
+    vector_into(view.bytes(w.routed_expert_norm.id), w.routed_expert_norm.dtype, &mut s.norm_w);
+    for tok in 0..t {
+        let r = tok * lat..(tok + 1) * lat;
+        k.rmsnorm(&s.y[r.clone()], &s.norm_w, cfg.rms_norm_eps, &mut s.yn[r]);
+    }
+    let up = &w.routed_expert_up_proj;
+    k.par_matmul_bf16(view.bytes(up.id), up.rows, up.cols, &s.yn[..t * lat], t, &mut out[..t * d]);
+    if let Some(shared) = &w.shared {
+        dense::glu_mlp(k, view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
+        for (o, sh) in out[..t * d].iter_mut().zip(&s.up[..t * d]) {
+            *o += *sh;
+        }
+    }
+    Ok(())
+}
+
+/// Top-k by biased score (ties: lower expert id first), weights from the unbiased scores.
+fn route(
+    cfg: &Config,
+    layer: usize,
+    tok: usize,
+    scores: &[f32],
+    bias: &[f32],
+    biased: &mut [f32],
+    out: &mut Route,
+) -> Result<(), ModelError> {
+    let m = &cfg.moe;
+    for ((b, &s), &c) in biased.iter_mut().zip(scores).zip(bias) {
+        if !s.is_finite() || !c.is_finite() {
+            return Err(ModelError::NonFinite { layer, what: format!("router score of token {tok}") });
+        }
+        *b = s + c;
+    }
+    out.experts.clear();
+    out.weights.clear();
+    for _ in 0..m.top_k {
+        let mut best: Option<usize> = None;
+        for (e, &b) in biased.iter().enumerate() {
+            if best.is_none_or(|i| b > biased[i]) {
+                best = Some(e);
+            }
+        }
+        let Some(e) = best else { break };
+        out.experts.push(e);
+        biased[e] = f32::NEG_INFINITY;
+    }
+    let mut sum = 0.0f32;
+    for &e in &out.experts {
+        sum += scores[e];
+    }
+    let denom = sum + RENORM_EPS;
+    for &e in &out.experts {
+        out.weights.push(scores[e] / denom * m.routed_scaling_factor);
+    }
+    Ok(())
+}
+
+/// Distinct experts of the chunk in first-use order (token order, then slot order).
+fn distinct_experts(routes: &[Route], out: &mut Vec<usize>) {
+    out.clear();
+    for r in routes {
+        for &e in &r.experts {
+            if !out.contains(&e) {
+                out.push(e);
+            }
+        }
+    }
+}
+
+/// Applies one expert to every token of the chunk that chose it.
+fn run_expert<S: WeightSource>(
+    k: &Kernels,
+    cfg: &Config,
+    src: &S,
+    layer: usize,
+    expert: usize,
+    t: usize,
+    s: &mut MoeScratch,
+) -> Result<(), ModelError> {
+    let m = &cfg.moe;
+    let (lat, f) = (m.latent, m.expert_hidden);
+    s.users.clear();
+    for tok in 0..t {
+        if let Some(slot) = s.routes[tok].experts.iter().position(|&e| e == expert) {
+            s.users.push((tok, slot));
+        }
+    }
+    let n = s.users.len();
+    for (i, &(tok, _)) in s.users.iter().enumerate() {
+        s.gathered[i * lat..(i + 1) * lat].copy_from_slice(&s.u[tok * lat..(tok + 1) * lat]);
+    }
+    let guard = src.expert(layer, expert)?;
+    let b = guard.parts();
+    let bad = |source| ModelError::Expert { layer, expert, source };
+    k.par_matmul_mxfp4(b.w1_packed, b.w1_scale, f, lat, &s.gathered[..n * lat], n, &mut s.h1[..n * f]).map_err(bad)?;
+    k.par_matmul_mxfp4(b.w3_packed, b.w3_scale, f, lat, &s.gathered[..n * lat], n, &mut s.h3[..n * f]).map_err(bad)?;
+    k.situ_glu(&s.h1[..n * f], &s.h3[..n * f], cfg.situ_beta, cfg.situ_linear_beta, &mut s.act[..n * f]);
+    k.par_matmul_mxfp4(b.w2_packed, b.w2_scale, lat, f, &s.act[..n * f], n, &mut s.eo[..n * lat]).map_err(bad)?;
+    drop(guard);
+    for (i, &(tok, slot)) in s.users.iter().enumerate() {
+        let base = (tok * m.top_k + slot) * lat;
+        s.slot_out[base..base + lat].copy_from_slice(&s.eo[i * lat..(i + 1) * lat]);
+    }
+    Ok(())
+}

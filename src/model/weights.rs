@@ -1,0 +1,357 @@
+//! Weight handles: every tensor the forward pass reads, resolved once at load into ids, plus the
+//! store interface that turns ids into bytes.
+//!
+//! The math never sees a file or a buffer, only [`WeightSource`]: the in-memory store hands out
+//! views of mapped shards, and the streaming store hands out slots it keeps alive for as long as
+//! the guard lives. Resolution happens once, so the per-token path formats no names and does no
+//! lookups.
+
+use crate::checkpoint::{CheckpointError, CheckpointIndex, Dtype, ExpertPart, EXPERT_PARTS, LM_HEAD, MODEL_PREFIX};
+use crate::config::{AttnKind, Config, FfnKind};
+
+/// Position of a tensor in the checkpoint index.
+pub type TensorId = usize;
+
+/// A bf16 matrix [rows, cols], row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct Mat {
+    pub id: TensorId,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A vector of `len` elements stored as bf16 or f32.
+#[derive(Clone, Copy, Debug)]
+pub struct Vector {
+    pub id: TensorId,
+    pub len: usize,
+    pub dtype: Dtype,
+}
+
+/// KDA weights of one layer (`layers.{l}.self_attn.`).
+#[derive(Clone, Debug)]
+pub struct KdaWeights {
+    pub q_proj: Mat, // [W, D]
+    pub k_proj: Mat, // [W, D]
+    pub v_proj: Mat, // [W, D]
+    pub q_conv1d: Vector, // [W, 1, conv] f32
+    pub k_conv1d: Vector, // [W, 1, conv] f32
+    pub v_conv1d: Vector, // [W, 1, conv] f32
+    pub f_a_proj: Mat, // [head_dim, D]
+    pub f_b_proj: Mat, // [W, head_dim]
+    pub a_log: Vector, // [>= heads] f32, one per HEAD
+    pub dt_bias: Vector, // [W] f32
+    pub b_proj: Mat, // [heads, D]
+    pub g_proj: Mat, // [W, D]
+    pub o_norm: Vector, // [head_dim] f32
+    pub o_proj: Mat, // [D, W]
+}
+
+/// Gated MLA weights of one layer.
+#[derive(Clone, Debug)]
+pub struct MlaWeights {
+    pub q_a_proj: Mat, // [q_lora, D]
+    pub q_a_layernorm: Vector, // [q_lora]
+    pub q_b_proj: Mat, // [heads * (nope + rope), q_lora]
+    pub kv_a_proj_with_mqa: Mat, // [kv_lora + rope, D]
+    pub kv_a_layernorm: Vector, // [kv_lora]
+    pub kv_b_proj: Mat, // [heads * (nope + v), kv_lora]
+    pub g_proj: Mat, // [heads * v, D]
+    pub o_proj: Mat, // [D, heads * v]
+}
+
+/// Dense SiTU-GLU MLP (layer 0).
+#[derive(Clone, Debug)]
+pub struct DenseWeights {
+    pub gate_proj: Mat, // [I, D]
+    pub up_proj: Mat, // [I, D]
+    pub down_proj: Mat, // [D, I]
+}
+
+/// Latent MoE weights of one layer, without the routed experts (they come from the store).
+#[derive(Clone, Debug)]
+pub struct MoeWeights {
+    pub gate: Mat, // [E, D] router
+    pub e_score_correction_bias: Vector, // [E] f32, selection only
+    pub routed_expert_down_proj: Mat, // [LAT, D]
+    pub routed_expert_norm: Vector, // [LAT]
+    pub routed_expert_up_proj: Mat, // [D, LAT]
+    /// Fused shared experts (gate, up, down), absent when the config has none.
+    pub shared: Option<DenseWeights>,
+}
+
+#[derive(Clone, Debug)]
+pub enum AttnWeights {
+    Kda(KdaWeights),
+    Mla(MlaWeights),
+}
+
+#[derive(Clone, Debug)]
+pub enum FfnWeights {
+    Dense(DenseWeights),
+    Moe(MoeWeights),
+}
+
+/// One attention-residual read: RMS-normalised candidates scored by norm weight x projection.
+#[derive(Clone, Copy, Debug)]
+pub struct ResWeights {
+    pub norm: Vector, // [D] bf16 (g)
+    pub proj: Vector, // [1, D] bf16 (w)
+}
+
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub attn_res: ResWeights,
+    pub input_layernorm: Vector,
+    pub attn: AttnWeights,
+    pub mlp_res: ResWeights,
+    pub post_attention_layernorm: Vector,
+    pub ffn: FfnWeights,
+}
+
+/// Embedding, head and the final norms.
+#[derive(Clone, Debug)]
+pub struct GlobalWeights {
+    pub embed_tokens: Mat, // [V, D]
+    pub output_res: ResWeights,
+    pub norm: Vector, // [D]
+    pub lm_head: Mat, // [V, D]
+}
+
+/// Every trunk tensor of the model, resolved to ids.
+#[derive(Clone, Debug)]
+pub struct ModelWeights {
+    pub globals: GlobalWeights,
+    pub layers: Vec<LayerWeights>,
+}
+
+/// The six tensors of one expert as byte slices (MXFP4 packed + E8M0 scales).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertBytes<'a> {
+    pub w1_packed: &'a [u8], // [F, LAT/2] gate
+    pub w1_scale: &'a [u8],  // [F, LAT/32]
+    pub w3_packed: &'a [u8], // [F, LAT/2] up
+    pub w3_scale: &'a [u8],  // [F, LAT/32]
+    pub w2_packed: &'a [u8], // [LAT, F/2] down
+    pub w2_scale: &'a [u8],  // [LAT, F/32]
+}
+
+impl<'a> ExpertBytes<'a> {
+    /// Builds from the parts in [`EXPERT_PARTS`] order.
+    pub fn from_parts(parts: [&'a [u8]; 6]) -> ExpertBytes<'a> {
+        debug_assert_eq!(EXPERT_PARTS[0], ExpertPart::W1Packed);
+        let [w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale] = parts;
+        ExpertBytes { w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale }
+    }
+}
+
+/// Failure to produce weight bytes: an I/O error, corrupt data, or an engine bug.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("reading {what} from {path} at offset {offset}: {source}")]
+    Io { what: String, path: std::path::PathBuf, offset: u64, source: std::io::Error },
+    #[error("{what}: {message}")]
+    Corrupt { what: String, message: String },
+}
+
+/// Bytes of the trunk tensors of one unit (a layer or the globals), alive while the guard lives.
+pub trait TrunkView {
+    /// The bytes of tensor `id`; only ids of this unit are valid.
+    fn bytes(&self, id: TensorId) -> &[u8];
+}
+
+/// Bytes of one routed expert, alive while the guard lives.
+pub trait ExpertView {
+    fn parts(&self) -> ExpertBytes<'_>;
+}
+
+/// Which trunk unit to make resident.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TrunkUnit {
+    Globals,
+    Layer(usize),
+}
+
+/// The one interface between the math and where weight bytes live.
+pub trait WeightSource: Sync {
+    type Trunk<'a>: TrunkView + Sync
+    where
+        Self: 'a;
+    type Expert<'a>: ExpertView + Send + Sync
+    where
+        Self: 'a;
+
+    /// Makes a trunk unit resident and returns its bytes.
+    fn trunk(&self, unit: TrunkUnit) -> Result<Self::Trunk<'_>, SourceError>;
+
+    /// Makes one routed expert resident and returns its bytes.
+    fn expert(&self, layer: usize, expert: usize) -> Result<Self::Expert<'_>, SourceError>;
+
+    /// Hint: the experts `layer` will need for the chunk being computed, in top-k order per
+    /// token. A prefetching store starts reads here; the default does nothing.
+    fn will_need_experts(&self, _layer: usize, _experts: &[usize]) {}
+}
+
+/// Resolves names to ids; every lookup has been validated against the config by
+/// [`CheckpointIndex::validate`], but a missing name is still an error, not a panic.
+struct Resolver<'a> {
+    index: &'a CheckpointIndex,
+}
+
+impl Resolver<'_> {
+    fn id(&self, name: &str) -> Result<TensorId, CheckpointError> {
+        self.index.position(name).ok_or_else(|| CheckpointError::Schema {
+            tensor: name.to_owned(),
+            message: "missing from the checkpoint".to_owned(),
+        })
+    }
+
+    fn mat(&self, name: &str) -> Result<Mat, CheckpointError> {
+        let id = self.id(name)?;
+        let t = &self.index.tensors[id];
+        let bad = || CheckpointError::Schema {
+            tensor: name.to_owned(),
+            message: format!("expected a BF16 matrix, found {} {:?}", t.dtype.name(), t.shape),
+        };
+        if t.dtype != Dtype::Bf16 || t.shape.len() != 2 {
+            return Err(bad());
+        }
+        Ok(Mat { id, rows: t.shape[0] as usize, cols: t.shape[1] as usize })
+    }
+
+    fn vector(&self, name: &str) -> Result<Vector, CheckpointError> {
+        let id = self.id(name)?;
+        let t = &self.index.tensors[id];
+        if t.dtype != Dtype::Bf16 && t.dtype != Dtype::F32 {
+            return Err(CheckpointError::Schema {
+                tensor: name.to_owned(),
+                message: format!("expected BF16 or F32, found {}", t.dtype.name()),
+            });
+        }
+        Ok(Vector { id, len: t.elements() as usize, dtype: t.dtype })
+    }
+
+    fn res(&self, prefix: &str) -> Result<ResWeights, CheckpointError> {
+        Ok(ResWeights {
+            norm: self.vector(&format!("{prefix}_norm.weight"))?,
+            proj: self.vector(&format!("{prefix}_proj.weight"))?,
+        })
+    }
+
+    fn dense(&self, p: &str) -> Result<DenseWeights, CheckpointError> {
+        Ok(DenseWeights {
+            gate_proj: self.mat(&format!("{p}gate_proj.weight"))?,
+            up_proj: self.mat(&format!("{p}up_proj.weight"))?,
+            down_proj: self.mat(&format!("{p}down_proj.weight"))?,
+        })
+    }
+
+    fn kda(&self, a: &str) -> Result<KdaWeights, CheckpointError> {
+        let m = |s: &str| self.mat(&format!("{a}{s}.weight"));
+        let v = |s: &str| self.vector(&format!("{a}{s}"));
+        Ok(KdaWeights {
+            q_proj: m("q_proj")?,
+            k_proj: m("k_proj")?,
+            v_proj: m("v_proj")?,
+            q_conv1d: v("q_conv1d.weight")?,
+            k_conv1d: v("k_conv1d.weight")?,
+            v_conv1d: v("v_conv1d.weight")?,
+            f_a_proj: m("f_a_proj")?,
+            f_b_proj: m("f_b_proj")?,
+            a_log: v("A_log")?,
+            dt_bias: v("dt_bias")?,
+            b_proj: m("b_proj")?,
+            g_proj: m("g_proj")?,
+            o_norm: v("o_norm.weight")?,
+            o_proj: m("o_proj")?,
+        })
+    }
+
+    fn mla(&self, a: &str) -> Result<MlaWeights, CheckpointError> {
+        let m = |s: &str| self.mat(&format!("{a}{s}.weight"));
+        let v = |s: &str| self.vector(&format!("{a}{s}.weight"));
+        Ok(MlaWeights {
+            q_a_proj: m("q_a_proj")?,
+            q_a_layernorm: v("q_a_layernorm")?,
+            q_b_proj: m("q_b_proj")?,
+            kv_a_proj_with_mqa: m("kv_a_proj_with_mqa")?,
+            kv_a_layernorm: v("kv_a_layernorm")?,
+            kv_b_proj: m("kv_b_proj")?,
+            g_proj: m("g_proj")?,
+            o_proj: m("o_proj")?,
+        })
+    }
+
+    fn moe(&self, b: &str, cfg: &Config) -> Result<MoeWeights, CheckpointError> {
+        Ok(MoeWeights {
+            gate: self.mat(&format!("{b}gate.weight"))?,
+            e_score_correction_bias: self.vector(&format!("{b}gate.e_score_correction_bias"))?,
+            routed_expert_down_proj: self.mat(&format!("{b}routed_expert_down_proj.weight"))?,
+            routed_expert_norm: self.vector(&format!("{b}routed_expert_norm.weight"))?,
+            routed_expert_up_proj: self.mat(&format!("{b}routed_expert_up_proj.weight"))?,
+            shared: if cfg.moe.shared_hidden() > 0 {
+                Some(self.dense(&format!("{b}shared_experts."))?)
+            } else {
+                None
+            },
+        })
+    }
+
+    fn layer(&self, cfg: &Config, l: usize) -> Result<LayerWeights, CheckpointError> {
+        let p = format!("{MODEL_PREFIX}layers.{l}.");
+        let plan = cfg.layers[l];
+        let a = format!("{p}self_attn.");
+        Ok(LayerWeights {
+            attn_res: self.res(&format!("{p}self_attention_res"))?,
+            input_layernorm: self.vector(&format!("{p}input_layernorm.weight"))?,
+            attn: match plan.attn {
+                AttnKind::Kda => AttnWeights::Kda(self.kda(&a)?),
+                AttnKind::Mla => AttnWeights::Mla(self.mla(&a)?),
+            },
+            mlp_res: self.res(&format!("{p}mlp_res"))?,
+            post_attention_layernorm: self.vector(&format!("{p}post_attention_layernorm.weight"))?,
+            ffn: match plan.ffn {
+                FfnKind::Dense => FfnWeights::Dense(self.dense(&format!("{p}mlp."))?),
+                FfnKind::Moe => FfnWeights::Moe(self.moe(&format!("{p}block_sparse_moe."), cfg)?),
+            },
+        })
+    }
+}
+
+impl ModelWeights {
+    /// Resolves every trunk tensor of `cfg` in `index`.
+    pub fn resolve(cfg: &Config, index: &CheckpointIndex) -> Result<ModelWeights, CheckpointError> {
+        let r = Resolver { index };
+        let globals = GlobalWeights {
+            embed_tokens: r.mat(&format!("{MODEL_PREFIX}embed_tokens.weight"))?,
+            output_res: r.res(&format!("{MODEL_PREFIX}output_attn_res"))?,
+            norm: r.vector(&format!("{MODEL_PREFIX}norm.weight"))?,
+            lm_head: r.mat(LM_HEAD)?,
+        };
+        let layers = (0..cfg.n_layers).map(|l| r.layer(cfg, l)).collect::<Result<_, _>>()?;
+        Ok(ModelWeights { globals, layers })
+    }
+}
+
+/// Reads element `i` of an f32 vector stored as raw little-endian bytes.
+#[inline]
+pub fn f32_at(bytes: &[u8], i: usize) -> f32 {
+    let b = &bytes[4 * i..4 * i + 4];
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Reads element `i` of a vector stored as bf16 or f32 bytes.
+#[inline]
+pub fn vector_at(bytes: &[u8], dtype: Dtype, i: usize) -> f32 {
+    match dtype {
+        Dtype::F32 => f32_at(bytes, i),
+        _ => f32::from_bits(u32::from(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])) << 16),
+    }
+}
+
+/// Expands a bf16 or f32 vector into `out` (norm weights used by f32 kernels).
+pub fn vector_into(bytes: &[u8], dtype: Dtype, out: &mut [f32]) {
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = vector_at(bytes, dtype, i);
+    }
+}

@@ -1,0 +1,62 @@
+//! Shared helpers: the committed tiny model and its float64 reference.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use k3ring::checkpoint::safetensors::parse_header_json;
+use k3ring::engine::{open_resident, Opened};
+use kernels::{Isa, Kernels};
+
+pub fn tiny_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3")
+}
+
+pub fn open(dir: &Path, threads: usize, isa: Isa) -> Opened {
+    open_resident(dir, threads, Kernels::with_isa(isa).unwrap()).unwrap()
+}
+
+/// `reference.json` of a model directory.
+pub fn reference_json(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap()
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// One tensor of `reference.safetensors`, widened to f64 (F32) or kept as integers (I32).
+pub struct RefTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f64>,
+}
+
+/// Reads every tensor of `reference.safetensors`.
+pub fn reference_tensors(dir: &Path) -> HashMap<String, RefTensor> {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let entries = parse_header_json(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let mut out = HashMap::new();
+    for (name, e) in entries {
+        let raw = &data[e.data_offsets[0] as usize..e.data_offsets[1] as usize];
+        let values: Vec<f64> = match e.dtype.as_str() {
+            "F32" => raw.chunks_exact(4).map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap()))).collect(),
+            "I32" => raw.chunks_exact(4).map(|c| f64::from(i32::from_le_bytes(c.try_into().unwrap()))).collect(),
+            "F64" => raw.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
+            other => panic!("unexpected dtype {other} for {name}"),
+        };
+        out.insert(name, RefTensor { shape: e.shape.iter().map(|&d| d as usize).collect(), data: values });
+    }
+    out
+}
+
+/// max |a - b| / max |b|.
+pub fn rel_max_diff(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((f64::from(*x) - y).abs())) / scale
+}
+
+pub fn argmax(row: &[f32]) -> u32 {
+    k3ring::engine::sampling::argmax(row) as u32
+}

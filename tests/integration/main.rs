@@ -1,0 +1,6 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::print_stderr)]
+#![recursion_limit = "256"]
+
+mod common;
+mod config_tests;
+mod oracle_tests;
