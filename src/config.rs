@@ -648,7 +648,7 @@ fn check_dims(raw: &RawConfig) -> Result<(), String> {
     if raw.gate_lower_bound >= 0.0 {
         return Err(format!("linear_attn_config.gate_lower_bound {} must be negative", raw.gate_lower_bound));
     }
-    if !(raw.rms_norm_eps > 0.0) || !(raw.activation_situ_beta > 0.0) {
+    if raw.rms_norm_eps <= 0.0 || raw.activation_situ_beta <= 0.0 {
         return Err("rms_norm_eps and activation_situ_beta must be positive".to_owned());
     }
     if raw.activation_situ_linear_beta.is_some_and(|b| b <= 0.0) {
@@ -704,6 +704,7 @@ fn layer_plan(raw: &RawConfig) -> Result<Vec<LayerPlan>, String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -106,7 +106,7 @@ fn tile_fma(tiles: &[Tile; ROWS], x: &[f32], acc: &mut [[f32; LANES]; ROWS]) {
             hi[i] = _mm256_fmadd_ps(wh, xh, hi[i]);
         }
     }
-    if false {
+    if !x_tail.is_empty() {
         let c = x_chunks.len();
         let (xl, xh) = load16(&pad16(x_tail));
         for i in 0..ROWS {

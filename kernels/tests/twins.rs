@@ -226,6 +226,7 @@ fn matvec_t_bf16_twins_unaligned() {
 
 // ---------------------------------------------------------------- MXFP4 matmul
 
+#[allow(clippy::too_many_arguments)]
 fn run_mxfp4(
     k: &Kernels,
     par: bool,
@@ -324,7 +325,7 @@ fn matmul_mxfp4_batch_and_thread_invariance() {
 /// A row of `cols` zeros except `nibble` at element `pos`, scale `scale` everywhere.
 fn one_element_row(cols: usize, pos: usize, nibble: u8, scale: u8) -> (Vec<u8>, Vec<u8>) {
     let mut packed = vec![0u8; cols / 2];
-    packed[pos / 2] = if pos % 2 == 0 { nibble } else { nibble << 4 };
+    packed[pos / 2] = if pos.is_multiple_of(2) { nibble } else { nibble << 4 };
     (packed, vec![scale; cols / 32])
 }
 
@@ -393,7 +394,9 @@ fn mxfp4_bad_scale_reports_first_in_row_major_order() {
     let mut rng = Rng::new(8);
     let pools = [pool(1), pool(2), pool(3)];
     let (rows, cols) = (200usize, 64usize);
-    let cases: [(&[(usize, usize)], (usize, usize)); 4] = [
+    // (bad (row, group) positions, the one reported).
+    type Case = (&'static [(usize, usize)], (usize, usize));
+    let cases: [Case; 4] = [
         (&[(3, 1)], (3, 1)),
         (&[(150, 0), (70, 1)], (70, 1)),
         (&[(199, 1), (199, 0)], (199, 0)),

@@ -165,9 +165,9 @@ fn short_conv(weight: &[u8], kw: usize, width: usize, t: usize, u: &[f32], hist:
     for c in 0..width {
         let past = &mut hist[c * h..(c + 1) * h];
         for tok in 0..t {
+            let current = u[tok * width + c];
             let mut acc = 0.0f32;
-            for i in 0..kw {
-                let input = if i < h { past[i] } else { u[tok * width + c] };
+            for (i, &input) in past.iter().chain(std::iter::once(&current)).enumerate() {
                 acc += f32_at(weight, c * kw + i) * input;
             }
             out[tok * width + c] = acc;

@@ -179,8 +179,8 @@ fn attend(
                 }
                 k.softmax(&mut scores[..n_pos]);
                 o_lat.fill(0.0);
-                for pos in 0..n_pos {
-                    k.axpy(scores[pos], &cache.data[pos * cw..pos * cw + klr], o_lat);
+                for (pos, &p) in scores[..n_pos].iter().enumerate() {
+                    k.axpy(p, &cache.data[pos * cw..pos * cw + klr], o_lat);
                 }
                 k.matmul_bf16(w_vb, v_dim, klr, o_lat, 1, &mut o[tok * v_dim..(tok + 1) * v_dim]);
             }

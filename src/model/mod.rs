@@ -230,7 +230,7 @@ impl Model {
             &mut sc.head,
             logits,
         );
-        if let Some(p) = probe.as_deref_mut() {
+        if let Some(p) = probe {
             p.tensor(None, "final_hidden", t, h);
             for (j, snap) in sc.snapshots[..n_snap].iter().enumerate() {
                 p.tensor(Some(j), "snapshot", t, &snap[..t * d]);

@@ -1,6 +1,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::print_stderr)]
 #![recursion_limit = "256"]
 
+mod checkpoint_tests;
 mod common;
 mod config_tests;
 mod oracle_tests;
+mod tokenizer_tests;

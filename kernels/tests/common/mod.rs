@@ -100,6 +100,11 @@ impl Rng {
         f32::from_bits(self.next_u64() as u32)
     }
 
+    /// bf16 bytes of `n` ordinary values (normals with standard deviation `sd`, truncated).
+    pub fn bf16_plain(&mut self, n: usize, sd: f32) -> Vec<u8> {
+        (0..n).flat_map(|_| ((self.normal(sd).to_bits() >> 16) as u16).to_le_bytes()).collect()
+    }
+
     /// bf16 bytes of `n` values: mostly rounded-down normals, some special patterns.
     pub fn bf16_bytes(&mut self, n: usize, specials: bool) -> Vec<u8> {
         const FINITE: [u16; 8] = [0x0000, 0x8000, 0x0001, 0x8001, 0x0080, 0x7F7F, 0xFF7F, 0x3F80];
