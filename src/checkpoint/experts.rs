@@ -3,8 +3,6 @@
 //! The release does not store experts in id order, and nothing guarantees an expert's tensors
 //! are adjacent, so both are discovered from the header offsets rather than assumed.
 
-use std::collections::BTreeMap;
-
 use serde::Serialize;
 
 use super::{CheckpointError, TensorInfo, MODEL_PREFIX};
@@ -80,55 +78,83 @@ impl ExpertRef {
     }
 }
 
-/// All experts of a checkpoint, keyed by (layer, expert).
+/// All experts of a checkpoint, by layer then expert id (dense: 82k experts in the release).
 #[derive(Debug, Default)]
 pub struct ExpertTable {
-    refs: BTreeMap<(usize, usize), ExpertRef>,
+    by_layer: Vec<Vec<Option<ExpertRef>>>,
+    count: usize,
 }
+
+/// Ids are parsed from names; anything this large is a corrupt or hostile header, not K3.
+const LAYERS_MAX: usize = 4096;
+const EXPERTS_PER_LAYER_MAX: usize = 1 << 20;
 
 impl ExpertTable {
     /// Collects expert tensors by parsing names in one pass; an expert missing any of its six
     /// tensors is an error naming the missing one.
     pub fn build(tensors: &[TensorInfo]) -> Result<ExpertTable, CheckpointError> {
-        let mut partial: BTreeMap<(usize, usize), [Option<usize>; 6]> = BTreeMap::new();
+        let mut partial: Vec<Vec<[Option<usize>; 6]>> = Vec::new();
         for (i, t) in tensors.iter().enumerate() {
             let Some((layer, expert, part)) = parse_expert_name(&t.name) else { continue };
-            partial.entry((layer, expert)).or_default()[part.index()] = Some(i);
-        }
-        let mut refs = BTreeMap::new();
-        for ((layer, expert), slots) in partial {
-            let mut parts = [0usize; 6];
-            for (k, slot) in slots.iter().enumerate() {
-                parts[k] = slot.ok_or_else(|| CheckpointError::Schema {
-                    tensor: expert_tensor_name(layer, expert, EXPERT_PARTS[k]),
-                    message: "missing, while other tensors of this expert are present".to_owned(),
-                })?;
+            if layer >= LAYERS_MAX || expert >= EXPERTS_PER_LAYER_MAX {
+                return Err(CheckpointError::Schema {
+                    tensor: t.name.clone(),
+                    message: "layer or expert id is implausibly large".to_owned(),
+                });
             }
-            let contiguous = contiguous_range(tensors, &parts);
-            refs.insert((layer, expert), ExpertRef { layer, expert, parts, contiguous });
+            if partial.len() <= layer {
+                partial.resize_with(layer + 1, Vec::new);
+            }
+            let experts = &mut partial[layer];
+            if experts.len() <= expert {
+                experts.resize(expert + 1, [None; 6]);
+            }
+            experts[expert][part.index()] = Some(i);
         }
-        Ok(ExpertTable { refs })
+        let mut table = ExpertTable { by_layer: Vec::with_capacity(partial.len()), count: 0 };
+        for (layer, experts) in partial.into_iter().enumerate() {
+            let mut refs = Vec::with_capacity(experts.len());
+            for (expert, slots) in experts.into_iter().enumerate() {
+                if slots.iter().all(Option::is_none) {
+                    refs.push(None);
+                    continue;
+                }
+                let mut parts = [0usize; 6];
+                for (k, slot) in slots.iter().enumerate() {
+                    parts[k] = slot.ok_or_else(|| CheckpointError::Schema {
+                        tensor: expert_tensor_name(layer, expert, EXPERT_PARTS[k]),
+                        message: "missing, while other tensors of this expert are present".to_owned(),
+                    })?;
+                }
+                let contiguous = contiguous_range(tensors, &parts);
+                refs.push(Some(ExpertRef { layer, expert, parts, contiguous }));
+                table.count += 1;
+            }
+            table.by_layer.push(refs);
+        }
+        Ok(table)
     }
 
     pub fn get(&self, layer: usize, expert: usize) -> Option<&ExpertRef> {
-        self.refs.get(&(layer, expert))
+        self.by_layer.get(layer)?.get(expert)?.as_ref()
     }
 
     pub fn len(&self) -> usize {
-        self.refs.len()
+        self.count
     }
 
     pub fn is_empty(&self) -> bool {
-        self.refs.is_empty()
+        self.count == 0
     }
 
+    /// Every expert, by layer then id.
     pub fn iter(&self) -> impl Iterator<Item = &ExpertRef> {
-        self.refs.values()
+        self.by_layer.iter().flatten().flatten()
     }
 
     /// Experts whose tensors need more than one read.
     pub fn non_contiguous(&self) -> impl Iterator<Item = &ExpertRef> {
-        self.refs.values().filter(|r| r.contiguous.is_none())
+        self.iter().filter(|r| r.contiguous.is_none())
     }
 }
 

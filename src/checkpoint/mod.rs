@@ -152,7 +152,7 @@ pub struct CheckpointIndex {
     pub dir: PathBuf,
     pub shards: Vec<Shard>,
     pub tensors: Vec<TensorInfo>,
-    by_name: HashMap<String, usize>,
+    by_name: NameTable,
     pub experts: ExpertTable,
 }
 
@@ -165,10 +165,7 @@ impl CheckpointIndex {
         let index_path = dir.join(INDEX_FILE);
         let (shard_names, weight_map) = if index_path.exists() {
             let map = read_weight_map(&index_path)?;
-            let mut names: Vec<String> = map.values().cloned().collect();
-            names.sort();
-            names.dedup();
-            (names, Some((index_path, map)))
+            (map.shards.clone(), Some((index_path, map)))
         } else {
             (list_shards(dir)?, None)
         };
@@ -184,39 +181,38 @@ impl CheckpointIndex {
                 });
             }
         }
-        let headers: Vec<safetensors::Header> =
-            paths.par_iter().map(|p| safetensors::read_header(p)).collect::<Result<_, _>>()?;
-        let per_shard: Vec<Vec<TensorInfo>> = headers
+        let per_shard: Vec<(Shard, Vec<TensorInfo>)> = paths
             .par_iter()
             .enumerate()
-            .map(|(i, h)| shard_tensors(i, &paths[i], h))
-            .collect::<Result<_, _>>()?;
-        let shards: Vec<Shard> = headers
-            .iter()
-            .zip(&paths)
-            .map(|(h, p)| Shard { path: p.clone(), file_len: h.file_len, data_start: h.data_start })
-            .collect();
-        drop(headers);
-        let mut tensors = Vec::with_capacity(per_shard.iter().map(Vec::len).sum());
-        for list in per_shard {
+            .map(|(i, p)| {
+                let header = safetensors::read_header(p)?;
+                let shard = Shard { path: p.clone(), file_len: header.file_len, data_start: header.data_start };
+                Ok((shard, shard_tensors(i, p, header)?))
+            })
+            .collect::<Result<_, CheckpointError>>()?;
+        let mut shards = Vec::with_capacity(per_shard.len());
+        let mut tensors = Vec::with_capacity(per_shard.iter().map(|(_, t)| t.len()).sum());
+        for (shard, list) in per_shard {
+            shards.push(shard);
             tensors.extend(list);
         }
         let by_name = name_table(&tensors, &shards)?;
-        if let Some((path, map)) = &weight_map {
-            check_weight_map(path, map, &tensors, &shards)?;
-        }
         let experts = ExpertTable::build(&tensors)?;
-        Ok(CheckpointIndex { dir: dir.to_owned(), shards, tensors, by_name, experts })
+        let index = CheckpointIndex { dir: dir.to_owned(), shards, tensors, by_name, experts };
+        if let Some((path, map)) = &weight_map {
+            check_weight_map(path, map, &index)?;
+        }
+        Ok(index)
     }
 
     /// The tensor called `name`, if any.
     pub fn get(&self, name: &str) -> Option<&TensorInfo> {
-        self.by_name.get(name).map(|&i| &self.tensors[i])
+        self.position(name).map(|i| &self.tensors[i])
     }
 
     /// Position of `name` in [`Self::tensors`].
     pub fn position(&self, name: &str) -> Option<usize> {
-        self.by_name.get(name).copied()
+        self.by_name.get(&self.tensors, name)
     }
 
     /// The shard file holding tensor `t`.
@@ -230,31 +226,91 @@ impl CheckpointIndex {
     }
 }
 
-fn read_weight_map(path: &Path) -> Result<HashMap<String, String>, CheckpointError> {
-    #[derive(serde::Deserialize)]
-    struct IndexFile {
-        weight_map: HashMap<String, String>,
+/// `weight_map` of the index file: tensor names with a shard id into the sorted shard names.
+#[derive(Debug, Default)]
+struct WeightMap {
+    /// Distinct shard file names, sorted; shard ids index this list.
+    shards: Vec<String>,
+    entries: Vec<(String, usize)>,
+}
+
+/// Reads `weight_map` without allocating a shard name per tensor (the release maps 497k names
+/// onto 96 files).
+struct WeightMapVisitor;
+
+impl<'de> serde::de::Visitor<'de> for WeightMapVisitor {
+    type Value = WeightMap;
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an object of tensor name to shard file name")
     }
-    let text = std::fs::read(path)
-        .map_err(|source| CheckpointError::Io { path: path.to_owned(), op: "read", source })?;
-    let index: IndexFile = serde_json::from_slice(&text).map_err(|e| CheckpointError::IndexInvalid {
-        path: path.to_owned(),
-        message: format!("not a valid index JSON with a weight_map: {e}"),
-    })?;
-    for (tensor, shard) in &index.weight_map {
-        let plain = !shard.is_empty()
-            && !shard.contains('/')
-            && !shard.contains('\\')
-            && shard != "."
-            && shard != "..";
-        if !plain {
-            return Err(CheckpointError::IndexInvalid {
-                path: path.to_owned(),
-                message: format!("tensor {tensor} maps to {shard:?}, which is not a file name in the model directory"),
-            });
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<WeightMap, A::Error> {
+        let mut out = WeightMap::default();
+        let mut ids: HashMap<String, usize> = HashMap::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let shard: std::borrow::Cow<'de, str> = map.next_value()?;
+            let next = ids.len();
+            let id = match ids.get(shard.as_ref()) {
+                Some(&id) => id,
+                None => *ids.entry(shard.into_owned()).or_insert(next),
+            };
+            out.entries.push((name, id));
+        }
+        // Renumber so that ids follow the sorted shard names.
+        let mut named: Vec<(String, usize)> = ids.into_iter().collect();
+        named.sort();
+        let mut renumber = vec![0; named.len()];
+        for (sorted, (name, old)) in named.into_iter().enumerate() {
+            renumber[old] = sorted;
+            out.shards.push(name);
+        }
+        for e in &mut out.entries {
+            e.1 = renumber[e.1];
+        }
+        Ok(out)
+    }
+}
+
+fn read_weight_map(path: &Path) -> Result<WeightMap, CheckpointError> {
+    struct Seed;
+    impl<'de> serde::de::DeserializeSeed<'de> for Seed {
+        type Value = WeightMap;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<WeightMap, D::Error> {
+            d.deserialize_map(WeightMapVisitor)
         }
     }
-    Ok(index.weight_map)
+    struct IndexVisitor;
+    impl<'de> serde::de::Visitor<'de> for IndexVisitor {
+        type Value = Option<WeightMap>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an index object with a weight_map")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut found = None;
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if key == "weight_map" {
+                    found = Some(map.next_value_seed(Seed)?);
+                } else {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+            Ok(found)
+        }
+    }
+    let invalid = |message: String| CheckpointError::IndexInvalid { path: path.to_owned(), message };
+    let text = std::fs::read(path)
+        .map_err(|source| CheckpointError::Io { path: path.to_owned(), op: "read", source })?;
+    let mut de = serde_json::Deserializer::from_slice(&text);
+    let parsed = serde::Deserializer::deserialize_map(&mut de, IndexVisitor).and_then(|m| de.end().map(|()| m));
+    let map = parsed
+        .map_err(|e| invalid(format!("not valid index JSON: {e}")))?
+        .ok_or_else(|| invalid("it has no weight_map".to_owned()))?;
+    for shard in &map.shards {
+        let plain = !shard.is_empty() && !shard.contains('/') && !shard.contains('\\') && shard != "." && shard != "..";
+        if !plain {
+            return Err(invalid(format!("it maps tensors to {shard:?}, which is not a file name in the model directory")));
+        }
+    }
+    Ok(map)
 }
 
 fn list_shards(dir: &Path) -> Result<Vec<String>, CheckpointError> {
@@ -276,7 +332,7 @@ fn list_shards(dir: &Path) -> Result<Vec<String>, CheckpointError> {
 fn shard_tensors(
     shard: usize,
     path: &Path,
-    header: &safetensors::Header,
+    header: safetensors::Header,
 ) -> Result<Vec<TensorInfo>, CheckpointError> {
     let bad = |tensor: &str, message: String| CheckpointError::Tensor {
         shard: path.to_owned(),
@@ -285,22 +341,24 @@ fn shard_tensors(
     };
     let data_len = header.file_len - header.data_start;
     let mut out = Vec::with_capacity(header.entries.len());
-    for (name, e) in &header.entries {
-        let dtype = Dtype::parse(&e.dtype)
-            .ok_or_else(|| bad(name, format!("unknown dtype {:?}", e.dtype)))?;
+    for (name, e) in header.entries {
+        let dtype = match &e.dtype {
+            safetensors::RawDtype::Known(d) => *d,
+            safetensors::RawDtype::Unknown(s) => return Err(bad(&name, format!("unknown dtype {s:?}"))),
+        };
         let [begin, end] = e.data_offsets;
         if begin > end {
-            return Err(bad(name, format!("data_offsets [{begin}, {end}] run backwards")));
+            return Err(bad(&name, format!("data_offsets [{begin}, {end}] run backwards")));
         }
         let elements = e
             .shape
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .and_then(|n| n.checked_mul(dtype.size()))
-            .ok_or_else(|| bad(name, format!("shape {:?} overflows", e.shape)))?;
+            .ok_or_else(|| bad(&name, format!("shape {:?} overflows", e.shape)))?;
         if elements != end - begin {
             return Err(bad(
-                name,
+                &name,
                 format!(
                     "shape {:?} of {} needs {elements} bytes but data_offsets [{begin}, {end}] hold {}",
                     e.shape,
@@ -311,17 +369,17 @@ fn shard_tensors(
         }
         if end > data_len {
             return Err(bad(
-                name,
+                &name,
                 format!(
                     "data_offsets [{begin}, {end}] run past the end of the data ({data_len} bytes): the file is truncated or the header is wrong"
                 ),
             ));
         }
         out.push(TensorInfo {
-            name: name.clone(),
+            name,
             shard,
             dtype,
-            shape: e.shape.clone(),
+            shape: e.shape,
             offset: header.data_start + begin,
             len: end - begin,
         });
@@ -348,54 +406,88 @@ fn check_overlaps(path: &Path, tensors: &[TensorInfo]) -> Result<(), CheckpointE
     Ok(())
 }
 
-fn name_table(
-    tensors: &[TensorInfo],
-    shards: &[Shard],
-) -> Result<HashMap<String, usize>, CheckpointError> {
-    let mut by_name = HashMap::with_capacity(tensors.len());
+fn name_hash(name: &str) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = rustc_hash::FxBuildHasher.build_hasher();
+    h.write(name.as_bytes());
+    h.finish()
+}
+
+/// Name lookup without copying the 500k names: a hash of each name maps to its tensor; the rare
+/// hash collision between different names goes to a side list.
+#[derive(Debug, Default)]
+struct NameTable {
+    first: HashMap<u64, usize, rustc_hash::FxBuildHasher>,
+    collisions: Vec<(u64, usize)>,
+}
+
+impl NameTable {
+    fn get(&self, tensors: &[TensorInfo], name: &str) -> Option<usize> {
+        let h = name_hash(name);
+        let &i = self.first.get(&h)?;
+        if tensors[i].name == name {
+            return Some(i);
+        }
+        self.collisions.iter().find(|&&(ch, j)| ch == h && tensors[j].name == name).map(|&(_, j)| j)
+    }
+}
+
+fn name_table(tensors: &[TensorInfo], shards: &[Shard]) -> Result<NameTable, CheckpointError> {
+    let mut table = NameTable::default();
+    table.first.reserve(tensors.len());
     for (i, t) in tensors.iter().enumerate() {
-        if let Some(prev) = by_name.insert(t.name.clone(), i) {
+        if let Some(prev) = table.get(tensors, &t.name) {
             return Err(CheckpointError::Duplicate {
                 tensor: t.name.clone(),
                 first: shards[tensors[prev].shard].path.clone(),
                 second: shards[t.shard].path.clone(),
             });
         }
+        let h = name_hash(&t.name);
+        match table.first.entry(h) {
+            std::collections::hash_map::Entry::Occupied(_) => table.collisions.push((h, i)),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(i);
+            }
+        }
     }
-    Ok(by_name)
+    Ok(table)
 }
 
 /// The index file and the shard headers must agree tensor for tensor.
 fn check_weight_map(
     path: &Path,
-    map: &HashMap<String, String>,
-    tensors: &[TensorInfo],
-    shards: &[Shard],
+    map: &WeightMap,
+    index: &CheckpointIndex,
 ) -> Result<(), CheckpointError> {
     let invalid = |message: String| CheckpointError::IndexInvalid { path: path.to_owned(), message };
-    for t in tensors {
-        let shard_name = shards[t.shard].path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        match map.get(&t.name) {
-            Some(s) if s == shard_name => {}
-            Some(s) => {
-                return Err(invalid(format!(
-                    "tensor {} is in {shard_name} but the index says {s}",
-                    t.name
-                )))
+    let names: Vec<&str> =
+        index.shards.iter().map(|s| s.path.file_name().and_then(|n| n.to_str()).unwrap_or("")).collect();
+    // Lookups are independent: run them in parallel, then mark positions in order.
+    let positions: Vec<usize> = map
+        .entries
+        .par_iter()
+        .map(|(name, shard)| {
+            let want = &map.shards[*shard];
+            let pos = index.position(name).ok_or_else(|| {
+                invalid(format!("tensor {name} is listed for {want} but that shard's header lacks it"))
+            })?;
+            let have = names[index.tensors[pos].shard];
+            if have != want {
+                return Err(invalid(format!("tensor {name} is in {have} but the index says {want}")));
             }
-            None => return Err(invalid(format!("tensor {} in {shard_name} is not in the index", t.name))),
+            Ok(pos)
+        })
+        .collect::<Result<_, _>>()?;
+    let mut listed = vec![false; index.tensors.len()];
+    for pos in positions {
+        if std::mem::replace(&mut listed[pos], true) {
+            return Err(invalid(format!("tensor {} is listed twice", index.tensors[pos].name)));
         }
     }
-    if map.len() != tensors.len() {
-        let present: std::collections::HashSet<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
-        let mut missing: Vec<&String> = map.keys().filter(|k| !present.contains(k.as_str())).collect();
-        missing.sort();
-        if let Some(first) = missing.first() {
-            return Err(invalid(format!(
-                "tensor {first} is listed for {} but that shard's header lacks it",
-                map[*first]
-            )));
-        }
+    if let Some(pos) = listed.iter().position(|l| !l) {
+        let t = &index.tensors[pos];
+        return Err(invalid(format!("tensor {} in {} is not in the index", t.name, names[t.shard])));
     }
     Ok(())
 }

@@ -19,9 +19,42 @@ pub const HEADER_LEN_MAX: u64 = 100 * 1024 * 1024;
 /// One tensor entry as written in a header (offsets still relative to the data start).
 #[derive(Debug, Deserialize)]
 pub struct RawEntry {
-    pub dtype: String,
+    pub dtype: RawDtype,
     pub shape: Vec<u64>,
     pub data_offsets: [u64; 2],
+}
+
+/// A header's dtype string: known (parsed without allocating) or the unknown text, kept for the
+/// error message.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RawDtype {
+    Known(Dtype),
+    Unknown(String),
+}
+
+impl RawDtype {
+    pub fn name(&self) -> &str {
+        match self {
+            RawDtype::Known(d) => d.name(),
+            RawDtype::Unknown(s) => s,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for RawDtype {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = RawDtype;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a dtype string")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<RawDtype, E> {
+                Ok(Dtype::parse(s).map_or_else(|| RawDtype::Unknown(s.to_owned()), RawDtype::Known))
+            }
+        }
+        d.deserialize_str(V)
+    }
 }
 
 /// A parsed header: where data starts and the entries in file order.

@@ -4,4 +4,5 @@
 //! This and `storage::io` are the only modules allowed unsafe code (mmap, io_uring buffers,
 //! mlock); each unsafe block states its invariant.
 
+pub mod io;
 pub mod mmap;

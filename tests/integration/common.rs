@@ -39,7 +39,7 @@ pub fn reference_tensors(dir: &Path) -> HashMap<String, RefTensor> {
     let mut out = HashMap::new();
     for (name, e) in entries {
         let raw = &data[e.data_offsets[0] as usize..e.data_offsets[1] as usize];
-        let values: Vec<f64> = match e.dtype.as_str() {
+        let values: Vec<f64> = match e.dtype.name() {
             "F32" => raw.chunks_exact(4).map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap()))).collect(),
             "I32" => raw.chunks_exact(4).map(|c| f64::from(i32::from_le_bytes(c.try_into().unwrap()))).collect(),
             "F64" => raw.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),

@@ -7,67 +7,8 @@ use serde_json::{json, Value};
 
 /// The released K3 config (spec section 2), nested shape.
 pub fn k3_config() -> Value {
-    let full: Vec<u32> = (1..=23).map(|i| 4 * i).chain([93]).collect();
-    let kda: Vec<u32> = (1..=93).filter(|i| !full.contains(i)).collect();
-    json!({
-        "model_type": "kimi_k3",
-        "bos_token_id": 163584,
-        "eos_token_id": 163586,
-        "pad_token_id": 163839,
-        "tie_word_embeddings": false,
-        "vision_config": {},
-        "text_config": {
-            "model_type": "kimi_linear",
-            "vocab_size": 163840,
-            "hidden_size": 7168,
-            "num_hidden_layers": 93,
-            "intermediate_size": 33792,
-            "hidden_act": "situ",
-            "activation_situ_beta": 4.0,
-            "activation_situ_linear_beta": 25.0,
-            "rms_norm_eps": 1e-5,
-            "num_attention_heads": 96,
-            "q_lora_rank": 1536,
-            "kv_lora_rank": 512,
-            "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64,
-            "v_head_dim": 128,
-            "mla_use_nope": true,
-            "mla_use_output_gate": true,
-            "num_experts": 896,
-            "num_experts_per_token": 16,
-            "num_shared_experts": 2,
-            "moe_intermediate_size": 3072,
-            "routed_expert_hidden_size": 3584,
-            "latent_moe_use_norm": true,
-            "moe_renormalize": true,
-            "moe_router_activation_func": "sigmoid",
-            "routed_scaling_factor": 1.0,
-            "num_expert_group": 1,
-            "topk_group": 1,
-            "topk_method": "noaux_tc",
-            "first_k_dense_replace": 1,
-            "moe_layer_freq": 1,
-            "attn_res_block_size": 12,
-            "linear_attn_config": {
-                "num_heads": 96,
-                "head_dim": 128,
-                "short_conv_kernel_size": 4,
-                "gate_lower_bound": -5.0,
-                "use_full_rank_gate": true,
-                "full_attn_layers": full,
-                "kda_layers": kda
-            },
-            "quantization_config": {
-                "quant_method": "compressed-tensors",
-                "format": "mxfp4-pack-quantized",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                    "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-                    "symmetric": true, "dynamic": false}}},
-                "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"]
-            }
-        }
-    })
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3-config.json");
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
 /// The same config with every key at the root.

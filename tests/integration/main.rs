@@ -1,5 +1,4 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::print_stderr)]
-#![recursion_limit = "256"]
 
 mod checkpoint_tests;
 mod common;

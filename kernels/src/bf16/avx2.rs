@@ -68,14 +68,24 @@ fn single_token(w: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     let x_tail = pad16(x_tail);
     let mut r = 0;
     while r + R <= rows {
-        let sums = rows_dot::<R>(&w[r * row_bytes..(r + R) * row_bytes], cols, x_chunks, &x_tail);
+        let sums = rows_dot::<R>(
+            &w[r * row_bytes..(r + R) * row_bytes],
+            cols,
+            x_chunks,
+            &x_tail,
+        );
         for (i, s) in sums.into_iter().enumerate() {
             out.set(0, r + i, s);
         }
         r += R;
     }
     while r < rows {
-        let [s] = rows_dot::<1>(&w[r * row_bytes..(r + 1) * row_bytes], cols, x_chunks, &x_tail);
+        let [s] = rows_dot::<1>(
+            &w[r * row_bytes..(r + 1) * row_bytes],
+            cols,
+            x_chunks,
+            &x_tail,
+        );
         out.set(0, r, s);
         r += 1;
     }

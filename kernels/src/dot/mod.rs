@@ -6,9 +6,9 @@
 //! `for w in [8, 4, 2, 1] { acc[l] = acc[l] + acc[l + w] for l < w }`; the result is `acc[0]`.
 //! Single-threaded. Spec §5 (every projection, RMSNorm's mean square).
 
-pub(crate) mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+pub(crate) mod scalar;
 
 use crate::isa::Isa;
 
@@ -30,8 +30,14 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns { dot: avx2::dot, sum_squares: avx2::sum_squares },
-            _ => Fns { dot: scalar::dot, sum_squares: scalar::sum_squares },
+            Isa::Avx2 => Fns {
+                dot: avx2::dot,
+                sum_squares: avx2::sum_squares,
+            },
+            _ => Fns {
+                dot: scalar::dot,
+                sum_squares: scalar::sum_squares,
+            },
         }
     }
 

@@ -139,7 +139,11 @@ mod tests {
     #[test]
     fn constants_are_what_they_claim() {
         assert_eq!(f64::from(LN2_HI), 0.693_359_375_f64);
-        assert_eq!(LN2_HI.to_bits() & 0x7FFF, 0, "LN2_HI needs its low mantissa bits clear");
+        assert_eq!(
+            LN2_HI.to_bits() & 0x7FFF,
+            0,
+            "LN2_HI needs its low mantissa bits clear"
+        );
         let ln2 = f64::from(LN2_HI) + f64::from(LN2_LO);
         assert!((ln2 - std::f64::consts::LN_2).abs() < 1e-11, "{ln2}");
     }

@@ -13,9 +13,9 @@
 //! -inf (a fully masked row) the result is all NaN too; callers must not pass such rows. An
 //! empty slice is left alone. Single-threaded.
 
-pub(crate) mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+pub(crate) mod scalar;
 
 use crate::isa::Isa;
 
@@ -34,8 +34,12 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns { softmax: avx2::softmax },
-            _ => Fns { softmax: scalar::softmax },
+            Isa::Avx2 => Fns {
+                softmax: avx2::softmax,
+            },
+            _ => Fns {
+                softmax: scalar::softmax,
+            },
         }
     }
 

@@ -10,9 +10,9 @@
 //! No reductions except the one canonical dot, so SIMD equals scalar bit for bit.
 //! Single-threaded.
 
-pub(crate) mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+pub(crate) mod scalar;
 
 use crate::isa::Isa;
 
@@ -83,8 +83,16 @@ impl Fns {
 
     pub(crate) fn rmsnorm_bf16w(&self, ss: f32, x: &[f32], w: &[u8], eps: f32, out: &mut [f32]) {
         assert!(!x.is_empty(), "rmsnorm_bf16w: x is empty");
-        assert_eq!(w.len(), 2 * x.len(), "rmsnorm_bf16w: w must hold 2 bytes per element of x");
-        assert_eq!(out.len(), x.len(), "rmsnorm_bf16w: out and x differ in length");
+        assert_eq!(
+            w.len(),
+            2 * x.len(),
+            "rmsnorm_bf16w: w must hold 2 bytes per element of x"
+        );
+        assert_eq!(
+            out.len(),
+            x.len(),
+            "rmsnorm_bf16w: out and x differ in length"
+        );
         let inv = rms_inv(ss, x.len(), eps);
         // SAFETY: `self` was built by `for_isa`, whose caller guaranteed the ISA's features.
         unsafe { (self.norm_bf16)(x, inv, w, out) }

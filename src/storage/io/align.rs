@@ -6,8 +6,10 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+
+use super::error::IoError;
 
 /// The alignment used when neither statx nor sysfs answers: the page size, which every block
 /// device's logical block size divides.
@@ -78,6 +80,37 @@ pub fn dio_alignment(file: &File, path: &Path) -> DioAlign {
     DioAlign { mem_align: DIO_ALIGN_DEFAULT, offset_align: DIO_ALIGN_DEFAULT, source: AlignSource::Default }
 }
 
+/// Opens every file read-only with `O_DIRECT | O_CLOEXEC` and returns them with the strictest
+/// alignment over all of them, raised to at least `align_min` (0 for none; tests use 4096 to run
+/// with a stricter alignment than the device's).
+pub fn open_direct(paths: &[PathBuf], align_min: u32) -> Result<(Vec<File>, DioAlign), IoError> {
+    assert!(align_min == 0 || align_min.is_power_of_two(), "align_min {align_min} is not a power of two");
+    let mut files = Vec::with_capacity(paths.len());
+    let mut strictest: Option<DioAlign> = None;
+    for path in paths {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|source| IoError::Open { path: path.clone(), source })?;
+        let this = dio_alignment(&file, path);
+        let this = DioAlign {
+            mem_align: this.mem_align.max(align_min),
+            offset_align: this.offset_align.max(align_min),
+            source: this.source,
+        };
+        strictest = Some(match strictest {
+            None => this,
+            Some(so_far) => so_far.max(this),
+        });
+        files.push(file);
+    }
+    let fallback = align_min.max(DIO_ALIGN_DEFAULT);
+    let align = strictest.unwrap_or(DioAlign { mem_align: fallback, offset_align: fallback, source: AlignSource::Default });
+    assert!(align.offset_align.is_power_of_two() && align.mem_align.is_power_of_two());
+    Ok((files, align))
+}
+
 /// `(mem_align, offset_align)` from `statx`, or None when the kernel or filesystem does not
 /// report them (mask bit clear, or zero: the file does not support direct I/O).
 fn statx_dio_align(file: &File) -> Option<(u32, u32)> {
@@ -120,7 +153,7 @@ pub fn sysfs_logical_block_size(sys_root: &Path, major: u32, minor: u32) -> Opti
 mod tests {
     use super::*;
     use std::io::Write;
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    use std::os::unix::fs::FileExt;
 
     #[test]
     fn tmp_files_report_a_power_of_two_at_least_512() {

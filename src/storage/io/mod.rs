@@ -28,6 +28,8 @@ pub mod ring;
 pub mod topology;
 
 #[cfg(test)]
+mod backend_tests;
+#[cfg(test)]
 mod testutil;
 
 pub use align::{dio_alignment, AlignSource, DioAlign};
