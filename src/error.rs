@@ -46,7 +46,13 @@ fn model_code(e: &ModelError) -> ExitCode {
 }
 
 fn classify(cause: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
-    if cause.is::<ConfigError>() || cause.is::<UsageError>() {
+    if let Some(e) = cause.downcast_ref::<ConfigError>() {
+        return Some(match e {
+            ConfigError::Read { .. } => ExitCode::Io,
+            _ => ExitCode::Usage,
+        });
+    }
+    if cause.is::<UsageError>() {
         return Some(ExitCode::Usage);
     }
     if let Some(e) = cause.downcast_ref::<CheckpointError>() {

@@ -31,6 +31,7 @@ pub enum Command {
 }
 
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "ids"])))]
 pub struct RunArgs {
     /// Model directory; without it, the tiny K3 model built into the binary.
@@ -104,6 +105,22 @@ fn parse_probability(s: &str) -> Result<f32, String> {
     }
 }
 
+/// The error chain joined by ": ", skipping a cause whose text the previous message already
+/// quotes (many errors carry their source in their own message).
+fn error_text(err: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
 /// The kernels named by `--isa` (auto = the best this CPU has).
 pub fn kernels_for(isa: &str) -> anyhow::Result<kernels::Kernels> {
     if isa == "auto" {
@@ -144,7 +161,7 @@ pub fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
             let code = exit_code_for(&err);
-            eprintln!("k3ring: error: {err:#}");
+            eprintln!("k3ring: error: {}", error_text(&err));
             std::process::ExitCode::from(code as u8)
         }
     }

@@ -58,7 +58,7 @@ fn decode32(b: &[u8; GROUP_BYTES], pow2: __m256) -> [__m256; 4] {
     // SAFETY: `b` holds 16 bytes; the load is unaligned.
     let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b.as_ptr().cast()) });
     let pick = _mm256_setr_epi8(
-        0, 1, 5, 4, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, //
+        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, //
         2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
     );
     let picked = _mm256_shuffle_epi8(v, pick);

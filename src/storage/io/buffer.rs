@@ -330,6 +330,12 @@ mod tests {
     use super::*;
 
     #[test]
+    fn buffers_can_be_shared_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<AlignedBuf>();
+    }
+
+    #[test]
     fn pointer_is_2mib_aligned_and_length_rounded() {
         let buf = AlignedBuf::new(3 << 20, &BufOptions::default()).unwrap();
         assert_eq!(buf.as_ptr() as usize % HUGE_PAGE_BYTES, 0);

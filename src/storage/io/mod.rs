@@ -30,6 +30,8 @@ pub mod topology;
 #[cfg(test)]
 mod backend_tests;
 #[cfg(test)]
+mod bench_tests;
+#[cfg(test)]
 mod testutil;
 
 pub use align::{dio_alignment, AlignSource, DioAlign};

@@ -143,6 +143,16 @@ struct EnterStats {
 
 /// An io_uring O_DIRECT reader owned by one thread.
 ///
+/// It is used from the thread that made it:
+///
+/// ```no_run
+/// # fn main() -> Result<(), k3ring::storage::io::IoError> {
+/// use k3ring::storage::io::{RingOptions, UringReader};
+/// let reader = UringReader::new(&["/nvme/k3/shard-00001.safetensors".into()], RingOptions::default())?;
+/// tracing::info!("{}", reader.info());
+/// # Ok(()) }
+/// ```
+///
 /// It cannot be sent to another thread (the ring is `SINGLE_ISSUER`, and its SQ/CQ are used
 /// without locks):
 ///

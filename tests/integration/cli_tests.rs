@@ -1,0 +1,94 @@
+//! The command line: `run` end to end, JSON output, exit codes of refused flags.
+
+use crate::checkpoint_tests::k3ring;
+use crate::common::*;
+
+#[test]
+fn run_reproduces_the_greedy_reference_and_writes_json() {
+    let dir = tiny_dir();
+    let r = reference_json(&dir);
+    let prompt: Vec<String> = ids(&r["prompt_ids"]).iter().map(u32::to_string).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("out.json");
+    let (code, out, err) = k3ring(&[
+        "run", "--model", dir.to_str().unwrap(), "--ids", &prompt.join(","), "--gen", "24", "--ignore-eos",
+        "--json", json.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("24 generated tokens") && err.contains("s/token") && err.contains("peak RSS"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(ids(&v["generated_ids"]), ids(&r["greedy_ids"]));
+    assert_eq!(ids(&v["prompt_ids"]), ids(&r["prompt_ids"]));
+    assert!(v["seconds_per_token"].as_f64().unwrap() > 0.0);
+    assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+    let text = v["text"].as_str().unwrap();
+    assert_eq!(out.trim_end_matches('\n'), text, "stdout streams the generated text");
+}
+
+#[test]
+fn run_without_model_uses_the_embedded_tiny_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3ring"))
+        .args(["run", "--prompt", "Once upon a time", "--gen", "8", "--ignore-eos"])
+        .env("XDG_CACHE_HOME", tmp.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("8 generated tokens"));
+    let cached = std::fs::read_dir(tmp.path().join("k3ring")).unwrap().count();
+    assert_eq!(cached, 1, "the embedded model is written once to the cache");
+}
+
+#[test]
+fn sampling_is_reproducible_for_a_seed() {
+    let dir = tiny_dir();
+    let tmp = tempfile::tempdir().unwrap();
+    let ids_for = |seed: &str| {
+        let path = tmp.path().join(format!("{seed}.json"));
+        let (code, _, err) = k3ring(&[
+            "run", "--model", dir.to_str().unwrap(), "--prompt", "Hello", "--gen", "12", "--ignore-eos",
+            "--temperature", "0.9", "--top-k", "40", "--seed", seed, "--json", path.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        ids(&v["generated_ids"])
+    };
+    assert_eq!(ids_for("7"), ids_for("7"));
+    assert_ne!(ids_for("7"), ids_for("8"), "different seeds should sample differently");
+}
+
+#[test]
+fn refused_flags_exit_2_naming_the_flag() {
+    let dir = tiny_dir();
+    let d = dir.to_str().unwrap();
+    for (args, needle) in [
+        (vec!["run", "--model", d, "--prompt", "x", "--temperature", "-1"], "--temperature"),
+        (vec!["run", "--model", d, "--prompt", "x", "--top-p", "1.5"], "--top-p"),
+        (vec!["run", "--model", d, "--prompt", "x", "--isa", "neon"], "--isa \"neon\" is unknown"),
+        (vec!["run", "--model", d, "--ids", "1,99999"], "--ids: token 99999 is outside the vocabulary of 768"),
+        (vec!["run", "--model", d], "--prompt"),
+        (vec!["run", "--model", d, "--prompt", "x", "--gen", "4000000000"], "are available"),
+        (vec!["inspect"], "--model"),
+    ] {
+        let (code, _, err) = k3ring(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn help_and_version_exit_0() {
+    let (code, out, _) = k3ring(&["--help"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("inspect") && out.contains("run"));
+    let (code, out, _) = k3ring(&["--version"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("k3ring "));
+}
+
+#[test]
+fn missing_model_directory_is_an_io_error() {
+    let (code, _, err) = k3ring(&["run", "--model", "/nonexistent/k3", "--prompt", "x"]);
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("/nonexistent/k3"), "{err}");
+}
