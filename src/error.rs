@@ -96,6 +96,9 @@ fn classify(cause: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
             TokenizerError::Regex(_) => ExitCode::Internal,
         });
     }
+    if let Some(e) = cause.downcast_ref::<crate::storage::pack::PackError>() {
+        return Some(if e.exit_code() == 4 { ExitCode::Io } else { ExitCode::Data });
+    }
     if cause.is::<std::io::Error>() {
         return Some(ExitCode::Io);
     }

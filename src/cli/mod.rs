@@ -6,6 +6,7 @@
 
 mod embedded;
 mod inspect;
+mod pack;
 mod run;
 
 use std::path::PathBuf;
@@ -28,6 +29,21 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Generate text from a prompt (the embedded tiny model when --model is absent).
     Run(RunArgs),
+    /// Copy every non-expert tensor into one file laid out for streaming (the trunk pack).
+    Pack(PackArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PackArgs {
+    /// Model directory to pack.
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Directory for trunk.pack and trunk.manifest.json.
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Re-read the pack and check every unit's checksum.
+    #[arg(long)]
+    pub verify: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -156,6 +172,7 @@ pub fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
+        Command::Pack(args) => pack::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -6,3 +6,4 @@
 
 pub mod io;
 pub mod mmap;
+pub mod pack;

@@ -12,7 +12,7 @@ use std::arch::x86_64::{
     _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setr_epi8,
     _mm256_setzero_ps, _mm256_setzero_si256, _mm256_shuffle_epi8, _mm256_srli_epi16,
     _mm256_unpackhi_epi16, _mm256_unpackhi_epi8, _mm256_unpacklo_epi16, _mm256_unpacklo_epi8,
-    _mm_loadu_si128,
+    _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0,
 };
 
 use super::{e8m0_pow2, GROUP};
@@ -84,6 +84,14 @@ fn decode32(b: &[u8; GROUP_BYTES], pow2: __m256) -> [__m256; 4] {
         *o = _mm256_mul_ps(_mm256_castsi256_ps(f), pow2);
     }
     out
+}
+
+/// Hints the cache to fetch the line holding `p`; any address is fine (a prefetch never faults
+/// and reads nothing architecturally).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn prefetch(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p.cast());
 }
 
 /// The group's `2^(s - 127)` in every lane.
@@ -159,6 +167,14 @@ fn rows_dot<const R: usize>(
     let mut lo = [_mm256_setzero_ps(); R];
     let mut hi = [_mm256_setzero_ps(); R];
     for g in 0..groups {
+        if g % 4 == 0 {
+            // The next R rows follow these ones in memory: request their line at this group's
+            // offset now, so it arrives while this pair computes. Without it the loop waits on
+            // DRAM (measured: 4.3 -> 5.3 GB/s streaming a 46 MB rotation of K3 experts).
+            for i in 0..R {
+                prefetch(packed.as_ptr().wrapping_add((R + i) * pb + g * GROUP_BYTES));
+            }
+        }
         let (xl0, xh0) = load16(&x_chunks[2 * g]);
         let (xl1, xh1) = load16(&x_chunks[2 * g + 1]);
         for i in 0..R {

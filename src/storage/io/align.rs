@@ -106,7 +106,8 @@ pub fn open_direct(paths: &[PathBuf], align_min: u32) -> Result<(Vec<File>, DioA
         files.push(file);
     }
     let fallback = align_min.max(DIO_ALIGN_DEFAULT);
-    let align = strictest.unwrap_or(DioAlign { mem_align: fallback, offset_align: fallback, source: AlignSource::Default });
+    let align =
+        strictest.unwrap_or(DioAlign { mem_align: fallback, offset_align: fallback, source: AlignSource::Default });
     assert!(align.offset_align.is_power_of_two() && align.mem_align.is_power_of_two());
     Ok((files, align))
 }
@@ -120,9 +121,8 @@ fn statx_dio_align(file: &File) -> Option<(u32, u32)> {
     // SAFETY: the fd is open for the duration of the call (borrowed from `file`); the path is a
     // NUL-terminated empty string, valid with AT_EMPTY_PATH; `stx` is a live, writable struct of
     // the size the kernel writes (asserted above).
-    let rc = unsafe {
-        libc::statx(file.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx)
-    };
+    let rc =
+        unsafe { libc::statx(file.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx) };
     if rc != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 {
         return None;
     }

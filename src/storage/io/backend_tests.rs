@@ -20,7 +20,11 @@ const TAIL_LEN: u64 = (5 << 20) + 1000;
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let files = vec![(3u64 << 20, 0u64), (TAIL_LEN, 77u64)];
-    let paths = files.iter().enumerate().map(|(i, &(len, salt))| write_pattern(dir.path(), &format!("f{i}.bin"), len, salt)).collect();
+    let paths = files
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, salt))| write_pattern(dir.path(), &format!("f{i}.bin"), len, salt))
+        .collect();
     Fixture { _dir: dir, paths, files }
 }
 
@@ -30,14 +34,29 @@ enum Kind {
     Pread,
 }
 
-fn backend(kind: Kind, paths: &[PathBuf], depth: u32, chunk: usize, align_min: u32, inject: Option<FaultPlan>) -> Box<dyn ReadBackend> {
+fn backend(
+    kind: Kind,
+    paths: &[PathBuf],
+    depth: u32,
+    chunk: usize,
+    align_min: u32,
+    inject: Option<FaultPlan>,
+) -> Box<dyn ReadBackend> {
     match kind {
         Kind::Uring => {
-            let opts = RingOptions { queue_depth: depth, chunk_bytes: chunk, ops_max: 64, align_min, inject, ..RingOptions::default() };
+            let opts = RingOptions {
+                queue_depth: depth,
+                chunk_bytes: chunk,
+                ops_max: 64,
+                align_min,
+                inject,
+                ..RingOptions::default()
+            };
             Box::new(UringReader::new(paths, opts).unwrap())
         }
         Kind::Pread => {
-            let opts = PreadOptions { threads: 3, queue_depth: depth, chunk_bytes: chunk, ops_max: 64, align_min, inject };
+            let opts =
+                PreadOptions { threads: 3, queue_depth: depth, chunk_bytes: chunk, ops_max: 64, align_min, inject };
             Box::new(PreadReader::new(paths, opts).unwrap())
         }
     }
@@ -49,7 +68,9 @@ const KINDS: [Kind; 2] = [Kind::Uring, Kind::Pread];
 fn random_ranges_match_the_pattern_at_depth_1_and_32() {
     let fx = fixture();
     for kind in KINDS {
-        for (depth, chunk, window) in [(1u32, 64usize << 10, 1usize), (1, 64 << 10, 8), (32, 64 << 10, 32), (32, 1 << 20, 16)] {
+        for (depth, chunk, window) in
+            [(1u32, 64usize << 10, 1usize), (1, 64 << 10, 8), (32, 64 << 10, 32), (32, 1 << 20, 16)]
+        {
             let mut b = backend(kind, &fx.paths, depth, chunk, 0, None);
             let align = u64::from(b.dio_align().strictest());
             let planned = plan(depth as u64 * 31 + 7, 48, &fx.files, align, 300 << 10);
@@ -167,7 +188,10 @@ fn window_past_eof_succeeds_when_min_len_is_inside_the_file() {
         let last_block = (TAIL_LEN / 4096) * 4096;
         let tail = (TAIL_LEN - last_block) as usize;
         let ok = ReadOp { min_len: 4096 + tail, ..ReadOp::new(1, last_block - 4096, 16384, buf.as_mut_ptr(), 1) };
-        let short = ReadOp { min_len: 4096 + tail + 1, ..ReadOp::new(1, last_block - 4096, 16384, buf.as_mut_ptr().wrapping_add(32768), 2) };
+        let short = ReadOp {
+            min_len: 4096 + tail + 1,
+            ..ReadOp::new(1, last_block - 4096, 16384, buf.as_mut_ptr().wrapping_add(32768), 2)
+        };
         // SAFETY: the two reads use disjoint halves of `buf`, which outlives the reader's use.
         unsafe {
             b.submit(ok).unwrap();
@@ -245,10 +269,12 @@ fn queue_limit_is_enforced() {
         let buf = AlignedBuf::new(65 * 4096, &BufOptions::default()).unwrap();
         for i in 0..64u64 {
             // SAFETY: each read has its own 4 KiB of `buf`, which outlives the reader's use.
-            unsafe { b.submit(ReadOp::new(0, i * 4096, 4096, buf.as_mut_ptr().wrapping_add(i as usize * 4096), i)) }.unwrap();
+            unsafe { b.submit(ReadOp::new(0, i * 4096, 4096, buf.as_mut_ptr().wrapping_add(i as usize * 4096), i)) }
+                .unwrap();
         }
         // SAFETY: refused before queuing.
-        let err = unsafe { b.submit(ReadOp::new(0, 0, 4096, buf.as_mut_ptr().wrapping_add(64 * 4096), 64)) }.unwrap_err();
+        let err =
+            unsafe { b.submit(ReadOp::new(0, 0, 4096, buf.as_mut_ptr().wrapping_add(64 * 4096), 64)) }.unwrap_err();
         assert!(matches!(err, IoError::QueueFull { max: 64, .. }), "{err}");
         let mut out = Vec::new();
         b.reap(&mut out, 64).unwrap();
@@ -272,5 +298,65 @@ fn dropping_a_reader_with_reads_in_flight_waits_for_them() {
         for (k, &v) in buf.as_slice().iter().enumerate().step_by(4093) {
             assert!(v == 0 || v == pattern_byte(k as u64), "{kind:?} byte {k}");
         }
+    }
+}
+
+/// The prefetcher's pattern: queue reads, `reap(out, 0)` to start them without blocking, do
+/// other work, poll again until all are back.
+#[test]
+fn reap_zero_starts_reads_and_polls_without_blocking() {
+    let fx = fixture();
+    for kind in KINDS {
+        let mut b = backend(kind, &fx.paths, 8, 64 << 10, 0, None);
+        let align = u64::from(b.dio_align().strictest());
+        let planned = plan(77, 12, &fx.files, align, 512 << 10);
+        let buf = buffer_for(&planned);
+        let slot = planned.iter().map(|p| p.len).max().unwrap();
+        for (i, p) in planned.iter().enumerate() {
+            let op = ReadOp::new(p.file, p.offset, p.len, buf.as_mut_ptr().wrapping_add(i * slot), i as u64);
+            // SAFETY: each read has its own slot of `buf`, which outlives the reader's use.
+            unsafe { b.submit(op) }.unwrap();
+        }
+        let mut out = Vec::new();
+        let mut polls = 0;
+        while out.len() < planned.len() {
+            b.reap(&mut out, 0).unwrap();
+            polls += 1;
+            assert!(polls < 100_000, "{kind:?}: reads never completed by polling");
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        assert!(b.stats().sqes_submitted > 0);
+        assert!(out.iter().all(|c| c.result.is_ok()));
+        let got: Vec<Vec<u8>> =
+            planned.iter().enumerate().map(|(i, p)| buf.as_slice()[i * slot..i * slot + p.len].to_vec()).collect();
+        check_plan(&planned, &got);
+    }
+}
+
+#[test]
+fn faults_and_multi_chunk_reads_at_depth_1() {
+    let fx = fixture();
+    for kind in KINDS {
+        let inject = Some(FaultPlan { short_every: Some(2), eio_every: Some(7) });
+        let mut b = backend(kind, &fx.paths, 1, 8192, 4096, inject);
+        let planned = plan(3, 16, &fx.files, 4096, 64 << 10);
+        let buf = buffer_for(&planned);
+        let slot = planned.iter().map(|p| p.len).max().unwrap();
+        for (i, p) in planned.iter().enumerate() {
+            let op = ReadOp::new(p.file, p.offset, p.len, buf.as_mut_ptr().wrapping_add(i * slot), i as u64);
+            // SAFETY: each read has its own slot of `buf`, which outlives the reader's use.
+            unsafe { b.submit(op) }.unwrap();
+        }
+        let mut out = Vec::new();
+        b.reap(&mut out, planned.len()).unwrap();
+        assert_eq!(out.len(), planned.len());
+        let failed = out.iter().filter(|c| c.result.is_err()).count();
+        assert!(failed > 0, "{kind:?}: every 7th chunk result is EIO");
+        for c in out.iter().filter(|c| c.result.is_ok()) {
+            let (i, p) = (c.tag as usize, planned[c.tag as usize]);
+            check_plan(&[p], &[buf.as_slice()[i * slot..i * slot + p.len].to_vec()]);
+        }
+        let stats = b.stats();
+        assert!(stats.short_read_resubmits > 0 && stats.ops_failed == failed as u64, "{kind:?}: {stats:?}");
     }
 }

@@ -22,7 +22,8 @@ const READ_BYTES: usize = 17_920 << 10; // 17.5 MiB
 const FILE_BYTES: u64 = 1 << 30;
 
 fn bench_file() -> PathBuf {
-    let path = std::env::var_os("K3_BENCH_FILE").map_or_else(|| PathBuf::from("/tmp/k3ring-bench-1g.bin"), PathBuf::from);
+    let path =
+        std::env::var_os("K3_BENCH_FILE").map_or_else(|| PathBuf::from("/tmp/k3ring-bench-1g.bin"), PathBuf::from);
     let ok = std::fs::metadata(&path).map(|m| m.len() == FILE_BYTES).unwrap_or(false);
     if !ok {
         let dir = path.parent().unwrap();
@@ -143,7 +144,14 @@ fn bench_read_rate_17_5_mib_reads() {
     for &depth in &depths {
         let chunk = 1 << 20;
         let window = (depth as usize).div_ceil(17) + 1;
-        let opts = PreadOptions { threads: depth as usize, queue_depth: depth, chunk_bytes: chunk, ops_max: 64, align_min: 0, inject: None };
+        let opts = PreadOptions {
+            threads: depth as usize,
+            queue_depth: depth,
+            chunk_bytes: chunk,
+            ops_max: 64,
+            align_min: 0,
+            inject: None,
+        };
         let mut rates = Vec::new();
         let mut note = "";
         for _ in 0..repeats() {
@@ -151,6 +159,9 @@ fn bench_read_rate_17_5_mib_reads() {
             note = drop_caches();
             rates.push(read_all(&mut reader, window, &buf, None).0);
         }
-        eprintln!("pread threads {depth:>2} chunk  1024 KiB reads in flight {window:>2}: {}  ({note})", summary(&mut rates));
+        eprintln!(
+            "pread threads {depth:>2} chunk  1024 KiB reads in flight {window:>2}: {}  ({note})",
+            summary(&mut rates)
+        );
     }
 }

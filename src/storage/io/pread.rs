@@ -104,7 +104,12 @@ impl PreadReader {
                 Err(source) => return Err(IoError::Setup { what: format!("pread worker thread {index}"), source }),
             }
         }
-        let limits = TableLimits { ops_max: opts.ops_max, chunk_max: opts.queue_depth, chunk_bytes: opts.chunk_bytes, align: align.clone() };
+        let limits = TableLimits {
+            ops_max: opts.ops_max,
+            chunk_max: opts.queue_depth,
+            chunk_bytes: opts.chunk_bytes,
+            align: align.clone(),
+        };
         let table = OpTable::new(files.to_vec(), limits, opts.inject);
         Ok(PreadReader { table, jobs: Some(job_tx), results: result_rx, workers, align, wait_ns: 0 })
     }
@@ -123,7 +128,11 @@ impl PreadReader {
     /// Hands queued chunks to the workers and waits until at least `wait_for` logical reads have
     /// completed (`wait_for <= in_flight()`), appending them to `out`.
     pub fn reap(&mut self, out: &mut Vec<Completion>, wait_for: usize) -> Result<(), IoError> {
-        assert!(wait_for <= self.table.in_flight(), "waiting for {wait_for} reads, {} in flight", self.table.in_flight());
+        assert!(
+            wait_for <= self.table.in_flight(),
+            "waiting for {wait_for} reads, {} in flight",
+            self.table.in_flight()
+        );
         let mut completed = 0;
         // The event loop; ends for the same reason as the ring's: each pass issues work or folds
         // at least one result, and every op has finitely many chunk results.
@@ -223,7 +232,10 @@ impl Drop for PreadReader {
 }
 
 fn workers_gone() -> IoError {
-    IoError::Setup { what: "pread workers (all exited)".to_string(), source: std::io::Error::from(std::io::ErrorKind::BrokenPipe) }
+    IoError::Setup {
+        what: "pread workers (all exited)".to_string(),
+        source: std::io::Error::from(std::io::ErrorKind::BrokenPipe),
+    }
 }
 
 fn check_options(files: &[PathBuf], opts: &PreadOptions) -> Result<(), IoError> {

@@ -207,7 +207,8 @@ impl UringReader {
         // Every chunk slot must fit in the SQ and its CQE in the CQ, so pushes never fail and the
         // CQ never overflows.
         assert!(info.sq_entries >= opts.queue_depth && info.cq_entries >= opts.queue_depth);
-        let limits = TableLimits { ops_max: opts.ops_max, chunk_max: opts.queue_depth, chunk_bytes: opts.chunk_bytes, align };
+        let limits =
+            TableLimits { ops_max: opts.ops_max, chunk_max: opts.queue_depth, chunk_bytes: opts.chunk_bytes, align };
         let mut table = OpTable::new(files.to_vec(), limits, opts.inject);
         table.set_fixed_buffers(fixed.clone());
         tracing::debug!("{info}");
@@ -238,7 +239,11 @@ impl UringReader {
     /// (`wait_for <= in_flight()`), appending them to `out`. Errors of single reads arrive as
     /// completions; `Err` here means the ring itself failed.
     pub fn reap(&mut self, out: &mut Vec<Completion>, wait_for: usize) -> Result<(), IoError> {
-        assert!(wait_for <= self.table.in_flight(), "waiting for {wait_for} reads, {} in flight", self.table.in_flight());
+        assert!(
+            wait_for <= self.table.in_flight(),
+            "waiting for {wait_for} reads, {} in flight",
+            self.table.in_flight()
+        );
         let mut completed = 0;
         let mut enter_failures = 0;
         // The event loop. Each pass submits, or waits for at least one CQE; every op has a finite
@@ -488,7 +493,9 @@ fn build_entry(req: &ChunkReq, fd: RawFd, fixed_files: bool) -> squeue::Entry {
     let fixed = types::Fixed(req.file as u32);
     let entry = match (fixed_files, req.buf_index) {
         (true, Some(index)) => opcode::ReadFixed::new(fixed, req.dst, req.len, index).offset(req.offset).build(),
-        (false, Some(index)) => opcode::ReadFixed::new(types::Fd(fd), req.dst, req.len, index).offset(req.offset).build(),
+        (false, Some(index)) => {
+            opcode::ReadFixed::new(types::Fd(fd), req.dst, req.len, index).offset(req.offset).build()
+        }
         (true, None) => opcode::Read::new(fixed, req.dst, req.len).offset(req.offset).build(),
         (false, None) => opcode::Read::new(types::Fd(fd), req.dst, req.len).offset(req.offset).build(),
     };
@@ -511,13 +518,23 @@ mod tests {
     fn registered_and_plain_files_and_buffers_all_read_right() {
         let dir = tempfile::tempdir_in("/tmp").unwrap();
         let files = vec![(4u64 << 20, 0u64), (2u64 << 20, 5u64)];
-        let paths: Vec<PathBuf> = files.iter().enumerate().map(|(i, &(len, salt))| write_pattern(dir.path(), &format!("r{i}"), len, salt)).collect();
+        let paths: Vec<PathBuf> = files
+            .iter()
+            .enumerate()
+            .map(|(i, &(len, salt))| write_pattern(dir.path(), &format!("r{i}"), len, salt))
+            .collect();
         for register_files in [false, true] {
             for register_bufs in [false, true] {
                 let planned = plan(11, 40, &files, 4096, 256 << 10);
                 let buf = Arc::new(buffer_for(&planned));
                 let register_buffers = if register_bufs { vec![Arc::clone(&buf)] } else { Vec::new() };
-                let opts = RingOptions { queue_depth: 16, chunk_bytes: 32 << 10, register_files, register_buffers, ..RingOptions::default() };
+                let opts = RingOptions {
+                    queue_depth: 16,
+                    chunk_bytes: 32 << 10,
+                    register_files,
+                    register_buffers,
+                    ..RingOptions::default()
+                };
                 let mut reader = UringReader::new(&paths, opts).unwrap();
                 let info = reader.info().clone();
                 assert_eq!(info.registered_files, register_files, "{info}");
@@ -599,7 +616,10 @@ mod tests {
         assert!(matches!(err, IoError::Unaligned { value: 1000, .. }), "{err}");
         let missing = [dir.path().join("missing")];
         let err = UringReader::new(&missing, RingOptions::default()).err().unwrap();
-        assert!(err.to_string().starts_with(&format!("cannot open {} for O_DIRECT reads", missing[0].display())), "{err}");
+        assert!(
+            err.to_string().starts_with(&format!("cannot open {} for O_DIRECT reads", missing[0].display())),
+            "{err}"
+        );
         assert_eq!(err.exit_code(), 4);
     }
 }

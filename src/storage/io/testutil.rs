@@ -71,7 +71,13 @@ pub fn plan(seed: u64, count: usize, files: &[(u64, u64)], align: u64, len_max: 
 
 /// Reads every planned range through `backend` into one buffer (each range at an aligned
 /// slot), keeping up to `window` reads submitted at once, and returns the bytes of each read.
-pub fn run_plan(backend: &mut dyn ReadBackend, planned: &[Planned], window: usize, buf_index: Option<u16>, buf: &AlignedBuf) -> Vec<Vec<u8>> {
+pub fn run_plan(
+    backend: &mut dyn ReadBackend,
+    planned: &[Planned],
+    window: usize,
+    buf_index: Option<u16>,
+    buf: &AlignedBuf,
+) -> Vec<Vec<u8>> {
     let slot = planned.iter().map(|p| p.len).max().unwrap();
     assert!(slot * planned.len() <= buf.len());
     let mut out: Vec<Completion> = Vec::new();
@@ -81,7 +87,8 @@ pub fn run_plan(backend: &mut dyn ReadBackend, planned: &[Planned], window: usiz
         while next < planned.len() && backend.in_flight() < window {
             let p = planned[next];
             let dst = buf.as_mut_ptr().wrapping_add(next * slot);
-            let op = ReadOp { file: p.file, offset: p.offset, len: p.len, min_len: p.len, dst, buf_index, tag: next as u64 };
+            let op =
+                ReadOp { file: p.file, offset: p.offset, len: p.len, min_len: p.len, dst, buf_index, tag: next as u64 };
             // SAFETY: each read has its own slot of `buf`, which outlives the backend's use of it
             // (every op is reaped below before `buf` is read).
             unsafe { backend.submit(op) }.unwrap();

@@ -155,7 +155,11 @@ mod tests {
     fn one_node_two_cpus() {
         let root = tempfile::tempdir().unwrap();
         write(root.path(), "devices/system/node/node0/cpulist", "0-1\n");
-        write(root.path(), "devices/system/node/node0/meminfo", "Node 0 MemTotal:       24576000 kB\nNode 0 MemFree: 1 kB\n");
+        write(
+            root.path(),
+            "devices/system/node/node0/meminfo",
+            "Node 0 MemTotal:       24576000 kB\nNode 0 MemFree: 1 kB\n",
+        );
         write(root.path(), "devices/system/node/online", "0\n");
         let topo = Topology::from_sysfs(root.path()).unwrap();
         assert_eq!(topo.nodes, vec![NumaNode { id: 0, cpus: vec![0, 1], mem_bytes: Some(24_576_000 * 1024) }]);
