@@ -4,29 +4,28 @@
 use kernels::Kernels;
 
 use super::attn_res::{self, ResScratch};
-use super::weights::{vector_into, GlobalWeights, TrunkView};
+use super::weights::{vector_into, GlobalWeights, TrunkView, WeightSource};
 use super::ModelError;
 use crate::config::Config;
 
-/// Writes the embedding rows of `tokens` into `out` ([t, D]).
-pub fn embed(
+/// Writes the embedding rows of `tokens` into `out` ([t, D]); `rows` is byte scratch of at
+/// least t * D * 2.
+pub fn embed<S: WeightSource>(
     cfg: &Config,
-    view: &dyn TrunkView,
+    src: &S,
     w: &GlobalWeights,
     tokens: &[u32],
+    rows: &mut [u8],
     out: &mut [f32],
 ) -> Result<(), ModelError> {
     let d = cfg.hidden_size;
-    let table = view.bytes(w.embed_tokens.id);
-    for (tok, &id) in tokens.iter().enumerate() {
-        let id = id as usize;
-        if id >= w.embed_tokens.rows {
-            return Err(ModelError::TokenOutOfRange { id, vocab: w.embed_tokens.rows });
-        }
-        let row = &table[id * d * 2..(id + 1) * d * 2];
-        for (o, b) in out[tok * d..(tok + 1) * d].iter_mut().zip(row.chunks_exact(2)) {
-            *o = kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-        }
+    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= w.embed_tokens.rows) {
+        return Err(ModelError::TokenOutOfRange { id: id as usize, vocab: w.embed_tokens.rows });
+    }
+    let rows = &mut rows[..tokens.len() * d * 2];
+    src.embed_rows(&w.embed_tokens, tokens, rows)?;
+    for (o, b) in out[..tokens.len() * d].iter_mut().zip(rows.chunks_exact(2)) {
+        *o = kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
     }
     Ok(())
 }

@@ -118,6 +118,7 @@ impl ModelState {
 pub struct Scratch {
     chunk: usize,
     partial: Vec<f32>,        // [T, D] p
+    embed_rows: Vec<u8>,      // [T, D] bf16 rows
     snapshots: Vec<Vec<f32>>, // [blocks][T, D]
     x: Vec<f32>,              // [T, D] attention input (residual read)
     xn: Vec<f32>,             // [T, D] normalised
@@ -138,6 +139,7 @@ impl Scratch {
         Scratch {
             chunk,
             partial: td(),
+            embed_rows: vec![0; chunk * d * 2],
             snapshots: (0..blocks).map(|_| td()).collect(),
             x: td(),
             xn: td(),
@@ -158,7 +160,7 @@ impl Scratch {
         let blocks = cfg.block_starts().len();
         let m = &cfg.mla;
         let moe = &cfg.moe;
-        let per_token = d * (blocks + 7)
+        let per_token = d * (blocks + 8)
             + 10 * cfg.kda.width()
             + 3 * cfg.dense_intermediate.max(moe.shared_hidden())
             + moe.n_experts
@@ -205,15 +207,12 @@ impl Model {
             return Err(ModelError::ContextFull { capacity: st.capacity });
         }
         let d = self.cfg.hidden_size;
-        {
-            let g = src.trunk(TrunkUnit::Globals)?;
-            head::embed(&self.cfg, &g, &self.weights.globals, tokens, &mut sc.partial[..t * d])?;
-        }
+        head::embed(&self.cfg, src, &self.weights.globals, tokens, &mut sc.embed_rows, &mut sc.partial[..t * d])?;
         let mut n_snap = 0;
         for l in 0..self.cfg.n_layers {
             n_snap = self.layer(src, st, sc, l, t, n_snap, &mut probe)?;
         }
-        let g = src.trunk(TrunkUnit::Globals)?;
+        let g = src.trunk(TrunkUnit::Head)?;
         let out_rows = match rows {
             LogitRows::Last => t - 1..t,
             LogitRows::All => 0..t,

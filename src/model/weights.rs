@@ -165,10 +165,11 @@ pub trait ExpertView {
     fn parts(&self) -> ExpertBytes<'_>;
 }
 
-/// Which trunk unit to make resident.
+/// Which trunk unit to make resident. The embedding is not a unit: it is read by rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TrunkUnit {
-    Globals,
+    /// Output aggregator, final norm and lm_head.
+    Head,
     Layer(usize),
 }
 
@@ -183,6 +184,10 @@ pub trait WeightSource: Sync {
 
     /// Makes a trunk unit resident and returns its bytes.
     fn trunk(&self, unit: TrunkUnit) -> Result<Self::Trunk<'_>, SourceError>;
+
+    /// Copies the bf16 rows `ids` of the embedding table `table` into `out`
+    /// (`ids.len() * table.cols * 2` bytes). Every id is below `table.rows` (checked by the caller).
+    fn embed_rows(&self, table: &Mat, ids: &[u32], out: &mut [u8]) -> Result<(), SourceError>;
 
     /// Makes one routed expert resident and returns its bytes.
     fn expert(&self, layer: usize, expert: usize) -> Result<Self::Expert<'_>, SourceError>;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use crate::checkpoint::{CheckpointIndex, EXPERT_PARTS};
-use crate::model::weights::{ExpertBytes, ExpertView, SourceError, TensorId, TrunkUnit, TrunkView, WeightSource};
+use crate::model::weights::{ExpertBytes, ExpertView, Mat, SourceError, TensorId, TrunkUnit, TrunkView, WeightSource};
 
 /// Why the store could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +81,15 @@ impl WeightSource for MmapSource {
 
     fn trunk(&self, _unit: TrunkUnit) -> Result<&MmapSource, SourceError> {
         Ok(self)
+    }
+
+    fn embed_rows(&self, table: &Mat, ids: &[u32], out: &mut [u8]) -> Result<(), SourceError> {
+        let bytes = self.tensor_bytes(table.id);
+        let row = table.cols * 2;
+        for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(row)) {
+            dst.copy_from_slice(&bytes[id as usize * row..(id as usize + 1) * row]);
+        }
+        Ok(())
     }
 
     fn expert(&self, layer: usize, expert: usize) -> Result<MappedExpert<'_>, SourceError> {

@@ -7,3 +7,4 @@
 pub mod io;
 pub mod mmap;
 pub mod pack;
+pub mod plan;

@@ -108,7 +108,8 @@ pub fn open_direct(paths: &[PathBuf], align_min: u32) -> Result<(Vec<File>, DioA
     let fallback = align_min.max(DIO_ALIGN_DEFAULT);
     let align =
         strictest.unwrap_or(DioAlign { mem_align: fallback, offset_align: fallback, source: AlignSource::Default });
-    assert!(align.offset_align.is_power_of_two() && align.mem_align.is_power_of_two());
+    assert!(align.offset_align.is_power_of_two());
+    assert!(align.mem_align.is_power_of_two());
     Ok((files, align))
 }
 

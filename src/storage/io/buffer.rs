@@ -226,7 +226,8 @@ fn map_aligned(map_len: usize) -> Result<NonNull<u8>, IoError> {
     let start = base.next_multiple_of(HUGE_PAGE_BYTES);
     let head = start - base;
     let tail = total - head - map_len;
-    assert!(head <= HUGE_PAGE_BYTES && tail <= HUGE_PAGE_BYTES);
+    assert!(head <= HUGE_PAGE_BYTES);
+    assert!(tail <= HUGE_PAGE_BYTES);
     assert_eq!(head + map_len + tail, total);
     // SAFETY: both ranges lie inside the mapping just made, outside the kept range, and are
     // page-aligned (mmap returns a page-aligned base; `start` and `map_len` are 2 MiB multiples).

@@ -52,6 +52,10 @@ pub const QUEUE_DEPTH_MAX: u32 = 4096;
 /// delays the first completed bytes without raising throughput.
 pub const CHUNK_BYTES_MAX: usize = 1 << 30;
 
+// An SQE's length is a u32; op and chunk slot indices are u32.
+const _: () = assert!(CHUNK_BYTES_MAX <= u32::MAX as usize);
+const _: () = assert!(READS_IN_FLIGHT_MAX <= u32::MAX as usize);
+
 /// EINTR/EAGAIN retries allowed per chunk before the read fails with that errno.
 pub const RETRIES_MAX: u32 = 16;
 

@@ -102,10 +102,13 @@ pub(crate) struct OpTable {
 
 impl OpTable {
     pub fn new(paths: Vec<PathBuf>, limits: TableLimits, inject: Option<FaultPlan>) -> OpTable {
-        assert!(limits.ops_max >= 1 && limits.ops_max <= super::READS_IN_FLIGHT_MAX);
-        assert!(limits.chunk_max >= 1 && limits.chunk_max <= super::QUEUE_DEPTH_MAX);
+        assert!(limits.ops_max >= 1);
+        assert!(limits.ops_max <= super::READS_IN_FLIGHT_MAX);
+        assert!(limits.chunk_max >= 1);
+        assert!(limits.chunk_max <= super::QUEUE_DEPTH_MAX);
         assert_eq!(limits.chunk_bytes % limits.align.strictest() as usize, 0);
-        assert!(limits.chunk_bytes > 0 && limits.chunk_bytes <= super::CHUNK_BYTES_MAX);
+        assert!(limits.chunk_bytes > 0);
+        assert!(limits.chunk_bytes <= super::CHUNK_BYTES_MAX);
         let ops = (0..limits.ops_max).map(|_| OpSlot::free()).collect();
         let free_ops = (0..limits.ops_max as u32).rev().collect();
         let chunks = vec![CHUNK_FREE; limits.chunk_max as usize];
@@ -207,7 +210,7 @@ impl OpTable {
                 return bad(format!("buf_index {index} but {} buffers are registered", self.fixed.len()));
             };
             let dst = op.dst as usize;
-            if dst < start || dst + op.len > start + len {
+            if dst < start || dst.saturating_add(op.len) > start + len {
                 return bad(format!("destination is not inside registered buffer {index}"));
             }
         }
@@ -229,7 +232,9 @@ impl OpTable {
         let Some(op) = slot.op else {
             unreachable!("ready queue holds free op slot {op_index}");
         };
-        assert!(slot.issued < op.len && slot.error.is_none() && slot.eof_at.is_none());
+        assert!(slot.issued < op.len);
+        assert!(slot.error.is_none());
+        assert!(slot.eof_at.is_none());
         let len = self.limits.chunk_bytes.min(op.len - slot.issued);
         let chunk = &mut self.chunks[id as usize];
         assert_eq!(chunk.state, ChunkState::Free, "chunk slot {id} reused while in flight");

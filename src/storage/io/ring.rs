@@ -102,8 +102,9 @@ pub struct RingInfo {
     pub fixed_buffers: usize,
     /// Chunk SQEs in flight at most.
     pub queue_depth: u32,
-    /// SQ and CQ sizes the kernel chose.
+    /// SQ size the kernel chose (`queue_depth` rounded up to a power of two).
     pub sq_entries: u32,
+    /// CQ size the kernel chose (twice the SQ).
     pub cq_entries: u32,
     /// Bytes per SQE.
     pub chunk_bytes: usize,
@@ -206,7 +207,8 @@ impl UringReader {
         };
         // Every chunk slot must fit in the SQ and its CQE in the CQ, so pushes never fail and the
         // CQ never overflows.
-        assert!(info.sq_entries >= opts.queue_depth && info.cq_entries >= opts.queue_depth);
+        assert!(info.sq_entries >= opts.queue_depth);
+        assert!(info.cq_entries >= opts.queue_depth);
         let limits =
             TableLimits { ops_max: opts.ops_max, chunk_max: opts.queue_depth, chunk_bytes: opts.chunk_bytes, align };
         let mut table = OpTable::new(files.to_vec(), limits, opts.inject);
@@ -291,7 +293,7 @@ impl UringReader {
     /// None when buffers are not registered or the range is in none (or straddles two pieces).
     pub fn fixed_buffer_for(&self, ptr: *const u8, len: usize) -> Option<u16> {
         let start = ptr as usize;
-        let index = self.fixed.iter().position(|&(base, n)| start >= base && start + len <= base + n)?;
+        let index = self.fixed.iter().position(|&(base, n)| start >= base && start.saturating_add(len) <= base + n)?;
         u16::try_from(index).ok()
     }
 
@@ -599,7 +601,8 @@ mod tests {
         eprintln!("{stats:?}");
         assert_eq!(stats.ops, 64);
         assert_eq!(stats.sqes_submitted, 64);
-        assert!(stats.submit_syscalls > 0 && stats.submit_syscalls < stats.ops, "{stats:?}");
+        assert!(stats.submit_syscalls > 0, "{stats:?}");
+        assert!(stats.submit_syscalls < stats.ops, "{stats:?}");
         assert!(stats.enter_syscalls >= stats.submit_syscalls);
         assert_eq!(stats.bytes_read, 64 * 16384);
         assert!(stats.busy_ns > 0);

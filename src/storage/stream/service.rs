@@ -1,0 +1,265 @@
+//! The I/O stage: one thread that owns a read backend (an io_uring ring must be used by the
+//! thread that made it), takes batches of reads over a bounded channel, keeps the backend's queue
+//! busy with demand reads first, and reports each batch's completion through a ticket table that
+//! compute threads wait on.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crate::storage::io::{Completion, IoError, IoStats, ReadBackend, ReadOp};
+
+/// A read whose destination pointer may cross to the I/O thread.
+pub struct SendOp(pub ReadOp);
+
+// SAFETY: the destination belongs to a buffer slot that the store marks in flight before sending
+// and does not touch (nor hand out) until this op's ticket completes; only the I/O thread and the
+// kernel write it meanwhile.
+unsafe impl Send for SendOp {}
+
+/// Urgency of a batch: demand reads are issued before any queued prefetch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Priority {
+    Demand,
+    Prefetch,
+}
+
+/// Identifies one batch of reads.
+pub type Ticket = u64;
+
+/// How a batch ended.
+#[derive(Debug)]
+enum TicketState {
+    Pending { remaining: usize, error: Option<IoError> },
+    Done(Result<(), IoError>),
+}
+
+#[derive(Default)]
+struct Tickets {
+    next: Ticket,
+    states: std::collections::HashMap<Ticket, TicketState>,
+    /// Set when the I/O thread stopped (its backend failed as a whole); waiters get this.
+    dead: Option<String>,
+}
+
+/// Shared between the store and the I/O thread.
+pub struct Shared {
+    tickets: Mutex<Tickets>,
+    done: Condvar,
+    stats: Mutex<IoStats>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding these locks leaves plain counters behind; keep going.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+enum Msg {
+    Batch { ticket: Ticket, priority: Priority, ops: Vec<SendOp> },
+    Stop,
+}
+
+/// Most batches waiting in the channel.
+const CHANNEL_BATCHES_MAX: usize = 1024;
+
+/// Handle to the I/O thread.
+pub struct IoService {
+    tx: SyncSender<Msg>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Builds the backend on the I/O thread (a ring must live on the thread that uses it).
+pub type BackendFactory = Box<dyn FnOnce() -> Result<Box<dyn ReadBackend>, IoError> + Send>;
+
+impl IoService {
+    /// Starts the I/O thread; fails if its backend cannot be built.
+    pub fn start(factory: BackendFactory, ops_in_backend_max: usize) -> Result<IoService, IoError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(CHANNEL_BATCHES_MAX);
+        let shared = Arc::new(Shared { tickets: Mutex::default(), done: Condvar::new(), stats: Mutex::default() });
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("k3ring-io".to_owned())
+            .spawn(move || match factory() {
+                Ok(backend) => {
+                    let _ = ready_tx.send(Ok(()));
+                    run(backend, rx, &thread_shared, ops_in_backend_max.max(1));
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .map_err(|source| IoError::Setup { what: "the I/O thread".to_owned(), source })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(IoService { tx, shared, thread: Some(thread) }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => Err(IoError::Setup {
+                what: "the I/O thread".to_owned(),
+                source: std::io::Error::other("it exited before reporting"),
+            }),
+        }
+    }
+
+    /// Sends a batch; returns its ticket. An empty batch completes at once.
+    pub fn submit(&self, priority: Priority, ops: Vec<SendOp>) -> Ticket {
+        let ticket = {
+            let mut t = lock(&self.shared.tickets);
+            t.next += 1;
+            let ticket = t.next;
+            let state = if ops.is_empty() {
+                TicketState::Done(Ok(()))
+            } else {
+                TicketState::Pending { remaining: ops.len(), error: None }
+            };
+            t.states.insert(ticket, state);
+            ticket
+        };
+        if !ops.is_empty() && self.tx.send(Msg::Batch { ticket, priority, ops }).is_err() {
+            let mut t = lock(&self.shared.tickets);
+            t.dead.get_or_insert_with(|| "the I/O thread has stopped".to_owned());
+        }
+        ticket
+    }
+
+    /// Whether a batch has finished (successfully or not), without blocking.
+    pub fn is_done(&self, ticket: Ticket) -> bool {
+        let t = lock(&self.shared.tickets);
+        !matches!(t.states.get(&ticket), Some(TicketState::Pending { .. }))
+    }
+
+    /// Blocks until the batch completes; returns its result (once: the ticket is forgotten).
+    pub fn wait(&self, ticket: Ticket) -> Result<(), IoError> {
+        let mut t = lock(&self.shared.tickets);
+        loop {
+            match t.states.get(&ticket) {
+                Some(TicketState::Done(_)) => {
+                    if let Some(TicketState::Done(r)) = t.states.remove(&ticket) {
+                        return r;
+                    }
+                }
+                None => return Ok(()),
+                Some(TicketState::Pending { .. }) => {
+                    if let Some(why) = &t.dead {
+                        return Err(IoError::Setup { what: "reads".to_owned(), source: std::io::Error::other(why.clone()) });
+                    }
+                    t = self.shared.done.wait(t).unwrap_or_else(PoisonError::into_inner);
+                }
+            }
+        }
+    }
+
+    /// The backend's counters as of its last report.
+    pub fn stats(&self) -> IoStats {
+        *lock(&self.shared.stats)
+    }
+}
+
+impl Drop for IoService {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Stop);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The I/O thread's loop: the event loop of the I/O stage (bounded by Stop or a closed channel).
+fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, ops_max: usize) {
+    let mut demand: VecDeque<(Ticket, SendOp)> = VecDeque::new();
+    let mut prefetch: VecDeque<(Ticket, SendOp)> = VecDeque::new();
+    let mut done: Vec<Completion> = Vec::with_capacity(ops_max);
+    let mut stopping = false;
+    let mut last_stats = Instant::now();
+    loop {
+        // Take new batches: block only when nothing is queued or in flight.
+        let idle = demand.is_empty() && prefetch.is_empty() && backend.in_flight() == 0;
+        if stopping && idle {
+            break;
+        }
+        let first = if idle { rx.recv().ok() } else { None };
+        if idle && first.is_none() {
+            break;
+        }
+        let mut next = first;
+        loop {
+            let msg = match next.take() {
+                Some(m) => m,
+                None => match rx.try_recv() {
+                    Ok(m) => m,
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        stopping = true;
+                        break;
+                    }
+                },
+            };
+            match msg {
+                Msg::Stop => stopping = true,
+                Msg::Batch { ticket, priority, ops } => {
+                    let queue = if priority == Priority::Demand { &mut demand } else { &mut prefetch };
+                    queue.extend(ops.into_iter().map(|op| (ticket, op)));
+                }
+            }
+        }
+        // Keep the backend busy, demand first.
+        while backend.in_flight() < ops_max {
+            let Some((ticket, op)) = demand.pop_front().or_else(|| prefetch.pop_front()) else { break };
+            let mut op = op.0;
+            op.tag = ticket;
+            // SAFETY: see `SendOp`: the slot behind `op.dst` is in flight and untouched by the
+            // store until this ticket completes, which happens only after the backend returns
+            // this op's completion.
+            if let Err(e) = unsafe { backend.submit(op) } {
+                finish_one(shared, ticket, Err(e));
+            }
+        }
+        if backend.in_flight() == 0 {
+            continue;
+        }
+        done.clear();
+        let waited = backend.reap(&mut done, 1);
+        if let Err(e) = waited {
+            // The backend as a whole failed: fail every waiter, loudly.
+            let mut t = lock(&shared.tickets);
+            t.dead = Some(format!("the read backend failed: {e}"));
+            drop(t);
+            shared.done.notify_all();
+            break;
+        }
+        for c in done.drain(..) {
+            finish_one(shared, c.tag, c.result);
+        }
+        if last_stats.elapsed().as_millis() >= 5 || backend.in_flight() == 0 {
+            *lock(&shared.stats) = backend.stats();
+            last_stats = Instant::now();
+        }
+    }
+    *lock(&shared.stats) = backend.stats();
+}
+
+fn finish_one(shared: &Shared, ticket: Ticket, result: Result<(), IoError>) {
+    let mut t = lock(&shared.tickets);
+    let finished = match t.states.get_mut(&ticket) {
+        Some(TicketState::Pending { remaining, error }) => {
+            *remaining -= 1;
+            if let Err(e) = result {
+                error.get_or_insert(e);
+            }
+            *remaining == 0
+        }
+        _ => false,
+    };
+    if finished {
+        if let Some(TicketState::Pending { error, .. }) = t.states.remove(&ticket) {
+            t.states.insert(ticket, TicketState::Done(error.map_or(Ok(()), Err)));
+        }
+        drop(t);
+        shared.done.notify_all();
+    }
+}
