@@ -31,8 +31,9 @@ pub struct UsageError(pub String);
 
 fn source_code(e: &SourceError) -> ExitCode {
     match e {
-        SourceError::Io { .. } => ExitCode::Io,
-        SourceError::Corrupt { .. } => ExitCode::Data,
+        SourceError::Read { exit_code: 3, .. } | SourceError::Corrupt { .. } => ExitCode::Data,
+        SourceError::Read { .. } => ExitCode::Io,
+        SourceError::Internal(_) => ExitCode::Internal,
     }
 }
 
@@ -73,6 +74,9 @@ fn classify(cause: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
             O::Store(e) => e,
             O::Tokenizer(e) => e,
             O::Engine(e) => e,
+            O::Pack(e) => e,
+            O::Plan(e) => e,
+            O::Stream(e) => e,
         };
         return classify(inner);
     }
@@ -94,6 +98,16 @@ fn classify(cause: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
             TokenizerError::Vocab { .. } | TokenizerError::Config { .. } => ExitCode::Data,
             TokenizerError::UnknownId(_) => ExitCode::Usage,
             TokenizerError::Regex(_) => ExitCode::Internal,
+        });
+    }
+    if cause.is::<crate::storage::plan::PlanError>() {
+        return Some(ExitCode::Usage);
+    }
+    if let Some(e) = cause.downcast_ref::<crate::storage::stream::StreamError>() {
+        return Some(match e.exit_code() {
+            4 => ExitCode::Io,
+            1 => ExitCode::Internal,
+            _ => ExitCode::Data,
         });
     }
     if let Some(e) = cause.downcast_ref::<crate::storage::pack::PackError>() {

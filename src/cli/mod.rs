@@ -47,7 +47,7 @@ pub struct PackArgs {
 }
 
 #[derive(Debug, clap::Args)]
-#[command(allow_negative_numbers = true)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "ids"])))]
 pub struct RunArgs {
     /// Model directory; without it, the tiny K3 model built into the binary.
@@ -95,9 +95,47 @@ pub struct RunArgs {
     /// Kernel instruction set: auto, scalar or avx2.
     #[arg(long, value_name = "ISA", default_value = "auto")]
     pub isa: String,
+    #[command(flatten)]
+    pub storage: StorageArgs,
     /// Write prompt_ids, generated_ids, text, seconds_per_token and peak_rss_bytes as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+}
+
+/// Flags of the streaming store (`run --trunk DIR ...`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct StorageArgs {
+    /// Stream from the trunk pack in DIR (made by `k3ring pack`); without it, weights are mapped.
+    #[arg(long, value_name = "DIR")]
+    pub trunk: Option<PathBuf>,
+    /// Memory budget in GB (10^9 bytes) for trunk, experts, states and scratch.
+    #[arg(long, value_name = "X", value_parser = parse_gb, conflicts_with = "preset")]
+    pub mem_gb: Option<f64>,
+    /// Budget preset: laptop, desktop, workstation, server, max (95% of MemAvailable), auto (80%).
+    #[arg(long, value_name = "NAME")]
+    pub preset: Option<String>,
+    /// Read backend: uring (io_uring, O_DIRECT), pread (thread pool, O_DIRECT) or mmap (page cache).
+    #[arg(long = "io", value_name = "BACKEND", default_value = "uring", value_parser = ["uring", "pread", "mmap"])]
+    pub io: String,
+    /// Reads in flight at most (io_uring SQEs, or pread calls).
+    #[arg(long, value_name = "Q", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub queue_depth: u32,
+    /// Streamed trunk layers read ahead of the one computing.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub readahead: usize,
+    /// Do not mlock the buffers.
+    #[arg(long)]
+    pub no_mlock: bool,
+    /// Check every streamed trunk unit's checksum on every read (default: first read of each).
+    #[arg(long)]
+    pub verify_reads: bool,
+}
+
+fn parse_gb(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a size in GB (a positive number)")),
+    }
 }
 
 fn parse_temperature(s: &str) -> Result<f32, String> {

@@ -6,9 +6,12 @@ use std::path::PathBuf;
 use anyhow::Context;
 use serde::Serialize;
 
-use super::RunArgs;
-use crate::engine::{open_resident, peak_rss_bytes, GenerateOptions, Sampling};
+use super::{RunArgs, StorageArgs};
+use crate::engine::{open_resident, open_streaming, peak_rss_bytes, GenerateOptions, Opened, Sampling, StreamingRun};
 use crate::error::UsageError;
+use crate::model::weights::WeightSource;
+use crate::storage::plan::{preset_bytes, Plan, GB};
+use crate::storage::stream::{IoKind, StreamOptions, StreamStats};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 #[derive(Serialize)]
@@ -23,6 +26,8 @@ struct RunReport<'a> {
     seconds_per_token: f64,
     peak_rss_bytes: Option<u64>,
     stopped_on_eos: bool,
+    plan: Option<&'a Plan>,
+    storage: Option<StreamStats>,
 }
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
@@ -31,10 +36,55 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         Some(dir) => dir.clone(),
         None => super::embedded::tiny_model_dir()?,
     };
-    let opened = open_resident(&model_dir, args.threads, kernels)
-        .with_context(|| format!("opening model {}", model_dir.display()))?;
+    let Some(trunk) = &args.storage.trunk else {
+        let opened = open_resident(&model_dir, args.threads, kernels)
+            .with_context(|| format!("opening model {}", model_dir.display()))?;
+        let prompt = prompt_ids(args, &opened.tokenizer)?;
+        return generate(args, &model_dir, &opened, &prompt, None, |_| None);
+    };
+    // The plan depends on the context length, so the prompt is tokenized first.
+    let tokenizer = Tokenizer::from_model_dir(&model_dir)?;
+    let prompt = prompt_ids(args, &tokenizer)?;
+    let run = streaming_run(args, &args.storage, prompt.len() + args.gen.max(1))?;
+    let (opened, plan) = open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
+        .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))?;
+    generate(args, &model_dir, &opened, &prompt, Some(&plan), |src| Some(src.stats()))
+}
+
+fn streaming_run(args: &RunArgs, st: &StorageArgs, context: usize) -> anyhow::Result<StreamingRun> {
+    let available = crate::engine::mem_available_bytes().unwrap_or(0);
+    let budget = match (st.mem_gb, &st.preset) {
+        (Some(gb), _) => (gb * GB) as u64,
+        (None, Some(name)) => preset_bytes(name, available)?,
+        (None, None) => preset_bytes("auto", available)?,
+    };
+    let io = IoKind::parse(&st.io).ok_or_else(|| UsageError(format!("--io {:?} is unknown", st.io)))?;
+    Ok(StreamingRun {
+        budget_bytes: budget,
+        context,
+        chunk: args.prefill_chunk,
+        threads: args.threads,
+        prefetch_window: None,
+        stream: StreamOptions {
+            io,
+            queue_depth: st.queue_depth,
+            readahead: st.readahead,
+            lock_memory: !st.no_mlock,
+            verify_every_read: st.verify_reads,
+            ..StreamOptions::default()
+        },
+    })
+}
+
+fn generate<S: WeightSource>(
+    args: &RunArgs,
+    model_dir: &std::path::Path,
+    opened: &Opened<S>,
+    prompt: &[u32],
+    plan: Option<&Plan>,
+    storage: impl Fn(&S) -> Option<StreamStats>,
+) -> anyhow::Result<()> {
     let (engine, tok) = (&opened.engine, &opened.tokenizer);
-    let prompt = prompt_ids(args, tok)?;
     let cfg = &engine.model.cfg;
     if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= cfg.vocab_size) {
         return Err(UsageError(format!("--ids: token {bad} is outside the vocabulary of {}", cfg.vocab_size)).into());
@@ -46,12 +96,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     }
     let opts = GenerateOptions {
         gen: args.gen,
-        sampling: Sampling {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
+        sampling: Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed },
         stop_ids,
         full_recompute: args.full_recompute,
         prefill_chunk: args.prefill_chunk,
@@ -60,7 +105,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let mut stream = StreamDecoder::default();
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
-    let generation = engine.generate(&prompt, &opts, |id| {
+    let generation = engine.generate(prompt, &opts, |id| {
         let piece = stream.push(tok, id).unwrap_or_else(|_| format!("<{id}>"));
         if write_err.is_none() {
             if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|()| stdout.flush()) {
@@ -75,6 +120,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         return Err(e).context("writing tokens to stdout");
     }
     let peak = peak_rss_bytes();
+    let stats = storage(&engine.src);
     eprintln!(
         "k3ring: {} prompt + {} generated tokens | prefill {:.3} s | decode {:.4} s/token | peak RSS {} | {} threads, {} kernels",
         generation.prompt_ids.len(),
@@ -85,6 +131,23 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         engine.threads(),
         engine.model.kernels.isa().name(),
     );
+    if let (Some(s), Some(p)) = (&stats, plan) {
+        eprintln!(
+            "k3ring: storage {} | trunk read {:.1} MiB ({} reads, {}/{} units pinned) | experts read {:.1} MiB ({} reads, {} hits, {} evictions) | read rate {:.0} MB/s | planned {:.3} GB, peak RSS {}",
+            s.backend,
+            s.trunk_bytes_read as f64 / 1048576.0,
+            s.trunk_reads,
+            s.trunk_pinned_units,
+            s.trunk_pinned_units + s.trunk_streamed_units,
+            s.expert_bytes_read as f64 / 1048576.0,
+            s.expert_reads,
+            s.expert_hits,
+            s.expert_evictions,
+            s.read_bytes_per_second / 1e6,
+            p.planned_bytes as f64 / GB,
+            peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.3} GB", b as f64 / GB)),
+        );
+    }
     if let Some(path) = &args.json {
         let report = RunReport {
             model: model_dir.display().to_string(),
@@ -97,6 +160,8 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             seconds_per_token: generation.seconds_per_token,
             peak_rss_bytes: peak,
             stopped_on_eos: generation.stopped_on.is_some(),
+            plan,
+            storage: stats,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("writing --json {}", path.display()))?;

@@ -4,12 +4,14 @@
 //! count is explicit; results never depend on it.
 #![forbid(unsafe_code)]
 
+pub mod load;
 pub mod sampling;
 
 use std::time::Instant;
 
 use crate::model::weights::WeightSource;
 use crate::model::{LogitRows, Model, ModelError, ModelState, Probe, Scratch};
+pub use load::{open_resident, open_streaming, OpenError, Opened, StreamingRun};
 pub use sampling::Sampling;
 
 /// Why generation stopped early.
@@ -226,36 +228,3 @@ fn meminfo_field(text: &str, key: &str) -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// A model directory opened for resident (mapped) inference: config, index, tokenizer.
-pub struct Opened {
-    pub engine: Engine<crate::storage::mmap::MmapSource>,
-    pub tokenizer: crate::tokenizer::Tokenizer,
-}
-
-/// Why a model directory could not be opened; each source keeps its own error type so the CLI
-/// maps it to the right exit code.
-#[derive(Debug, thiserror::Error)]
-pub enum OpenError {
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
-    #[error(transparent)]
-    Checkpoint(#[from] crate::checkpoint::CheckpointError),
-    #[error(transparent)]
-    Store(#[from] crate::storage::mmap::StoreError),
-    #[error(transparent)]
-    Tokenizer(#[from] crate::tokenizer::TokenizerError),
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-}
-
-/// Opens `dir`: validates config and checkpoint, maps the shards, loads the tokenizer.
-pub fn open_resident(dir: &std::path::Path, threads: usize, kernels: kernels::Kernels) -> Result<Opened, OpenError> {
-    let cfg = crate::config::Config::from_model_dir(dir)?;
-    let index = std::sync::Arc::new(crate::checkpoint::CheckpointIndex::open(dir)?);
-    index.validate(&cfg)?;
-    let weights = crate::model::weights::ModelWeights::resolve(&cfg, &index)?;
-    let src = crate::storage::mmap::MmapSource::open(index)?;
-    let tokenizer = crate::tokenizer::Tokenizer::from_model_dir(dir)?;
-    let model = Model { cfg, weights, kernels };
-    Ok(Opened { engine: Engine::new(model, src, threads)?, tokenizer })
-}

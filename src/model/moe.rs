@@ -104,7 +104,7 @@ pub fn forward<S: WeightSource>(
     let down = &w.routed_expert_down_proj;
     k.par_matmul_bf16(view.bytes(down.id), down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat]);
     distinct_experts(&s.routes[..t], &mut s.distinct);
-    src.will_need_experts(layer, &s.distinct);
+    src.will_need_experts(layer, &mut s.distinct);
     for i in 0..s.distinct.len() {
         run_expert(k, cfg, src, layer, s.distinct[i], t, s)?;
     }

@@ -145,13 +145,16 @@ impl<'a> ExpertBytes<'a> {
     }
 }
 
-/// Failure to produce weight bytes: an I/O error, corrupt data, or an engine bug.
+/// Failure to produce weight bytes: a failed read, corrupt data, or an engine bug.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
-    #[error("reading {what} from {path} at offset {offset}: {source}")]
-    Io { what: String, path: std::path::PathBuf, offset: u64, source: std::io::Error },
+    /// A read failed; `exit_code` is the storage layer's classification (4 I/O, 3 data).
+    #[error("reading {what}: {source}")]
+    Read { what: String, exit_code: u8, source: std::sync::Arc<dyn std::error::Error + Send + Sync> },
     #[error("{what}: {message}")]
     Corrupt { what: String, message: String },
+    #[error("internal error in the weight store: {0}")]
+    Internal(String),
 }
 
 /// Bytes of the trunk tensors of one unit (a layer or the globals), alive while the guard lives.
@@ -192,9 +195,11 @@ pub trait WeightSource: Sync {
     /// Makes one routed expert resident and returns its bytes.
     fn expert(&self, layer: usize, expert: usize) -> Result<Self::Expert<'_>, SourceError>;
 
-    /// Hint: the experts `layer` will need for the chunk being computed, in top-k order per
-    /// token. A prefetching store starts reads here; the default does nothing.
-    fn will_need_experts(&self, _layer: usize, _experts: &[usize]) {}
+    /// Hint: the distinct experts `layer` needs for the chunk being computed. A streaming store
+    /// starts their reads here and may reorder `experts` into the order their bytes will arrive;
+    /// the model computes them in that order (each token still sums in its own top-k order, so
+    /// the result does not depend on it). The default does nothing.
+    fn will_need_experts(&self, _layer: usize, _experts: &mut [usize]) {}
 }
 
 /// Resolves names to ids; every lookup has been validated against the config by

@@ -143,9 +143,9 @@ impl Plan {
 
     /// One line per part, for the console.
     pub fn describe(&self) -> String {
-        let gb = |b: u64| format!("{:.3} GB", b as f64 / GB);
+        let gb = super::io::fmt_bytes;
         format!(
-            "plan: budget {} | trunk pinned {} units ({}), streamed {} units through {} slots of {} | expert pool {} slots of {} ({}) | states+KV {} | scratch {} | total {} (minimum {}) | trunk read/token {}",
+            "plan: budget {} | trunk pinned {} units ({}), streamed {} units through {} slots of {} | expert pool {} slots of {} ({}) | states+KV {} | scratch {} | planned {} (minimum {}) | trunk read/token {}",
             gb(self.budget_bytes),
             self.pinned.len(),
             gb(self.pinned_bytes),

@@ -5,4 +5,5 @@ mod cli_tests;
 mod common;
 mod config_tests;
 mod oracle_tests;
+mod streaming_tests;
 mod tokenizer_tests;

@@ -22,9 +22,11 @@
 pub mod align;
 pub mod buffer;
 pub mod error;
+pub mod mapped;
 mod ops;
 pub mod pread;
 pub mod ring;
+pub mod sim;
 pub mod topology;
 
 #[cfg(test)]
@@ -37,8 +39,10 @@ mod testutil;
 pub use align::{dio_alignment, AlignSource, DioAlign};
 pub use buffer::{AlignedBuf, BufOptions, LockState, NumaPolicy};
 pub use error::IoError;
+pub use mapped::MappedReader;
 pub use pread::{PreadOptions, PreadReader};
 pub use ring::{RingInfo, RingOptions, RingSetup, UringReader};
+pub use sim::{SimOptions, SimReader};
 pub use topology::{NumaNode, Topology};
 
 /// Upper bound on logical reads a reader accepts at once (queued plus in the kernel). Readers

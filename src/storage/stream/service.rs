@@ -33,7 +33,7 @@ pub type Ticket = u64;
 #[derive(Debug)]
 enum TicketState {
     Pending { remaining: usize, error: Option<IoError> },
-    Done(Result<(), IoError>),
+    Done(Result<(), Arc<IoError>>),
 }
 
 #[derive(Default)]
@@ -133,20 +133,25 @@ impl IoService {
         !matches!(t.states.get(&ticket), Some(TicketState::Pending { .. }))
     }
 
-    /// Blocks until the batch completes; returns its result (once: the ticket is forgotten).
-    pub fn wait(&self, ticket: Ticket) -> Result<(), IoError> {
+    /// Blocks until the batch completes. A success is forgotten once seen (several slots may
+    /// share a ticket: an unknown ticket is a finished success); a failure stays, so every
+    /// waiter on a failed batch sees the error.
+    pub fn wait(&self, ticket: Ticket) -> Result<(), Arc<IoError>> {
         let mut t = lock(&self.shared.tickets);
         loop {
             match t.states.get(&ticket) {
-                Some(TicketState::Done(_)) => {
-                    if let Some(TicketState::Done(r)) = t.states.remove(&ticket) {
-                        return r;
-                    }
+                Some(TicketState::Done(Err(e))) => return Err(Arc::clone(e)),
+                Some(TicketState::Done(Ok(()))) => {
+                    t.states.remove(&ticket);
+                    return Ok(());
                 }
                 None => return Ok(()),
                 Some(TicketState::Pending { .. }) => {
                     if let Some(why) = &t.dead {
-                        return Err(IoError::Setup { what: "reads".to_owned(), source: std::io::Error::other(why.clone()) });
+                        return Err(Arc::new(IoError::Setup {
+                            what: "reads".to_owned(),
+                            source: std::io::Error::other(why.clone()),
+                        }));
                     }
                     t = self.shared.done.wait(t).unwrap_or_else(PoisonError::into_inner);
                 }
@@ -257,7 +262,7 @@ fn finish_one(shared: &Shared, ticket: Ticket, result: Result<(), IoError>) {
     };
     if finished {
         if let Some(TicketState::Pending { error, .. }) = t.states.remove(&ticket) {
-            t.states.insert(ticket, TicketState::Done(error.map_or(Ok(()), Err)));
+            t.states.insert(ticket, TicketState::Done(error.map_or(Ok(()), |e| Err(Arc::new(e)))));
         }
         drop(t);
         shared.done.notify_all();

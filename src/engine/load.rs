@@ -1,0 +1,123 @@
+//! Opening a model directory for a run: resident (shards mapped) or streaming (trunk pack plus
+//! experts read in place, under a memory plan).
+#![forbid(unsafe_code)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use super::{Engine, EngineError};
+use crate::checkpoint::CheckpointIndex;
+use crate::config::Config;
+use crate::model::weights::{ModelWeights, WeightSource};
+use crate::model::{Model, ModelState, Scratch};
+use crate::storage::mmap::MmapSource;
+use crate::storage::pack::{Manifest, PackUnit};
+use crate::storage::plan::{Plan, PlanError, PlanInput};
+use crate::storage::stream::{embed_buffer_bytes, expert_slot_bytes, StreamOptions, StreamingSource};
+use crate::tokenizer::Tokenizer;
+
+/// An opened model: engine and tokenizer.
+pub struct Opened<S: WeightSource = MmapSource> {
+    pub engine: Engine<S>,
+    pub tokenizer: Tokenizer,
+}
+
+/// Why a model directory could not be opened; each source keeps its own error type so the CLI
+/// maps it to the right exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    #[error(transparent)]
+    Store(#[from] crate::storage::mmap::StoreError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Pack(#[from] crate::storage::pack::PackError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    Stream(#[from] crate::storage::stream::StreamError),
+}
+
+struct Common {
+    cfg: Config,
+    index: Arc<CheckpointIndex>,
+    weights: ModelWeights,
+    tokenizer: Tokenizer,
+}
+
+fn common(dir: &Path) -> Result<Common, OpenError> {
+    let cfg = Config::from_model_dir(dir)?;
+    let index = Arc::new(CheckpointIndex::open(dir)?);
+    index.validate(&cfg)?;
+    let weights = ModelWeights::resolve(&cfg, &index)?;
+    let tokenizer = Tokenizer::from_model_dir(dir)?;
+    Ok(Common { cfg, index, weights, tokenizer })
+}
+
+/// Opens `dir`: validates config and checkpoint, maps the shards, loads the tokenizer.
+pub fn open_resident(dir: &Path, threads: usize, kernels: kernels::Kernels) -> Result<Opened, OpenError> {
+    let c = common(dir)?;
+    let src = MmapSource::open(c.index)?;
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels };
+    Ok(Opened { engine: Engine::new(model, src, threads)?, tokenizer: c.tokenizer })
+}
+
+/// What a streaming run is sized for.
+#[derive(Clone, Debug)]
+pub struct StreamingRun {
+    pub budget_bytes: u64,
+    /// Prompt plus generated tokens.
+    pub context: usize,
+    pub chunk: usize,
+    pub threads: usize,
+    pub stream: StreamOptions,
+    /// Extra expert slots beyond top-k for reads ahead of compute.
+    pub prefetch_window: Option<usize>,
+}
+
+/// Opens `dir` for streaming from the trunk pack in `trunk_dir` under a memory budget: makes the
+/// plan (before any large allocation), then the store.
+pub fn open_streaming(
+    dir: &Path,
+    trunk_dir: &Path,
+    run: &StreamingRun,
+    kernels: kernels::Kernels,
+    on_plan: impl FnOnce(&Plan),
+) -> Result<(Opened<StreamingSource>, Plan), OpenError> {
+    let c = common(dir)?;
+    let manifest = Manifest::load(trunk_dir)?;
+    let align = manifest.alignment;
+    let units = manifest
+        .units
+        .iter()
+        .filter_map(|u| PackUnit::parse(&u.unit).map(|p| (p, u.len)))
+        .filter(|(p, _)| *p != PackUnit::Embed)
+        .collect();
+    let chunk = run.chunk.clamp(1, run.context.max(1));
+    let logits = 4 * (chunk * c.cfg.vocab_size) as u64;
+    let input = PlanInput {
+        budget: run.budget_bytes,
+        mem_available: super::mem_available_bytes(),
+        units,
+        expert_slot_bytes: expert_slot_bytes(&c.cfg, align),
+        experts_total: c.index.experts.len(),
+        top_k: c.cfg.moe.top_k,
+        prefetch_window: run.prefetch_window.unwrap_or(c.cfg.moe.top_k),
+        readahead: run.stream.readahead,
+        states_bytes: ModelState::bytes(&c.cfg, run.context),
+        scratch_bytes: Scratch::bytes(&c.cfg, chunk, run.context) + logits + embed_buffer_bytes(&c.cfg, chunk, align),
+    };
+    let plan = Plan::make(&input)?;
+    on_plan(&plan);
+    let mut stream = run.stream.clone();
+    stream.chunk_tokens = chunk;
+    let src = StreamingSource::open(dir, trunk_dir, Arc::clone(&c.index), &c.cfg, &plan, &stream)?;
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels };
+    Ok((Opened { engine: Engine::new(model, src, run.threads)?, tokenizer: c.tokenizer }, plan))
+}

@@ -1,0 +1,107 @@
+//! [`MappedReader`]: the page-cache backend (`--io mmap`), as llama.cpp reads by default.
+//!
+//! Every file is mapped read-only; a "read" copies from the mapping into the destination at
+//! submit time and completes at once. It exists to compare against the direct-I/O backends and
+//! must produce the same bytes; it obeys the same EOF rule (`min_len`) and reports the same
+//! errors.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use memmap2::Mmap;
+
+use super::{AlignSource, Completion, DioAlign, IoError, IoStats, ReadBackend, ReadOp};
+
+/// Reads by copying out of read-only mappings.
+pub struct MappedReader {
+    paths: Vec<PathBuf>,
+    maps: Vec<Option<Mmap>>,
+    ready: VecDeque<Completion>,
+    ops_max: usize,
+    stats: IoStats,
+}
+
+impl MappedReader {
+    /// Maps every file (an empty file gets no mapping).
+    pub fn new(files: &[PathBuf], ops_max: usize) -> Result<MappedReader, IoError> {
+        let mut maps = Vec::with_capacity(files.len());
+        for path in files {
+            let open = |source| IoError::Open { path: path.clone(), source };
+            let file = File::open(path).map_err(open)?;
+            let len = file.metadata().map_err(open)?.len();
+            // SAFETY: read-only private mapping; the checkpoint and pack are not modified while
+            // k3ring runs (a truncation by another process would fault, as for any mmap reader).
+            let map = if len == 0 { None } else { Some(unsafe { Mmap::map(&file) }.map_err(open)?) };
+            maps.push(map);
+        }
+        Ok(MappedReader { paths: files.to_vec(), maps, ready: VecDeque::with_capacity(ops_max), ops_max, stats: IoStats::default() })
+    }
+
+    fn copy(&mut self, op: &ReadOp) -> Result<usize, IoError> {
+        let path = self.paths.get(op.file).cloned().unwrap_or_default();
+        let Some(map) = self.maps.get(op.file) else {
+            return Err(IoError::BadOp { tag: op.tag, why: format!("file index {} out of range", op.file) });
+        };
+        let file_len = map.as_ref().map_or(0, |m| m.len() as u64);
+        let available = file_len.saturating_sub(op.offset).min(op.len as u64) as usize;
+        if available < op.min_len {
+            return Err(IoError::ShortRead { path, offset: op.offset, wanted: op.min_len, got: available });
+        }
+        if let Some(m) = map {
+            let src = &m[op.offset as usize..op.offset as usize + available];
+            // SAFETY: the `submit` contract gives this reader exclusive use of
+            // `dst..dst + len` until the completion is returned, and `available <= len`.
+            let dst = unsafe { std::slice::from_raw_parts_mut(op.dst, available) };
+            dst.copy_from_slice(src);
+        }
+        Ok(available)
+    }
+}
+
+impl ReadBackend for MappedReader {
+    unsafe fn submit(&mut self, op: ReadOp) -> Result<(), IoError> {
+        if self.ready.len() >= self.ops_max {
+            return Err(IoError::QueueFull { tag: op.tag, queued: self.ready.len(), max: self.ops_max });
+        }
+        if op.min_len > op.len {
+            return Err(IoError::BadOp { tag: op.tag, why: format!("min_len {} > len {}", op.min_len, op.len) });
+        }
+        let start = Instant::now();
+        let result = self.copy(&op);
+        self.stats.ops += 1;
+        self.stats.sqes_submitted += 1;
+        self.stats.busy_ns += start.elapsed().as_nanos() as u64;
+        let result = match result {
+            Ok(n) => {
+                self.stats.bytes_read += n as u64;
+                Ok(())
+            }
+            Err(e) => {
+                self.stats.ops_failed += 1;
+                Err(e)
+            }
+        };
+        self.ready.push_back(Completion { tag: op.tag, result });
+        Ok(())
+    }
+
+    fn reap(&mut self, out: &mut Vec<Completion>, wait_for: usize) -> Result<(), IoError> {
+        assert!(wait_for <= self.ready.len(), "waiting for more reads than are in flight");
+        out.extend(self.ready.drain(..));
+        Ok(())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.ready.len()
+    }
+
+    fn stats(&self) -> IoStats {
+        self.stats
+    }
+
+    fn dio_align(&self) -> DioAlign {
+        DioAlign { mem_align: 1, offset_align: 1, source: AlignSource::Default }
+    }
+}

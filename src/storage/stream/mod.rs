@@ -1,0 +1,909 @@
+//! The streaming weight store: the trunk from the pack (pinned units resident, the rest cycled
+//! through a ring of slots with read-ahead), routed experts read in place from the shards into a
+//! pool of slots, all through one I/O thread and one pre-allocated, aligned arena.
+//!
+//! Threads: the compute thread calls the [`WeightSource`] methods; the I/O thread (see
+//! [`service`]) owns the read backend. A slot moves Free -> InFlight (its bytes belong to the
+//! kernel) -> Filled (readable) and is handed out only when Filled; a slot in use by a guard is
+//! never chosen for another read. Allocation: everything large is allocated in [`open`]; the
+//! per-token path allocates only small op lists.
+//!
+//! Errors: a failed read fails the run (exit 4, naming file and offset); a unit whose checksum
+//! does not match fails it with exit 3. No read failure ever drops an expert from a sum.
+//!
+//! [`open`]: StreamingSource::open
+
+pub mod policy;
+pub mod service;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use serde::Serialize;
+
+use self::policy::{CachePolicy, ExpertKey, Lru};
+use self::service::{IoService, Priority, SendOp, Ticket};
+use super::io::{
+    align::open_direct, AlignedBuf, BufOptions, FaultPlan, IoError, IoStats, MappedReader, PreadOptions, PreadReader,
+    ReadBackend, ReadOp, RingOptions, UringReader,
+};
+use super::pack::{Manifest, PackError, PackUnit, PACK_FILE};
+use super::plan::Plan;
+use crate::checkpoint::CheckpointIndex;
+use crate::config::Config;
+use crate::model::weights::{ExpertBytes, ExpertView, Mat, SourceError, TensorId, TrunkUnit, TrunkView, WeightSource};
+
+/// Which read backend serves the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum IoKind {
+    Uring,
+    Pread,
+    Mmap,
+    /// The seeded simulator (tests).
+    Sim,
+}
+
+impl IoKind {
+    pub fn parse(s: &str) -> Option<IoKind> {
+        match s {
+            "uring" => Some(IoKind::Uring),
+            "pread" => Some(IoKind::Pread),
+            "mmap" => Some(IoKind::Mmap),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            IoKind::Uring => "uring",
+            IoKind::Pread => "pread",
+            IoKind::Mmap => "mmap",
+            IoKind::Sim => "sim",
+        }
+    }
+}
+
+/// How to run the store.
+#[derive(Clone, Debug)]
+pub struct StreamOptions {
+    pub io: IoKind,
+    pub queue_depth: u32,
+    pub chunk_bytes: usize,
+    /// Streamed trunk units read ahead of the one computing.
+    pub readahead: usize,
+    /// Most tokens per forward pass (embedding rows read at once).
+    pub chunk_tokens: usize,
+    /// Check trunk checksums on every read, not only the first read of each unit.
+    pub verify_every_read: bool,
+    pub lock_memory: bool,
+    pub numa_node: Option<u32>,
+    /// Fault injection for the real backends (tests).
+    pub inject: Option<FaultPlan>,
+    /// Options of the simulator when `io` is `Sim`.
+    pub sim: Option<super::io::sim::SimOptions>,
+    pub pread_threads: usize,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions {
+            io: IoKind::Uring,
+            queue_depth: 32,
+            chunk_bytes: 1 << 20,
+            readahead: 1,
+            chunk_tokens: 32,
+            verify_every_read: false,
+            lock_memory: true,
+            numa_node: None,
+            inject: None,
+            sim: None,
+            pread_threads: 4,
+        }
+    }
+}
+
+/// Why the store could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error(transparent)]
+    Pack(#[from] PackError),
+    #[error(transparent)]
+    Io(#[from] IoError),
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+impl StreamError {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            StreamError::Pack(e) => e.exit_code(),
+            StreamError::Io(e) => e.exit_code(),
+            StreamError::Mismatch(_) => 3,
+        }
+    }
+}
+
+/// Bytes of one expert slot: the largest read window of an expert, for contiguous experts the
+/// aligned window, for split ones six aligned windows.
+pub fn expert_slot_bytes(cfg: &Config, align: u64) -> u64 {
+    (cfg.expert_bytes() + 12 * align).div_ceil(align) * align
+}
+
+/// Bytes of the embedding row buffer for `rows` rows.
+pub fn embed_buffer_bytes(cfg: &Config, rows: usize, align: u64) -> u64 {
+    let row = 2 * cfg.hidden_size as u64;
+    rows as u64 * (row + 2 * align).div_ceil(align) * align
+}
+
+/// What the store did, for the run report.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StreamStats {
+    pub backend: String,
+    pub backend_info: String,
+    pub trunk_pinned_units: usize,
+    pub trunk_streamed_units: usize,
+    pub trunk_bytes_read: u64,
+    pub trunk_reads: u64,
+    pub embed_bytes_read: u64,
+    pub expert_bytes_read: u64,
+    /// Bytes of the aligned windows read for experts (what the device delivered).
+    pub expert_window_bytes_read: u64,
+    pub expert_reads: u64,
+    /// Experts already resident before the layer that needed them asked.
+    pub expert_hits: u64,
+    pub expert_misses: u64,
+    pub expert_evictions: u64,
+    pub read_busy_seconds: f64,
+    pub read_bytes_per_second: f64,
+    pub io: IoCounters,
+}
+
+impl StreamStats {
+    /// Expert bytes the backend reads: whole aligned windows, not only the tensors.
+    pub fn expert_bytes_read_windows(&self) -> u64 {
+        self.expert_window_bytes_read
+    }
+}
+
+/// The backend's counters (proof of which backend did the reading).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct IoCounters {
+    pub ops: u64,
+    pub bytes_read: u64,
+    pub sqes_submitted: u64,
+    pub submit_syscalls: u64,
+    pub enter_syscalls: u64,
+    pub short_read_resubmits: u64,
+    pub retries: u64,
+}
+
+impl From<IoStats> for IoCounters {
+    fn from(s: IoStats) -> Self {
+        IoCounters {
+            ops: s.ops,
+            bytes_read: s.bytes_read,
+            sqes_submitted: s.sqes_submitted,
+            submit_syscalls: s.submit_syscalls,
+            enter_syscalls: s.enter_syscalls,
+            short_read_resubmits: s.short_read_resubmits,
+            retries: s.retries,
+        }
+    }
+}
+
+/// A byte range of the arena.
+#[derive(Clone, Copy, Debug)]
+struct Region {
+    off: usize,
+    len: usize,
+}
+
+/// A trunk unit of the pack.
+struct UnitPlace {
+    unit: PackUnit,
+    file_offset: u64,
+    len: u64,
+    checksum: String,
+    pinned: Option<Region>,
+}
+
+/// Where a trunk tensor is: unit index and byte range inside the unit.
+#[derive(Clone, Copy)]
+struct Loc {
+    unit: usize,
+    offset: usize,
+    len: usize,
+}
+
+struct RingSlot {
+    region: Region,
+    unit: Option<usize>,
+    ticket: Option<Ticket>,
+    users: usize,
+}
+
+struct ExpertSlot {
+    region: Region,
+    key: Option<ExpertKey>,
+    ticket: Option<Ticket>,
+    users: usize,
+    /// Part (offset in slot, len), in EXPERT_PARTS order.
+    parts: [(usize, usize); 6],
+}
+
+struct State {
+    ring: Vec<RingSlot>,
+    verified: Vec<bool>,
+    experts: Vec<ExpertSlot>,
+    resident: HashMap<ExpertKey, usize>,
+    policy: Box<dyn CachePolicy>,
+    /// Experts of the current layer not read yet (no slot was free), in disk order.
+    pending: VecDeque<ExpertKey>,
+    /// Experts of the current layer not used yet: never evicted.
+    protected: HashSet<ExpertKey>,
+    stats: StreamStats,
+}
+
+/// The streaming store.
+pub struct StreamingSource {
+    index: Arc<CheckpointIndex>,
+    pack_path: PathBuf,
+    pack_file: usize,
+    units: Vec<UnitPlace>,
+    /// Streamed units in the order a token uses them.
+    streamed_order: Vec<usize>,
+    unit_of_layer: Vec<usize>,
+    head_unit: usize,
+    embed: Loc,
+    embed_region: Region,
+    tensor_loc: Vec<Option<Loc>>,
+    arena: Arc<AlignedBuf>,
+    align: u64,
+    readahead: usize,
+    verify_every_read: bool,
+    fixed_buffers: bool,
+    state: Mutex<State>,
+    io: IoService,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+impl StreamingSource {
+    /// Checks the pack against the checkpoint, allocates the arena as the plan says, starts the
+    /// I/O thread and reads the pinned units (verifying each).
+    pub fn open(
+        model_dir: &Path,
+        trunk_dir: &Path,
+        index: Arc<CheckpointIndex>,
+        cfg: &Config,
+        plan: &Plan,
+        opts: &StreamOptions,
+    ) -> Result<StreamingSource, StreamError> {
+        let manifest = Manifest::load(trunk_dir)?;
+        manifest.check_source(trunk_dir, model_dir, &index)?;
+        let pack_path = trunk_dir.join(PACK_FILE);
+        let mut files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
+        files.push(pack_path.clone());
+        let align = read_alignment(&files, opts)?;
+        if manifest.alignment % align != 0 {
+            return Err(StreamError::Mismatch(format!(
+                "the trunk pack's units are aligned to {} bytes but the device needs {align}: run `k3ring pack` again",
+                manifest.alignment
+            )));
+        }
+        let (mut units, tensor_loc) = place_units(&manifest, &index)?;
+        let layout = Layout::new(&mut units, cfg, plan, opts, align)?;
+        let buf_opts = BufOptions { node: opts.numa_node, lock: opts.lock_memory, ..BufOptions::default() };
+        let arena = Arc::new(AlignedBuf::new(layout.total.max(align as usize), &buf_opts)?);
+        let io = start_io(&files, opts, &arena, align)?;
+        let unit_idx = |u: PackUnit| units.iter().position(|p| p.unit == u);
+        let missing = |what: &str| StreamError::Mismatch(format!("the trunk pack has no {what} unit"));
+        let unit_of_layer =
+            (0..cfg.n_layers).map(|l| unit_idx(PackUnit::Layer(l)).ok_or_else(|| missing("layer"))).collect::<Result<Vec<_>, _>>()?;
+        let head_unit = unit_idx(PackUnit::Head).ok_or_else(|| missing("head"))?;
+        let embed_unit = unit_idx(PackUnit::Embed).ok_or_else(|| missing("embed"))?;
+        let embed_tensor = manifest.units.iter().find(|u| u.unit == "embed").and_then(|u| u.tensors.first());
+        let embed = Loc {
+            unit: embed_unit,
+            offset: embed_tensor.map_or(0, |t| t.offset as usize),
+            len: embed_tensor.map_or(0, |t| t.len as usize),
+        };
+        let mut streamed_order: Vec<usize> = unit_of_layer.iter().copied().filter(|&u| units[u].pinned.is_none()).collect();
+        if units[head_unit].pinned.is_none() {
+            streamed_order.push(head_unit);
+        }
+        let stats = StreamStats {
+            backend: opts.io.name().to_owned(),
+            trunk_pinned_units: plan.pinned_units.len(),
+            trunk_streamed_units: streamed_order.len(),
+            ..StreamStats::default()
+        };
+        let state = State {
+            ring: layout.ring.iter().map(|&region| RingSlot { region, unit: None, ticket: None, users: 0 }).collect(),
+            verified: vec![false; units.len()],
+            experts: layout
+                .experts
+                .iter()
+                .map(|&region| ExpertSlot { region, key: None, ticket: None, users: 0, parts: [(0, 0); 6] })
+                .collect(),
+            resident: HashMap::new(),
+            policy: Box::new(Lru::default()),
+            pending: VecDeque::new(),
+            protected: HashSet::new(),
+            stats,
+        };
+        let src = StreamingSource {
+            pack_file: files.len() - 1,
+            index,
+            pack_path,
+            units,
+            streamed_order,
+            unit_of_layer,
+            head_unit,
+            embed,
+            embed_region: layout.embed,
+            tensor_loc,
+            fixed_buffers: opts.io == IoKind::Uring,
+            arena,
+            align,
+            readahead: opts.readahead,
+            verify_every_read: opts.verify_every_read,
+            state: Mutex::new(state),
+            io,
+        };
+        src.load_pinned()?;
+        Ok(src)
+    }
+
+    /// Replaces the expert cache policy.
+    pub fn set_policy(&self, policy: Box<dyn CachePolicy>) {
+        lock(&self.state).policy = policy;
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> StreamStats {
+        let mut s = lock(&self.state).stats.clone();
+        let io = self.io.stats();
+        s.read_busy_seconds = io.busy_ns as f64 / 1e9;
+        s.read_bytes_per_second = if io.busy_ns > 0 { io.bytes_read as f64 / s.read_busy_seconds } else { 0.0 };
+        s.io = io.into();
+        s
+    }
+
+    fn load_pinned(&self) -> Result<(), StreamError> {
+        let mut ops = Vec::new();
+        for u in &self.units {
+            if let Some(r) = u.pinned {
+                ops.push(self.unit_op(u, r));
+            }
+        }
+        let bytes: u64 = self.units.iter().filter(|u| u.pinned.is_some()).map(|u| u.len).sum();
+        let ticket = self.io.submit(Priority::Demand, ops);
+        self.io.wait(ticket).map_err(|e| StreamError::Io(clone_io_error(&e)))?;
+        for (i, u) in self.units.iter().enumerate() {
+            if let Some(r) = u.pinned {
+                self.verify(i, r).map_err(StreamError::Pack)?;
+            }
+        }
+        let mut st = lock(&self.state);
+        st.stats.trunk_bytes_read += bytes;
+        for (i, u) in self.units.iter().enumerate() {
+            st.verified[i] = u.pinned.is_some();
+        }
+        Ok(())
+    }
+
+    /// The arena bytes of a region.
+    ///
+    /// Callers only pass regions that no read is writing: pinned units after loading, ring and
+    /// expert slots that are Filled and held by a guard, the embedding buffer after its read.
+    fn bytes(&self, r: Region) -> &[u8] {
+        assert!(r.off + r.len <= self.arena.len(), "region outside the arena");
+        // SAFETY: the region lies inside the arena (asserted), which lives as long as `self`;
+        // per the slot state machine no read targets it while this borrow exists (see above),
+        // so no write races this shared view.
+        unsafe { std::slice::from_raw_parts(self.arena.as_ptr().add(r.off), r.len) }
+    }
+
+    fn ptr(&self, off: usize) -> *mut u8 {
+        assert!(off <= self.arena.len(), "offset outside the arena");
+        // SAFETY: in bounds of the arena allocation (asserted).
+        unsafe { self.arena.as_mut_ptr().add(off) }
+    }
+
+    fn buf_index(&self, off: usize, len: usize) -> Option<u16> {
+        const PIECE: usize = super::io::ring::FIXED_BUF_BYTES_MAX;
+        (self.fixed_buffers && off / PIECE == (off + len - 1) / PIECE).then(|| (off / PIECE) as u16)
+    }
+
+    fn op(&self, file: usize, offset: u64, len: usize, min_len: usize, dst_off: usize) -> SendOp {
+        let mut op = ReadOp::new(file, offset, len, self.ptr(dst_off), 0);
+        op.min_len = min_len;
+        op.buf_index = self.buf_index(dst_off, len);
+        SendOp(op)
+    }
+
+    fn unit_op(&self, u: &UnitPlace, r: Region) -> SendOp {
+        self.op(self.pack_file, u.file_offset, u.len as usize, u.len as usize, r.off)
+    }
+
+    fn verify(&self, unit: usize, r: Region) -> Result<(), PackError> {
+        let u = &self.units[unit];
+        let got = super::pack::checksum(&self.bytes(Region { off: r.off, len: u.len as usize }));
+        if got != u.checksum {
+            return Err(PackError::Checksum { path: self.pack_path.clone(), unit: u.unit.name(), want: u.checksum.clone(), got });
+        }
+        Ok(())
+    }
+
+    fn read_error(&self, what: String, e: &Arc<IoError>) -> SourceError {
+        SourceError::Read { what, exit_code: e.exit_code(), source: Arc::clone(e) as Arc<dyn std::error::Error + Send + Sync> }
+    }
+
+    /// Makes a streamed unit resident in the ring, issuing read-ahead for the units after it.
+    fn acquire_unit(&self, unit: usize) -> Result<StreamTrunk<'_>, SourceError> {
+        let (slot, ticket) = {
+            let mut st = lock(&self.state);
+            let window = self.window(unit);
+            let slot = match st.ring.iter().position(|s| s.unit == Some(unit)) {
+                Some(s) => s,
+                None => self.start_unit_read(&mut st, unit, &window, Priority::Demand)?,
+            };
+            st.ring[slot].users += 1;
+            let ticket = st.ring[slot].ticket;
+            for &next in window.iter().skip(1) {
+                if !st.ring.iter().any(|s| s.unit == Some(next)) && self.start_unit_read(&mut st, next, &window, Priority::Prefetch).is_err() {
+                    break;
+                }
+            }
+            (slot, ticket)
+        };
+        let release = |this: &Self| {
+            let mut st = lock(&this.state);
+            st.ring[slot].users -= 1;
+            st.ring[slot].unit = None;
+        };
+        if let Some(t) = ticket {
+            if let Err(e) = self.io.wait(t) {
+                release(self);
+                return Err(self.read_error(format!("trunk unit {} of the pack", self.units[unit].unit.name()), &e));
+            }
+        }
+        let region = {
+            let mut st = lock(&self.state);
+            st.ring[slot].ticket = None;
+            let check = self.verify_every_read || !st.verified[unit];
+            st.verified[unit] = true;
+            (st.ring[slot].region, check)
+        };
+        if region.1 {
+            if let Err(e) = self.verify(unit, region.0) {
+                release(self);
+                return Err(SourceError::Corrupt { what: format!("trunk unit {}", self.units[unit].unit.name()), message: e.to_string() });
+            }
+        }
+        Ok(StreamTrunk { src: self, unit, base: region.0, slot: Some(slot) })
+    }
+
+    /// `unit` and the `readahead` streamed units after it, in use order (wrapping to the next
+    /// token).
+    fn window(&self, unit: usize) -> Vec<usize> {
+        let n = self.streamed_order.len();
+        let Some(pos) = self.streamed_order.iter().position(|&u| u == unit) else { return vec![unit] };
+        (0..=self.readahead.min(n.saturating_sub(1))).map(|i| self.streamed_order[(pos + i) % n]).collect()
+    }
+
+    /// Picks a ring slot no guard holds and no unit of `window` occupies, and starts reading.
+    fn start_unit_read(&self, st: &mut State, unit: usize, window: &[usize], prio: Priority) -> Result<usize, SourceError> {
+        let slot = st
+            .ring
+            .iter()
+            .position(|s| s.users == 0 && s.ticket.is_none() && s.unit.is_none_or(|u| !window.contains(&u)))
+            .or_else(|| st.ring.iter().position(|s| s.users == 0 && s.unit.is_none_or(|u| !window.contains(&u))))
+            .ok_or_else(|| SourceError::Internal("no free trunk slot: the ring is smaller than the read-ahead window".to_owned()))?;
+        if st.ring[slot].ticket.is_some() {
+            // An unwanted read-ahead is still in flight into this slot: let it land first.
+            let t = st.ring[slot].ticket.take();
+            if let Some(t) = t {
+                let _ = self.io.wait(t);
+            }
+        }
+        let u = &self.units[unit];
+        let ticket = self.io.submit(prio, vec![self.unit_op(u, st.ring[slot].region)]);
+        st.ring[slot].unit = Some(unit);
+        st.ring[slot].ticket = Some(ticket);
+        st.stats.trunk_bytes_read += u.len;
+        st.stats.trunk_reads += 1;
+        Ok(slot)
+    }
+
+    /// Read ops for one expert into a slot; returns the ops and the parts' places in the slot.
+    fn expert_ops(&self, key: ExpertKey, region: Region) -> Result<(Vec<SendOp>, [(usize, usize); 6]), SourceError> {
+        let r = self.index.experts.get(key.0, key.1).ok_or_else(|| SourceError::Corrupt {
+            what: format!("layer {} expert {}", key.0, key.1),
+            message: "not in the checkpoint".to_owned(),
+        })?;
+        let a = self.align;
+        let mut parts = [(0usize, 0usize); 6];
+        let mut ops = Vec::with_capacity(6);
+        if let Some((shard, start, end)) = r.contiguous {
+            let ws = start / a * a;
+            let we = align_up(end, a);
+            for (k, &id) in r.parts.iter().enumerate() {
+                let t = &self.index.tensors[id];
+                parts[k] = ((t.offset - ws) as usize, t.len as usize);
+            }
+            ops.push(self.op(shard, ws, (we - ws) as usize, (end - ws) as usize, region.off));
+        } else {
+            let mut cursor = 0usize;
+            for (k, &id) in r.parts.iter().enumerate() {
+                let t = &self.index.tensors[id];
+                let ws = t.offset / a * a;
+                let we = align_up(t.offset + t.len, a);
+                parts[k] = (cursor + (t.offset - ws) as usize, t.len as usize);
+                ops.push(self.op(t.shard, ws, (we - ws) as usize, (t.offset + t.len - ws) as usize, region.off + cursor));
+                cursor += (we - ws) as usize;
+            }
+        }
+        let used = ops.iter().map(|o| o.0.len).sum::<usize>();
+        if used > region.len {
+            return Err(SourceError::Internal(format!("expert ({}, {}) needs {used} bytes, slot holds {}", key.0, key.1, region.len)));
+        }
+        Ok((ops, parts))
+    }
+
+    /// Starts reads for as many pending experts as there are evictable slots, in one batch.
+    /// Only a demand read (`take_protected`) may evict an expert the layer has yet to use.
+    fn issue_pending(&self, st: &mut State, prio: Priority, take_protected: bool) -> Result<(), SourceError> {
+        let mut ops = Vec::new();
+        let mut slots = Vec::new();
+        while let Some(&key) = st.pending.front() {
+            let Some(slot) = self.victim(st, take_protected && slots.is_empty()) else { break };
+            st.pending.pop_front();
+            let region = st.experts[slot].region;
+            let (mut o, parts) = self.expert_ops(key, region)?;
+            st.stats.expert_window_bytes_read += o.iter().map(|op| op.0.len as u64).sum::<u64>();
+            ops.append(&mut o);
+            let s = &mut st.experts[slot];
+            s.key = Some(key);
+            s.parts = parts;
+            st.resident.insert(key, slot);
+            st.policy.on_insert(key);
+            st.stats.expert_reads += 1;
+            st.stats.expert_bytes_read += self.index.experts.get(key.0, key.1).map_or(0, |r| {
+                r.parts.iter().map(|&id| self.index.tensors[id].len).sum::<u64>()
+            });
+            slots.push(slot);
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let ticket = self.io.submit(prio, ops);
+        for s in slots {
+            st.experts[s].ticket = Some(ticket);
+        }
+        Ok(())
+    }
+
+    /// A slot for a new expert: a free one, else the policy's choice among evictable ones
+    /// (idle, read complete), sparing experts the current layer has yet to use unless nothing
+    /// else is left (they are then read again when used: slower, never wrong).
+    fn victim(&self, st: &mut State, take_protected: bool) -> Option<usize> {
+        if let Some(free) = st.experts.iter().position(|s| s.key.is_none()) {
+            return Some(free);
+        }
+        let idle: Vec<ExpertKey> = st
+            .experts
+            .iter()
+            .filter(|s| s.users == 0 && s.ticket.is_none_or(|t| self.io.is_done(t)))
+            .filter_map(|s| s.key)
+            .collect();
+        let spare: Vec<ExpertKey> = idle.iter().copied().filter(|k| !st.protected.contains(k)).collect();
+        let candidates = if spare.is_empty() && take_protected { idle } else { spare };
+        let key = st.policy.victim(&candidates)?;
+        let slot = st.resident.remove(&key)?;
+        st.policy.on_evict(key);
+        st.experts[slot].key = None;
+        st.stats.expert_evictions += 1;
+        Some(slot)
+    }
+}
+
+impl StreamingSource {
+    /// Ensures `key` has a slot (its read may still be in flight). When every slot is busy,
+    /// waits for a read to land, then evicts; bounded by the pool size.
+    fn make_resident(&self, key: ExpertKey) -> Result<MutexGuard<'_, State>, SourceError> {
+        let mut st = lock(&self.state);
+        for _ in 0..=st.experts.len() {
+            if st.resident.contains_key(&key) {
+                return Ok(st);
+            }
+            // Not announced, or no slot was free when it was: read it now.
+            st.pending.retain(|k| *k != key);
+            st.pending.push_front(key);
+            self.issue_pending(&mut st, Priority::Demand, true)?;
+            if st.resident.contains_key(&key) {
+                return Ok(st);
+            }
+            let busy = st.experts.iter().filter(|s| s.users == 0).find_map(|s| s.ticket.filter(|&t| !self.io.is_done(t)));
+            let Some(ticket) = busy else { break };
+            drop(st);
+            let _ = self.io.wait(ticket);
+            st = lock(&self.state);
+        }
+        Err(SourceError::Internal(format!(
+            "no evictable slot for layer {} expert {}: every expert slot is in use; the pool is too small",
+            key.0, key.1
+        )))
+    }
+}
+
+/// Validates the device alignment over all files (the simulator enforces its own).
+fn read_alignment(files: &[PathBuf], opts: &StreamOptions) -> Result<u64, StreamError> {
+    if opts.io == IoKind::Sim {
+        return Ok(opts.sim.as_ref().map_or(4096, |s| u64::from(s.align)).max(512));
+    }
+    let (_files, align) = open_direct(files, 0)?;
+    Ok(u64::from(align.strictest()).max(512))
+}
+
+fn place_units(
+    manifest: &Manifest,
+    index: &CheckpointIndex,
+) -> Result<(Vec<UnitPlace>, Vec<Option<Loc>>), StreamError> {
+    let mut units = Vec::with_capacity(manifest.units.len());
+    let mut tensor_loc = vec![None; index.tensors.len()];
+    for (i, u) in manifest.units.iter().enumerate() {
+        let unit = PackUnit::parse(&u.unit).ok_or_else(|| StreamError::Mismatch(format!("unknown unit {}", u.unit)))?;
+        for t in &u.tensors {
+            let id = index.position(&t.name).ok_or_else(|| {
+                StreamError::Mismatch(format!("the trunk pack holds {} which the checkpoint lacks: run `k3ring pack` again", t.name))
+            })?;
+            if index.tensors[id].len != t.len {
+                return Err(StreamError::Mismatch(format!("{}: the pack and the checkpoint disagree on its size", t.name)));
+            }
+            tensor_loc[id] = Some(Loc { unit: i, offset: t.offset as usize, len: t.len as usize });
+        }
+        units.push(UnitPlace { unit, file_offset: u.offset, len: u.len, checksum: u.checksum.clone(), pinned: None });
+    }
+    Ok((units, tensor_loc))
+}
+
+/// Where each part of the arena goes.
+struct Layout {
+    ring: Vec<Region>,
+    experts: Vec<Region>,
+    embed: Region,
+    total: usize,
+}
+
+impl Layout {
+    /// Assigns arena regions: pinned units (recorded in `units`), ring slots, expert slots, the
+    /// embedding row buffer.
+    fn new(units: &mut [UnitPlace], cfg: &Config, plan: &Plan, opts: &StreamOptions, align: u64) -> Result<Layout, StreamError> {
+        let mut off = 0u64;
+        let mut take = |len: u64| {
+            let r = Region { off: off as usize, len: len as usize };
+            off += align_up(len.max(1), align);
+            r
+        };
+        for want in &plan.pinned_units {
+            let u = units
+                .iter_mut()
+                .find(|u| u.unit == *want)
+                .ok_or_else(|| StreamError::Mismatch(format!("the plan pins {} which the pack lacks", want.name())))?;
+            u.pinned = Some(take(u.len));
+        }
+        let streamed_max = units.iter().filter(|u| u.pinned.is_none() && u.unit != PackUnit::Embed).map(|u| u.len).max().unwrap_or(0);
+        if plan.ring_slots > 0 && streamed_max > plan.ring_slot_bytes || plan.ring_slots == 0 && streamed_max > 0 {
+            return Err(StreamError::Mismatch(format!(
+                "the plan's trunk slots ({} of {} bytes) cannot hold a streamed unit of {streamed_max} bytes",
+                plan.ring_slots, plan.ring_slot_bytes
+            )));
+        }
+        let ring = (0..plan.ring_slots).map(|_| take(plan.ring_slot_bytes)).collect();
+        let slot = expert_slot_bytes(cfg, align);
+        if slot > plan.expert_slot_bytes {
+            return Err(StreamError::Mismatch(format!("expert slots of {} bytes planned, {slot} needed", plan.expert_slot_bytes)));
+        }
+        let experts = (0..plan.expert_slots).map(|_| take(slot)).collect();
+        let embed = take(embed_buffer_bytes(cfg, opts.chunk_tokens.max(1), align));
+        Ok(Layout { ring, experts, embed, total: off as usize })
+    }
+}
+
+fn start_io(files: &[PathBuf], opts: &StreamOptions, arena: &Arc<AlignedBuf>, align: u64) -> Result<IoService, StreamError> {
+    let files = files.to_vec();
+    let ops_max = 256usize;
+    let qd = opts.queue_depth.max(1);
+    let chunk = (opts.chunk_bytes as u64).max(align) / align * align;
+    let inject = opts.inject;
+    let kind = opts.io;
+    let sim = opts.sim.clone();
+    let threads = opts.pread_threads.max(1);
+    let arena = Arc::clone(arena);
+    let factory: service::BackendFactory = Box::new(move || -> Result<Box<dyn ReadBackend>, IoError> {
+        Ok(match kind {
+            IoKind::Uring => Box::new(UringReader::new(
+                &files,
+                RingOptions {
+                    queue_depth: qd,
+                    chunk_bytes: chunk as usize,
+                    ops_max,
+                    register_files: true,
+                    register_buffers: vec![arena],
+                    align_min: align as u32,
+                    inject,
+                },
+            )?),
+            IoKind::Pread => Box::new(PreadReader::new(
+                &files,
+                PreadOptions { threads, queue_depth: qd, chunk_bytes: chunk as usize, ops_max, align_min: align as u32, inject },
+            )?),
+            IoKind::Mmap => Box::new(MappedReader::new(&files, ops_max)?),
+            IoKind::Sim => {
+                let opts = sim.unwrap_or_else(|| super::io::sim::SimOptions::fault_free(0));
+                Box::new(super::io::sim::SimReader::new(&files, opts)?)
+            }
+        })
+    });
+    Ok(IoService::start(factory, ops_max)?)
+}
+
+fn clone_io_error(e: &Arc<IoError>) -> IoError {
+    IoError::Setup { what: "reading pinned trunk units".to_owned(), source: std::io::Error::other(e.to_string()) }
+}
+
+/// A trunk unit made resident: pinned (no slot) or held in a ring slot until dropped.
+pub struct StreamTrunk<'a> {
+    src: &'a StreamingSource,
+    unit: usize,
+    base: Region,
+    slot: Option<usize>,
+}
+
+impl TrunkView for StreamTrunk<'_> {
+    fn bytes(&self, id: TensorId) -> &[u8] {
+        let loc = self.src.tensor_loc[id].unwrap_or(Loc { unit: usize::MAX, offset: 0, len: 0 });
+        assert_eq!(loc.unit, self.unit, "tensor {id} read through the view of another unit");
+        &self.src.bytes(self.base)[loc.offset..loc.offset + loc.len]
+    }
+}
+
+impl Drop for StreamTrunk<'_> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot {
+            lock(&self.src.state).ring[slot].users -= 1;
+        }
+    }
+}
+
+/// One expert held in a pool slot until dropped.
+pub struct StreamExpert<'a> {
+    src: &'a StreamingSource,
+    slot: usize,
+    region: Region,
+    parts: [(usize, usize); 6],
+}
+
+impl ExpertView for StreamExpert<'_> {
+    fn parts(&self) -> ExpertBytes<'_> {
+        let b = self.src.bytes(self.region);
+        let p = |k: usize| &b[self.parts[k].0..self.parts[k].0 + self.parts[k].1];
+        ExpertBytes::from_parts([p(0), p(1), p(2), p(3), p(4), p(5)])
+    }
+}
+
+impl Drop for StreamExpert<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.src.state);
+        st.experts[self.slot].users -= 1;
+        // The slot may now be evictable: start reads still waiting for one.
+        let _ = self.src.issue_pending(&mut st, Priority::Demand, false);
+    }
+}
+
+impl WeightSource for StreamingSource {
+    type Trunk<'a> = StreamTrunk<'a>;
+    type Expert<'a> = StreamExpert<'a>;
+
+    fn trunk(&self, unit: TrunkUnit) -> Result<StreamTrunk<'_>, SourceError> {
+        let u = match unit {
+            TrunkUnit::Head => self.head_unit,
+            TrunkUnit::Layer(l) => *self.unit_of_layer.get(l).ok_or_else(|| SourceError::Internal(format!("no layer {l}")))?,
+        };
+        match self.units[u].pinned {
+            Some(region) => Ok(StreamTrunk { src: self, unit: u, base: region, slot: None }),
+            None => self.acquire_unit(u),
+        }
+    }
+
+    fn embed_rows(&self, table: &Mat, ids: &[u32], out: &mut [u8]) -> Result<(), SourceError> {
+        let row = table.cols * 2;
+        let a = self.align;
+        let unit = &self.units[self.embed.unit];
+        let window = align_up(row as u64 + 2 * a, a) as usize;
+        if ids.len() * window > self.embed_region.len || self.embed.len < table.rows * row {
+            return Err(SourceError::Internal("embedding buffer smaller than the chunk".to_owned()));
+        }
+        let mut ops = Vec::with_capacity(ids.len());
+        let mut starts = Vec::with_capacity(ids.len());
+        for (i, &id) in ids.iter().enumerate() {
+            let at = unit.file_offset + (self.embed.offset + id as usize * row) as u64;
+            let ws = at / a * a;
+            let we = align_up(at + row as u64, a);
+            ops.push(self.op(self.pack_file, ws, (we - ws) as usize, (we - ws) as usize, self.embed_region.off + i * window));
+            starts.push(i * window + (at - ws) as usize);
+        }
+        let ticket = self.io.submit(Priority::Demand, ops);
+        self.io.wait(ticket).map_err(|e| self.read_error("embedding rows from the trunk pack".to_owned(), &e))?;
+        let buf = self.bytes(self.embed_region);
+        for (dst, &s) in out.chunks_exact_mut(row).zip(&starts) {
+            dst.copy_from_slice(&buf[s..s + row]);
+        }
+        lock(&self.state).stats.embed_bytes_read += (ids.len() * window) as u64;
+        Ok(())
+    }
+
+    fn will_need_experts(&self, layer: usize, experts: &mut [usize]) {
+        let mut st = lock(&self.state);
+        st.protected.clear();
+        st.pending.clear();
+        let mut misses = Vec::new();
+        for &mut e in experts.iter_mut() {
+            let key = (layer, e);
+            st.protected.insert(key);
+            match st.resident.get(&key) {
+                Some(&slot) if st.experts[slot].ticket.is_none_or(|t| self.io.is_done(t)) => st.stats.expert_hits += 1,
+                Some(_) => {}
+                None => {
+                    st.stats.expert_misses += 1;
+                    misses.push(key);
+                }
+            }
+        }
+        // One submission per layer, in disk order.
+        misses.sort_by_key(|k| {
+            self.index.experts.get(k.0, k.1).map_or((usize::MAX, 0), |r| {
+                let t = &self.index.tensors[r.parts[0]];
+                (t.shard, t.offset)
+            })
+        });
+        st.pending.extend(misses.iter().copied());
+        let _ = self.issue_pending(&mut st, Priority::Demand, false);
+        // Compute resident experts first, then the misses in the order they were issued.
+        let rank = |e: &usize| misses.iter().position(|k| k.1 == *e).map_or(0, |p| p + 1);
+        experts.sort_by_key(rank);
+    }
+
+    fn expert(&self, layer: usize, expert: usize) -> Result<StreamExpert<'_>, SourceError> {
+        let key = (layer, expert);
+        let (slot, ticket) = {
+            let mut st = self.make_resident(key)?;
+            let slot = *st.resident.get(&key).ok_or_else(|| SourceError::Internal(format!("expert {key:?} vanished")))?;
+            st.protected.remove(&key);
+            st.experts[slot].users += 1;
+            st.policy.on_access(key);
+            (slot, st.experts[slot].ticket)
+        };
+        if let Some(t) = ticket {
+            if let Err(e) = self.io.wait(t) {
+                let mut st = lock(&self.state);
+                st.experts[slot].users -= 1;
+                st.resident.remove(&key);
+                st.experts[slot].key = None;
+                return Err(self.read_error(format!("layer {layer} expert {expert}"), &e));
+            }
+        }
+        let mut st = lock(&self.state);
+        st.experts[slot].ticket = None;
+        let s = &st.experts[slot];
+        Ok(StreamExpert { src: self, slot, region: s.region, parts: s.parts })
+    }
+}
