@@ -45,7 +45,7 @@ fn write_release_headers(dir: &Path) -> usize {
             weight_map.insert(t.name.clone(), serde_json::Value::String(shard_name.clone()));
         }
         let mut json = serde_json::Value::Object(header).to_string().into_bytes();
-        while json.len() % 8 != 0 {
+        while !json.len().is_multiple_of(8) {
             json.push(b' ');
         }
         let path = dir.join(&shard_name);

@@ -165,7 +165,7 @@ pub fn serialize(tensors: &[(&str, &str, &[u64], &[u8])]) -> Vec<u8> {
         offset = end;
     }
     let mut json = serde_json::Value::Object(header).to_string().into_bytes();
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + json.len() + offset as usize);

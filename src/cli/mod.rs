@@ -28,7 +28,7 @@ pub enum Command {
     /// Validate a model directory and print its config, layer map and byte census.
     Inspect(InspectArgs),
     /// Generate text from a prompt (the embedded tiny model when --model is absent).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Copy every non-expert tensor into one file laid out for streaming (the trunk pack).
     Pack(PackArgs),
 }

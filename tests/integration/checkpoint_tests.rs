@@ -46,7 +46,7 @@ fn rewrite_header(path: &Path, extra: &[u8], edit: impl FnOnce(&mut serde_json::
     let mut header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     edit(&mut header);
     let mut json = Value::Object(header).to_string().into_bytes();
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = (json.len() as u64).to_le_bytes().to_vec();

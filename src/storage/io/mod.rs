@@ -175,7 +175,7 @@ pub fn fmt_bytes(bytes: u64) -> String {
     const UNITS: [(u64, &str); 4] = [(1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
     for (unit, name) in UNITS {
         if bytes >= unit {
-            if bytes % unit == 0 {
+            if bytes.is_multiple_of(unit) {
                 return format!("{} {name}", bytes / unit);
             }
             return format!("{:.1} {name}", bytes as f64 / unit as f64);

@@ -196,13 +196,13 @@ impl OpTable {
             value,
             align: by,
         };
-        if op.offset % u64::from(align.offset_align) != 0 {
+        if !op.offset.is_multiple_of(u64::from(align.offset_align)) {
             return Err(unaligned("offset", op.offset, align.offset_align));
         }
-        if op.len % align.offset_align as usize != 0 {
+        if !op.len.is_multiple_of(align.offset_align as usize) {
             return Err(unaligned("length", op.len as u64, align.offset_align));
         }
-        if op.dst as usize % align.mem_align as usize != 0 {
+        if !(op.dst as usize).is_multiple_of(align.mem_align as usize) {
             return Err(unaligned("destination address", op.dst as u64, align.mem_align));
         }
         if let Some(index) = op.buf_index.filter(|_| !self.fixed.is_empty()) {
@@ -294,7 +294,7 @@ impl OpTable {
             return self.finish_chunk(id, out);
         }
         let align = self.limits.align.strictest() as usize;
-        if got == 0 || chunk.done % align != 0 {
+        if got == 0 || !chunk.done.is_multiple_of(align) {
             // O_DIRECT returns whole blocks except at the end of the file, so a zero or unaligned
             // count is EOF (and an unaligned remainder could not be reissued anyway).
             let (op_index, at) = (chunk.op, chunk.start + chunk.done);
@@ -311,7 +311,7 @@ impl OpTable {
     fn inject_fault(&mut self, res: i64) -> i64 {
         let Some(plan) = self.inject else { return res };
         self.results_seen += 1;
-        let nth = |every: Option<u32>| every.is_some_and(|n| n > 0 && self.results_seen % u64::from(n) == 0);
+        let nth = |every: Option<u32>| every.is_some_and(|n| n > 0 && self.results_seen.is_multiple_of(u64::from(n)));
         if nth(plan.eio_every) {
             return -i64::from(libc::EIO);
         }

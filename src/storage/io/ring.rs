@@ -183,7 +183,7 @@ impl UringReader {
         check_options(files, &opts)?;
         let (opened, align) = open_direct(files, opts.align_min)?;
         let strictest = align.strictest();
-        if opts.chunk_bytes % strictest as usize != 0 {
+        if !opts.chunk_bytes.is_multiple_of(strictest as usize) {
             let what = "chunk_bytes of the ring options".to_string();
             return Err(IoError::Unaligned { what, value: opts.chunk_bytes as u64, align: strictest });
         }

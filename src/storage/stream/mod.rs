@@ -222,6 +222,9 @@ struct RingSlot {
     users: usize,
 }
 
+/// Where each of an expert's six tensors sits in its slot: (offset, len), in EXPERT_PARTS order.
+type PartPlaces = [(usize, usize); 6];
+
 struct ExpertSlot {
     region: Region,
     key: Option<ExpertKey>,
@@ -419,7 +422,7 @@ impl StreamingSource {
 
     fn buf_index(&self, off: usize, len: usize) -> Option<u16> {
         const PIECE: usize = super::io::ring::FIXED_BUF_BYTES_MAX;
-        (self.fixed_buffers && off / PIECE == (off + len - 1) / PIECE).then(|| (off / PIECE) as u16)
+        (self.fixed_buffers && off / PIECE == (off + len - 1) / PIECE).then_some((off / PIECE) as u16)
     }
 
     fn op(&self, file: usize, offset: u64, len: usize, min_len: usize, dst_off: usize) -> SendOp {
@@ -435,7 +438,7 @@ impl StreamingSource {
 
     fn verify(&self, unit: usize, r: Region) -> Result<(), PackError> {
         let u = &self.units[unit];
-        let got = super::pack::checksum(&self.bytes(Region { off: r.off, len: u.len as usize }));
+        let got = super::pack::checksum(self.bytes(Region { off: r.off, len: u.len as usize }));
         if got != u.checksum {
             return Err(PackError::Checksum { path: self.pack_path.clone(), unit: u.unit.name(), want: u.checksum.clone(), got });
         }
@@ -524,7 +527,7 @@ impl StreamingSource {
     }
 
     /// Read ops for one expert into a slot; returns the ops and the parts' places in the slot.
-    fn expert_ops(&self, key: ExpertKey, region: Region) -> Result<(Vec<SendOp>, [(usize, usize); 6]), SourceError> {
+    fn expert_ops(&self, key: ExpertKey, region: Region) -> Result<(Vec<SendOp>, PartPlaces), SourceError> {
         let r = self.index.experts.get(key.0, key.1).ok_or_else(|| SourceError::Corrupt {
             what: format!("layer {} expert {}", key.0, key.1),
             message: "not in the checkpoint".to_owned(),
