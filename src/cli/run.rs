@@ -48,6 +48,8 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let run = streaming_run(args, &args.storage, prompt.len() + args.gen.max(1))?;
     let (opened, plan) = open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
         .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))?;
+    let s = opened.engine.src.stats();
+    eprintln!("k3ring: reads: {} | buffers: {}", s.backend_info, s.buffers);
     generate(args, &model_dir, &opened, &prompt, Some(&plan), |src| Some(src.stats()))
 }
 

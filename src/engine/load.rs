@@ -117,6 +117,9 @@ pub fn open_streaming(
     on_plan(&plan);
     let mut stream = run.stream.clone();
     stream.chunk_tokens = chunk;
+    if stream.numa_node.is_none() {
+        stream.numa_node = crate::storage::io::Topology::detect().ok().and_then(|t| t.nodes.first().map(|n| n.id));
+    }
     let src = StreamingSource::open(dir, trunk_dir, Arc::clone(&c.index), &c.cfg, &plan, &stream)?;
     let model = Model { cfg: c.cfg, weights: c.weights, kernels };
     Ok((Opened { engine: Engine::new(model, src, run.threads)?, tokenizer: c.tokenizer }, plan))

@@ -101,6 +101,10 @@ impl ReadBackend for MappedReader {
         self.stats
     }
 
+    fn describe(&self) -> String {
+        format!("mmap: {} files mapped, reads copy from the page cache", self.maps.len())
+    }
+
     fn dio_align(&self) -> DioAlign {
         DioAlign { mem_align: 1, offset_align: 1, source: AlignSource::Default }
     }

@@ -168,6 +168,12 @@ pub trait ReadBackend {
 
     /// The alignment every `offset`, `len` and `dst` must have.
     fn dio_align(&self) -> DioAlign;
+
+    /// One line saying what the backend uses (setup flags, registration, queue depth), for the
+    /// plan printout.
+    fn describe(&self) -> String {
+        String::new()
+    }
 }
 
 /// Formats a byte count the way messages print it: "8 MiB", "3.2 GiB", "512 B".

@@ -196,6 +196,15 @@ impl PreadReader {
 }
 
 impl ReadBackend for PreadReader {
+    fn describe(&self) -> String {
+        format!(
+            "pread: {} worker threads, O_DIRECT, DIO alignment mem {} offset {}",
+            self.workers.len(),
+            self.align.mem_align,
+            self.align.offset_align
+        )
+    }
+
     unsafe fn submit(&mut self, op: ReadOp) -> Result<(), IoError> {
         // SAFETY: the trait's contract is this method's contract, passed on unchanged.
         unsafe { PreadReader::submit(self, op) }

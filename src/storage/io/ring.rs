@@ -358,6 +358,10 @@ impl UringReader {
 }
 
 impl ReadBackend for UringReader {
+    fn describe(&self) -> String {
+        self.info.to_string()
+    }
+
     unsafe fn submit(&mut self, op: ReadOp) -> Result<(), IoError> {
         // SAFETY: the trait's contract is this method's contract, passed on unchanged.
         unsafe { UringReader::submit(self, op) }

@@ -140,6 +140,7 @@ pub fn embed_buffer_bytes(cfg: &Config, rows: usize, align: u64) -> u64 {
 pub struct StreamStats {
     pub backend: String,
     pub backend_info: String,
+    pub buffers: String,
     pub trunk_pinned_units: usize,
     pub trunk_streamed_units: usize,
     pub trunk_bytes_read: u64,
@@ -321,8 +322,20 @@ impl StreamingSource {
         if units[head_unit].pinned.is_none() {
             streamed_order.push(head_unit);
         }
+        let lock_state = match arena.lock_state() {
+            super::io::LockState::Locked => "mlocked".to_owned(),
+            super::io::LockState::NotRequested => "not locked (--no-mlock)".to_owned(),
+            super::io::LockState::Failed(e) => format!("not locked: {e}"),
+        };
         let stats = StreamStats {
             backend: opts.io.name().to_owned(),
+            backend_info: io.backend_info.clone(),
+            buffers: format!(
+                "{} arena, 2 MiB aligned, {}, NUMA node {}",
+                super::io::fmt_bytes(arena.len() as u64),
+                lock_state,
+                arena.node().map_or_else(|| "unbound".to_owned(), |n| n.to_string())
+            ),
             trunk_pinned_units: plan.pinned_units.len(),
             trunk_streamed_units: streamed_order.len(),
             ..StreamStats::default()

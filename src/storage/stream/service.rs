@@ -66,6 +66,8 @@ const CHANNEL_BATCHES_MAX: usize = 1024;
 
 /// Handle to the I/O thread.
 pub struct IoService {
+    /// What the backend uses, as it described itself.
+    pub backend_info: String,
     tx: SyncSender<Msg>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
@@ -85,7 +87,7 @@ impl IoService {
             .name("k3ring-io".to_owned())
             .spawn(move || match factory() {
                 Ok(backend) => {
-                    let _ = ready_tx.send(Ok(()));
+                    let _ = ready_tx.send(Ok(backend.describe()));
                     run(backend, rx, &thread_shared, ops_in_backend_max.max(1));
                 }
                 Err(e) => {
@@ -94,7 +96,7 @@ impl IoService {
             })
             .map_err(|source| IoError::Setup { what: "the I/O thread".to_owned(), source })?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(IoService { tx, shared, thread: Some(thread) }),
+            Ok(Ok(backend_info)) => Ok(IoService { backend_info, tx, shared, thread: Some(thread) }),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
