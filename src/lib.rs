@@ -11,4 +11,6 @@ pub mod engine;
 pub mod error;
 pub mod model;
 pub mod storage;
+pub mod synth;
 pub mod tokenizer;
+pub mod trace;

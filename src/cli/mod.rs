@@ -4,10 +4,12 @@
 #![forbid(unsafe_code)]
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod cache_sim;
 mod embedded;
 mod inspect;
 mod pack;
 mod run;
+mod synth;
 
 use std::path::PathBuf;
 
@@ -31,6 +33,10 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Copy every non-expert tensor into one file laid out for streaming (the trunk pack).
     Pack(PackArgs),
+    /// Write a seeded random checkpoint in the release layout (k3, small or tiny widths).
+    Synth(synth::SynthArgs),
+    /// Replay an expert trace (run --dump-trace) through the cache policies and Belady's optimum.
+    CacheSim(cache_sim::CacheSimArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -211,6 +217,8 @@ pub fn main() -> std::process::ExitCode {
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
         Command::Pack(args) => pack::run(&args),
+        Command::Synth(args) => synth::run(&args),
+        Command::CacheSim(args) => cache_sim::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

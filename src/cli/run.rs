@@ -67,6 +67,7 @@ fn streaming_run(args: &RunArgs, st: &StorageArgs, context: usize) -> anyhow::Re
         chunk: args.prefill_chunk,
         threads: args.threads,
         prefetch_window: None,
+        speculation: crate::model::Speculation::default(),
         stream: StreamOptions {
             io,
             queue_depth: st.queue_depth,

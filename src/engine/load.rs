@@ -9,7 +9,7 @@ use super::{Engine, EngineError};
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::model::weights::{ModelWeights, WeightSource};
-use crate::model::{Model, ModelState, Scratch};
+use crate::model::{Model, ModelState, Scratch, Speculation};
 use crate::storage::mmap::MmapSource;
 use crate::storage::pack::{Manifest, PackUnit};
 use crate::storage::plan::{Plan, PlanError, PlanInput};
@@ -64,7 +64,9 @@ fn common(dir: &Path) -> Result<Common, OpenError> {
 pub fn open_resident(dir: &Path, threads: usize, kernels: kernels::Kernels) -> Result<Opened, OpenError> {
     let c = common(dir)?;
     let src = MmapSource::open(c.index)?;
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels };
+    // Everything is mapped: there is nothing to prefetch.
+    let speculation = Speculation { enabled: false, margin: 0 };
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation };
     Ok(Opened { engine: Engine::new(model, src, threads)?, tokenizer: c.tokenizer })
 }
 
@@ -79,6 +81,7 @@ pub struct StreamingRun {
     pub stream: StreamOptions,
     /// Extra expert slots beyond top-k for reads ahead of compute.
     pub prefetch_window: Option<usize>,
+    pub speculation: Speculation,
 }
 
 /// Opens `dir` for streaming from the trunk pack in `trunk_dir` under a memory budget: makes the
@@ -108,7 +111,7 @@ pub fn open_streaming(
         expert_slot_bytes: expert_slot_bytes(&c.cfg, align),
         experts_total: c.index.experts.len(),
         top_k: c.cfg.moe.top_k,
-        prefetch_window: run.prefetch_window.unwrap_or(c.cfg.moe.top_k),
+        prefetch_window: run.prefetch_window.unwrap_or(c.cfg.moe.top_k + if run.speculation.enabled { run.speculation.margin } else { 0 }),
         readahead: run.stream.readahead,
         states_bytes: ModelState::bytes(&c.cfg, run.context),
         scratch_bytes: Scratch::bytes(&c.cfg, chunk, run.context) + logits + embed_buffer_bytes(&c.cfg, chunk, align),
@@ -121,6 +124,6 @@ pub fn open_streaming(
         stream.numa_node = crate::storage::io::Topology::detect().ok().and_then(|t| t.nodes.first().map(|n| n.id));
     }
     let src = StreamingSource::open(dir, trunk_dir, Arc::clone(&c.index), &c.cfg, &plan, &stream)?;
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels };
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation: run.speculation };
     Ok((Opened { engine: Engine::new(model, src, run.threads)?, tokenizer: c.tokenizer }, plan))
 }

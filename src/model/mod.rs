@@ -59,11 +59,27 @@ pub enum LogitRows {
     All,
 }
 
+/// Speculative expert prefetch: layer L+1's router applied to layer L's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Speculation {
+    pub enabled: bool,
+    /// Experts predicted per token beyond top-k.
+    pub margin: usize,
+}
+
+impl Default for Speculation {
+    fn default() -> Self {
+        Speculation { enabled: true, margin: 0 }
+    }
+}
+
 /// A model ready to run: validated config, resolved weight ids, chosen kernels.
 pub struct Model {
     pub cfg: Config,
     pub weights: ModelWeights,
     pub kernels: Kernels,
+    /// Affects only which reads are issued early, never the arithmetic.
+    pub speculation: Speculation,
 }
 
 /// Carried state of one layer.
@@ -123,6 +139,7 @@ pub struct Scratch {
     x: Vec<f32>,              // [T, D] attention input (residual read)
     xn: Vec<f32>,             // [T, D] normalised
     a: Vec<f32>,              // [T, D] block output
+    spec_xn: Vec<f32>,        // [T, D] next layer's router input (speculation)
     res: ResScratch,
     kda: KdaScratch,
     mla: MlaScratch,
@@ -144,6 +161,7 @@ impl Scratch {
             x: td(),
             xn: td(),
             a: td(),
+            spec_xn: td(),
             res: ResScratch::new(d, blocks + 1),
             kda: KdaScratch::new(cfg, chunk),
             mla: MlaScratch::new(cfg, chunk, capacity),
@@ -160,7 +178,7 @@ impl Scratch {
         let blocks = cfg.block_starts().len();
         let m = &cfg.mla;
         let moe = &cfg.moe;
-        let per_token = d * (blocks + 8)
+        let per_token = d * (blocks + 9)
             + 10 * cfg.kda.width()
             + 3 * cfg.dense_intermediate.max(moe.shared_hidden())
             + moe.n_experts
@@ -286,6 +304,9 @@ impl Model {
         // 4. y = R(p, B); 5. m = FFN(RMSNorm(y)); p += m.
         attn_res::forward(k, &view, &lw.mlp_res, &sc.snapshots[..n_snap], &sc.partial, t, d, &mut sc.res, &mut sc.x);
         report(probe, l, "mlp_input", t, &sc.x[..td]);
+        if self.speculation.enabled {
+            self.speculate(src, sc, l + 1, t);
+        }
         norm_rows(k, view.bytes(lw.post_attention_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match &lw.ffn {
             FfnWeights::Dense(w) => dense::glu_mlp(k, &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a),
@@ -304,6 +325,22 @@ impl Model {
         }
         report(probe, l, "partial", t, &sc.partial[..td]);
         Ok(n_snap)
+    }
+}
+
+impl Model {
+    /// Predicts the experts of layer `next` from this layer's residual read (in `sc.x`) with
+    /// `next`'s own norm and router, and hands them to the store to prefetch. Skipped when
+    /// `next` is not an MoE layer or its trunk is not resident (speculation never waits).
+    fn speculate<S: WeightSource>(&self, src: &S, sc: &mut Scratch, next: usize, t: usize) {
+        let Some(FfnWeights::Moe(w)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
+        let Some(view) = src.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
+        let d = self.cfg.hidden_size;
+        let norm = view.bytes(self.weights.layers[next].post_attention_layernorm.id);
+        norm_rows(&self.kernels, norm, self.cfg.rms_norm_eps, &sc.x[..t * d], &mut sc.spec_xn[..t * d], d);
+        let want = self.cfg.moe.top_k + self.speculation.margin;
+        moe::predict(&self.kernels, &self.cfg, &view, w, &sc.spec_xn, t, want, &mut sc.moe);
+        src.prefetch_experts(next, &sc.moe.predicted);
     }
 }
 

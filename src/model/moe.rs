@@ -39,6 +39,8 @@ pub struct MoeScratch {
     eo: Vec<f32>,      // [T, LAT]
     users: Vec<(usize, usize)>, // (token, slot) pairs for one expert
     distinct: Vec<usize>,
+    /// Experts predicted for the next layer (speculation), distinct, by token then rank.
+    pub predicted: Vec<usize>,
     y: Vec<f32>,       // [T, LAT]
     yn: Vec<f32>,      // [T, LAT]
     norm_w: Vec<f32>,  // [LAT]
@@ -66,6 +68,7 @@ impl MoeScratch {
             eo: vec![0.0; chunk * lat],
             users: Vec::with_capacity(chunk * m.top_k),
             distinct: Vec::with_capacity(chunk * m.top_k),
+            predicted: Vec::with_capacity(chunk * e),
             y: vec![0.0; chunk * lat],
             yn: vec![0.0; chunk * lat],
             norm_w: vec![0.0; lat],
@@ -131,6 +134,40 @@ pub fn forward<S: WeightSource>(
         }
     }
     Ok(())
+}
+
+/// The `want` experts each token would most likely pick (biased score, as the router ranks),
+/// distinct over the chunk, into `s.predicted`. Reads only the router: cheap, and used only to
+/// start reads early.
+#[allow(clippy::too_many_arguments)]
+pub fn predict(
+    k: &Kernels,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &MoeWeights,
+    x: &[f32],
+    t: usize,
+    want: usize,
+    s: &mut MoeScratch,
+) {
+    let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
+    k.par_matmul_bf16(view.bytes(w.gate.id), w.gate.rows, w.gate.cols, &x[..t * d], t, &mut s.scores[..t * e]);
+    k.sigmoid(&mut s.scores[..t * e]);
+    let bias = view.bytes(w.e_score_correction_bias.id);
+    s.predicted.clear();
+    for tok in 0..t {
+        for (i, b) in s.biased.iter_mut().enumerate() {
+            let v = s.scores[tok * e + i] + f32_at(bias, i);
+            *b = if v.is_finite() { v } else { f32::NEG_INFINITY };
+        }
+        for _ in 0..want.min(e) {
+            let Some(best) = (0..e).max_by(|&a, &b| s.biased[a].total_cmp(&s.biased[b]).then(b.cmp(&a))) else { break };
+            s.biased[best] = f32::NEG_INFINITY;
+            if !s.predicted.contains(&best) {
+                s.predicted.push(best);
+            }
+        }
+    }
 }
 
 /// Top-k by biased score (ties: lower expert id first), weights from the unbiased scores.

@@ -27,7 +27,7 @@ pub const MANIFEST_FILE: &str = "trunk.manifest.json";
 pub const PACK_FILE: &str = "trunk.pack";
 const PARTIAL_SUFFIX: &str = ".partial";
 pub const FORMAT: &str = "k3ring-trunk-pack";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Tensors start at this boundary inside a unit.
 pub const TENSOR_ALIGN: u64 = 64;
 /// Units start and end at a multiple of at least this, whatever the device reports.
@@ -107,6 +107,9 @@ pub struct UnitEntry {
     /// xxh3-64 of the unit's `len` bytes, hex.
     pub checksum: String,
     pub tensors: Vec<PackedTensor>,
+    /// For the embedding: xxh3-64 of each row, since it is read by rows and never whole.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub row_checksums: Vec<u64>,
 }
 
 /// The manifest (`trunk.manifest.json`).
@@ -231,10 +234,14 @@ pub fn write_pack(
     let mut written = 0u64;
     let mut units_out = Vec::with_capacity(units.len());
     for mut unit in units {
-        unit.checksum = copy_unit(index, &unit, &mut file, &partial, &mut |n| {
+        // The embedding is copied in whole rows so each row's checksum comes out of the copy.
+        let row = if unit.unit == PackUnit::Embed.name() { Some(2 * cfg.hidden_size) } else { None };
+        let (sum, rows) = copy_unit(index, &unit, row, &mut file, &partial, &mut |n| {
             written += n;
             progress(written, total);
         })?;
+        unit.checksum = sum;
+        unit.row_checksums = rows;
         units_out.push(unit);
     }
     file.sync_all().map_err(io_err("sync", &partial))?;
@@ -286,24 +293,28 @@ fn layout(cfg: &Config, index: &CheckpointIndex, alignment: u64) -> Result<(Vec<
             in_unit += info.len;
         }
         let len = align_up(in_unit.max(1), alignment);
-        out.push(UnitEntry { unit: unit.name(), offset: pos, len, checksum: String::new(), tensors: packed });
+        out.push(UnitEntry { unit: unit.name(), offset: pos, len, checksum: String::new(), tensors: packed, row_checksums: Vec::new() });
         pos += len;
     }
     Ok((out, pos))
 }
 
 /// Copies one unit's tensors from the shards into the pack through one bounded buffer, hashing
-/// the unit's bytes (padding included) as they go; returns the unit's checksum.
+/// the unit's bytes (padding included) as they go; returns the unit's checksum and, when
+/// `row_len` is given, the checksum of every `row_len`-byte row of its (single) tensor.
 fn copy_unit(
     index: &CheckpointIndex,
     unit: &UnitEntry,
+    row_len: Option<usize>,
     out: &mut File,
     out_path: &Path,
     progress: &mut dyn FnMut(u64),
-) -> Result<String, PackError> {
+) -> Result<(String, Vec<u64>), PackError> {
     let mut hash = Xxh3::new();
+    let mut rows = Vec::new();
     let zeros = vec![0u8; TENSOR_ALIGN.max(UNIT_ALIGN_MIN) as usize];
-    let mut buf = vec![0u8; COPY_CHUNK];
+    let step = row_len.map_or(COPY_CHUNK, |r| (COPY_CHUNK / r).max(1) * r);
+    let mut buf = vec![0u8; step];
     let mut pos = 0u64;
     let pad_to = |pos: &mut u64, to: u64, hash: &mut Xxh3| {
         while *pos < to {
@@ -322,18 +333,21 @@ fn copy_unit(
         pad_to(&mut pos, t.offset, &mut hash);
         let mut done = 0u64;
         while done < t.len {
-            let n = ((t.len - done) as usize).min(COPY_CHUNK);
+            let n = ((t.len - done) as usize).min(step);
             let chunk = &mut buf[..n];
             src.read_exact_at(chunk, info.offset + done).map_err(io_err("read", path))?;
             out.write_all_at(chunk, unit.offset + t.offset + done).map_err(io_err("write", out_path))?;
             hash.update(chunk);
+            if let Some(r) = row_len {
+                rows.extend(chunk.chunks(r).map(xxhash_rust::xxh3::xxh3_64));
+            }
             done += n as u64;
             progress(n as u64);
         }
         pos += t.len;
     }
     pad_to(&mut pos, unit.len, &mut hash);
-    Ok(format!("{:016x}", hash.digest()))
+    Ok((format!("{:016x}", hash.digest()), rows))
 }
 
 /// xxh3-64 of a unit's bytes, as stored in the manifest.
@@ -386,6 +400,12 @@ impl Manifest {
             end = u.offset + u.len;
             if end > m.pack_len {
                 return Err(corrupt(format!("unit {} ends past the pack", u.unit)));
+            }
+            if u.unit == "embed" {
+                let rows = u.tensors.first().map_or(0, |t| t.shape.first().copied().unwrap_or(0));
+                if u.row_checksums.len() as u64 != rows {
+                    return Err(corrupt(format!("the embedding has {rows} rows but {} row checksums", u.row_checksums.len())));
+                }
             }
             for t in &u.tensors {
                 if t.offset + t.len > u.len || Dtype::parse(&t.dtype).is_none() {

@@ -13,6 +13,7 @@
 //!
 //! [`open`]: StreamingSource::open
 
+pub mod cache_sim;
 pub mod policy;
 pub mod service;
 
@@ -82,6 +83,9 @@ pub struct StreamOptions {
     /// Options of the simulator when `io` is `Sim`.
     pub sim: Option<super::io::sim::SimOptions>,
     pub pread_threads: usize,
+    /// The public C engine's order: a layer's expert reads are all waited for before any of
+    /// them is computed (no overlap of expert reads with expert compute).
+    pub serial: bool,
 }
 
 impl Default for StreamOptions {
@@ -98,6 +102,7 @@ impl Default for StreamOptions {
             inject: None,
             sim: None,
             pread_threads: 4,
+            serial: false,
         }
     }
 }
@@ -154,6 +159,17 @@ pub struct StreamStats {
     pub expert_hits: u64,
     pub expert_misses: u64,
     pub expert_evictions: u64,
+    /// Experts read on a prediction, and their bytes.
+    pub spec_reads: u64,
+    pub spec_bytes: u64,
+    /// Predicted experts that a layer then used.
+    pub spec_used: u64,
+    /// Bytes of predicted experts evicted without being used.
+    pub spec_wasted_bytes: u64,
+    /// True routed experts, and those already requested (resident or in flight) when the
+    /// layer's routing was known: recall = recalled / routed.
+    pub routed_experts: u64,
+    pub routed_recalled: u64,
     pub read_busy_seconds: f64,
     pub read_bytes_per_second: f64,
     pub io: IoCounters,
@@ -201,6 +217,8 @@ struct Region {
 
 /// A trunk unit of the pack.
 struct UnitPlace {
+    /// Per-row checksums (the embedding only).
+    row_checksums: Vec<u64>,
     unit: PackUnit,
     file_offset: u64,
     len: u64,
@@ -233,6 +251,10 @@ struct ExpertSlot {
     users: usize,
     /// Part (offset in slot, len), in EXPERT_PARTS order.
     parts: [(usize, usize); 6],
+    /// Read on a prediction and not used yet.
+    speculative: bool,
+    /// Tensor bytes of the expert held.
+    bytes: u64,
 }
 
 struct State {
@@ -265,6 +287,7 @@ pub struct StreamingSource {
     align: u64,
     readahead: usize,
     verify_every_read: bool,
+    serial: bool,
     fixed_buffers: bool,
     state: Mutex<State>,
     io: IoService,
@@ -346,7 +369,7 @@ impl StreamingSource {
             experts: layout
                 .experts
                 .iter()
-                .map(|&region| ExpertSlot { region, key: None, ticket: None, users: 0, parts: [(0, 0); 6] })
+                .map(|&region| ExpertSlot { region, key: None, ticket: None, users: 0, parts: [(0, 0); 6], speculative: false, bytes: 0 })
                 .collect(),
             resident: HashMap::new(),
             policy: Box::new(Lru::default()),
@@ -370,6 +393,7 @@ impl StreamingSource {
             align,
             readahead: opts.readahead,
             verify_every_read: opts.verify_every_read,
+            serial: opts.serial,
             state: Mutex::new(state),
             io,
         };
@@ -576,12 +600,23 @@ impl StreamingSource {
 
     /// Starts reads for as many pending experts as there are evictable slots, in one batch.
     /// Only a demand read (`take_protected`) may evict an expert the layer has yet to use.
-    fn issue_pending(&self, st: &mut State, prio: Priority, take_protected: bool) -> Result<(), SourceError> {
+    fn issue_pending(&self, st: &mut State, prio: Priority, take_protected: bool) -> Result<Option<Ticket>, SourceError> {
         let mut ops = Vec::new();
         let mut slots = Vec::new();
+        // Slots are tagged with the batch's ticket as they are chosen, so a slot taken for one
+        // expert of this batch never looks evictable to the next.
+        let ticket = self.io.reserve();
         while let Some(&key) = st.pending.front() {
             let Some(slot) = self.victim(st, take_protected && slots.is_empty()) else { break };
+            st.experts[slot].ticket = Some(ticket);
             st.pending.pop_front();
+            let bytes = self.index.experts.get(key.0, key.1).map_or(0, |r| r.parts.iter().map(|&id| self.index.tensors[id].len).sum::<u64>());
+            st.experts[slot].speculative = prio == Priority::Prefetch;
+            st.experts[slot].bytes = bytes;
+            if prio == Priority::Prefetch {
+                st.stats.spec_reads += 1;
+                st.stats.spec_bytes += bytes;
+            }
             let region = st.experts[slot].region;
             let (mut o, parts) = self.expert_ops(key, region)?;
             st.stats.expert_window_bytes_read += o.iter().map(|op| op.0.len as u64).sum::<u64>();
@@ -592,19 +627,12 @@ impl StreamingSource {
             st.resident.insert(key, slot);
             st.policy.on_insert(key);
             st.stats.expert_reads += 1;
-            st.stats.expert_bytes_read += self.index.experts.get(key.0, key.1).map_or(0, |r| {
-                r.parts.iter().map(|&id| self.index.tensors[id].len).sum::<u64>()
-            });
+            st.stats.expert_bytes_read += bytes;
             slots.push(slot);
         }
-        if slots.is_empty() {
-            return Ok(());
-        }
-        let ticket = self.io.submit(prio, ops);
-        for s in slots {
-            st.experts[s].ticket = Some(ticket);
-        }
-        Ok(())
+        debug_check_pool(st);
+        self.io.submit_reserved(ticket, prio, ops);
+        Ok((!slots.is_empty()).then_some(ticket))
     }
 
     /// A slot for a new expert: a free one, else the policy's choice among evictable ones
@@ -623,10 +651,14 @@ impl StreamingSource {
         let spare: Vec<ExpertKey> = idle.iter().copied().filter(|k| !st.protected.contains(k)).collect();
         let candidates = if spare.is_empty() && take_protected { idle } else { spare };
         let key = st.policy.victim(&candidates)?;
+        debug_check_pool(st);
         let slot = st.resident.remove(&key)?;
         st.policy.on_evict(key);
         st.experts[slot].key = None;
         st.stats.expert_evictions += 1;
+        if st.experts[slot].speculative {
+            st.stats.spec_wasted_bytes += st.experts[slot].bytes;
+        }
         Some(slot)
     }
 }
@@ -636,7 +668,7 @@ impl StreamingSource {
     /// waits for a read to land, then evicts; bounded by the pool size.
     fn make_resident(&self, key: ExpertKey) -> Result<MutexGuard<'_, State>, SourceError> {
         let mut st = lock(&self.state);
-        for _ in 0..=st.experts.len() {
+        for _ in 0..=2 * st.experts.len() + 1 {
             if st.resident.contains_key(&key) {
                 return Ok(st);
             }
@@ -647,15 +679,24 @@ impl StreamingSource {
             if st.resident.contains_key(&key) {
                 return Ok(st);
             }
+            // Every slot is held or still being read: wait for a read to land. If none is in
+            // flight any more, one landed since the victim search: search again.
             let busy = st.experts.iter().filter(|s| s.users == 0).find_map(|s| s.ticket.filter(|&t| !self.io.is_done(t)));
-            let Some(ticket) = busy else { break };
-            drop(st);
-            let _ = self.io.wait(ticket);
-            st = lock(&self.state);
+            if let Some(ticket) = busy {
+                drop(st);
+                let _ = self.io.wait(ticket);
+                st = lock(&self.state);
+            }
         }
+        let in_use = st.experts.iter().filter(|s| s.users > 0).count();
+        let reading = st.experts.iter().filter(|s| s.ticket.is_some_and(|t| !self.io.is_done(t))).count();
         Err(SourceError::Internal(format!(
-            "no evictable slot for layer {} expert {}: every expert slot is in use; the pool is too small",
-            key.0, key.1
+            "no evictable slot for layer {} expert {} among {} (in use {in_use}, reading {reading}, protected {}, pending {})",
+            key.0,
+            key.1,
+            st.experts.len(),
+            st.protected.len(),
+            st.pending.len()
         )))
     }
 }
@@ -686,7 +727,7 @@ fn place_units(
             }
             tensor_loc[id] = Some(Loc { unit: i, offset: t.offset as usize, len: t.len as usize });
         }
-        units.push(UnitPlace { unit, file_offset: u.offset, len: u.len, checksum: u.checksum.clone(), pinned: None });
+        units.push(UnitPlace { row_checksums: u.row_checksums.clone(), unit, file_offset: u.offset, len: u.len, checksum: u.checksum.clone(), pinned: None });
     }
     Ok((units, tensor_loc))
 }
@@ -769,7 +810,7 @@ fn start_io(files: &[PathBuf], opts: &StreamOptions, arena: &Arc<AlignedBuf>, al
             }
         })
     });
-    Ok(IoService::start(factory, ops_max)?)
+    Ok(IoService::start(factory, ops_max, qd as usize * chunk as usize)?)
 }
 
 fn clone_io_error(e: &Arc<IoError>) -> IoError {
@@ -825,6 +866,29 @@ impl Drop for StreamExpert<'_> {
     }
 }
 
+/// The pool's invariant: the resident map and the slots' keys describe the same set.
+fn debug_check_pool(st: &State) {
+    if cfg!(debug_assertions) || std::env::var_os("K3_CHECK_POOL").is_some() {
+        let keyed = st.experts.iter().filter(|s| s.key.is_some()).count();
+        assert_eq!(keyed, st.resident.len(), "keyed slots vs resident map");
+        for (k, &slot) in &st.resident {
+            assert_eq!(st.experts[slot].key, Some(*k), "resident map points at a slot holding another key");
+        }
+    }
+}
+
+impl StreamingSource {
+    fn resident_unit(&self, unit: usize) -> Option<StreamTrunk<'_>> {
+        if let Some(region) = self.units[unit].pinned {
+            return Some(StreamTrunk { src: self, unit, base: region, slot: None });
+        }
+        let mut st = lock(&self.state);
+        let slot = st.ring.iter().position(|s| s.unit == Some(unit) && s.ticket.is_none_or(|t| self.io.is_done(t)))?;
+        st.ring[slot].users += 1;
+        Some(StreamTrunk { src: self, unit, base: st.ring[slot].region, slot: Some(slot) })
+    }
+}
+
 impl WeightSource for StreamingSource {
     type Trunk<'a> = StreamTrunk<'a>;
     type Expert<'a> = StreamExpert<'a>;
@@ -838,6 +902,34 @@ impl WeightSource for StreamingSource {
             Some(region) => Ok(StreamTrunk { src: self, unit: u, base: region, slot: None }),
             None => self.acquire_unit(u),
         }
+    }
+
+    fn trunk_if_resident(&self, unit: TrunkUnit) -> Option<StreamTrunk<'_>> {
+        let u = match unit {
+            TrunkUnit::Head => self.head_unit,
+            TrunkUnit::Layer(l) => *self.unit_of_layer.get(l)?,
+        };
+        self.resident_unit(u)
+    }
+
+    fn prefetch_experts(&self, layer: usize, experts: &[usize]) {
+        if self.serial {
+            return;
+        }
+        let mut st = lock(&self.state);
+        let mut wanted: Vec<ExpertKey> = experts.iter().map(|&e| (layer, e)).filter(|k| !st.resident.contains_key(k)).collect();
+        wanted.sort_by_key(|k| {
+            self.index.experts.get(k.0, k.1).map_or((usize::MAX, 0), |r| {
+                let t = &self.index.tensors[r.parts[0]];
+                (t.shard, t.offset)
+            })
+        });
+        // Use the demand queue's machinery with prefetch priority, keeping the layer's own
+        // pending demand reads first.
+        let saved = std::mem::take(&mut st.pending);
+        st.pending.extend(wanted);
+        let _ = self.issue_pending(&mut st, Priority::Prefetch, false);
+        st.pending = saved;
     }
 
     fn embed_rows(&self, table: &Mat, ids: &[u32], out: &mut [u8]) -> Result<(), SourceError> {
@@ -860,8 +952,16 @@ impl WeightSource for StreamingSource {
         let ticket = self.io.submit(Priority::Demand, ops);
         self.io.wait(ticket).map_err(|e| self.read_error("embedding rows from the trunk pack".to_owned(), &e))?;
         let buf = self.bytes(self.embed_region);
-        for (dst, &s) in out.chunks_exact_mut(row).zip(&starts) {
-            dst.copy_from_slice(&buf[s..s + row]);
+        for ((dst, &s), &id) in out.chunks_exact_mut(row).zip(&starts).zip(ids) {
+            let bytes = &buf[s..s + row];
+            let want = unit.row_checksums.get(id as usize).copied();
+            if want != Some(xxhash_rust::xxh3::xxh3_64(bytes)) {
+                return Err(SourceError::Corrupt {
+                    what: format!("embedding row {id} read from {}", self.pack_path.display()),
+                    message: "fails its checksum: the pack or the read is damaged; run `k3ring pack` again if it persists".to_owned(),
+                });
+            }
+            dst.copy_from_slice(bytes);
         }
         lock(&self.state).stats.embed_bytes_read += (ids.len() * window) as u64;
         Ok(())
@@ -875,6 +975,10 @@ impl WeightSource for StreamingSource {
         for &mut e in experts.iter_mut() {
             let key = (layer, e);
             st.protected.insert(key);
+            st.stats.routed_experts += 1;
+            if st.resident.contains_key(&key) {
+                st.stats.routed_recalled += 1;
+            }
             match st.resident.get(&key) {
                 Some(&slot) if st.experts[slot].ticket.is_none_or(|t| self.io.is_done(t)) => st.stats.expert_hits += 1,
                 Some(_) => {}
@@ -892,7 +996,14 @@ impl WeightSource for StreamingSource {
             })
         });
         st.pending.extend(misses.iter().copied());
-        let _ = self.issue_pending(&mut st, Priority::Demand, false);
+        let issued = self.issue_pending(&mut st, Priority::Demand, false);
+        drop(st);
+        if self.serial {
+            // Read everything the layer needs before computing any of it.
+            if let Ok(Some(t)) = issued {
+                let _ = self.io.wait(t);
+            }
+        }
         // Compute resident experts first, then the misses in the order they were issued.
         let rank = |e: &usize| misses.iter().position(|k| k.1 == *e).map_or(0, |p| p + 1);
         experts.sort_by_key(rank);
@@ -905,6 +1016,9 @@ impl WeightSource for StreamingSource {
             let slot = *st.resident.get(&key).ok_or_else(|| SourceError::Internal(format!("expert {key:?} vanished")))?;
             st.protected.remove(&key);
             st.experts[slot].users += 1;
+            if std::mem::replace(&mut st.experts[slot].speculative, false) {
+                st.stats.spec_used += 1;
+            }
             st.policy.on_access(key);
             (slot, st.experts[slot].ticket)
         };

@@ -77,8 +77,10 @@ pub struct IoService {
 pub type BackendFactory = Box<dyn FnOnce() -> Result<Box<dyn ReadBackend>, IoError> + Send>;
 
 impl IoService {
-    /// Starts the I/O thread; fails if its backend cannot be built.
-    pub fn start(factory: BackendFactory, ops_in_backend_max: usize) -> Result<IoService, IoError> {
+    /// Starts the I/O thread; fails if its backend cannot be built. The thread keeps up to
+    /// `bytes_in_backend_max` bytes of reads in the backend (at least one read), so demand
+    /// reads queued behind prefetch wait for little more than the device's queue.
+    pub fn start(factory: BackendFactory, ops_in_backend_max: usize, bytes_in_backend_max: usize) -> Result<IoService, IoError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(CHANNEL_BATCHES_MAX);
         let shared = Arc::new(Shared { tickets: Mutex::default(), done: Condvar::new(), stats: Mutex::default() });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -88,7 +90,7 @@ impl IoService {
             .spawn(move || match factory() {
                 Ok(backend) => {
                     let _ = ready_tx.send(Ok(backend.describe()));
-                    run(backend, rx, &thread_shared, ops_in_backend_max.max(1));
+                    run(backend, rx, &thread_shared, ops_in_backend_max.max(1), bytes_in_backend_max);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -110,23 +112,39 @@ impl IoService {
 
     /// Sends a batch; returns its ticket. An empty batch completes at once.
     pub fn submit(&self, priority: Priority, ops: Vec<SendOp>) -> Ticket {
-        let ticket = {
+        let ticket = self.reserve();
+        self.submit_reserved(ticket, priority, ops);
+        ticket
+    }
+
+    /// A ticket for a batch about to be built: it reads as pending (never done) until
+    /// [`Self::submit_reserved`] sends the batch, so slots can be tagged with it as they are
+    /// chosen.
+    pub fn reserve(&self) -> Ticket {
+        let mut t = lock(&self.shared.tickets);
+        t.next += 1;
+        let ticket = t.next;
+        t.states.insert(ticket, TicketState::Pending { remaining: usize::MAX, error: None });
+        ticket
+    }
+
+    /// Sends the batch of a reserved ticket.
+    pub fn submit_reserved(&self, ticket: Ticket, priority: Priority, ops: Vec<SendOp>) {
+        {
             let mut t = lock(&self.shared.tickets);
-            t.next += 1;
-            let ticket = t.next;
             let state = if ops.is_empty() {
                 TicketState::Done(Ok(()))
             } else {
                 TicketState::Pending { remaining: ops.len(), error: None }
             };
             t.states.insert(ticket, state);
-            ticket
-        };
-        if !ops.is_empty() && self.tx.send(Msg::Batch { ticket, priority, ops }).is_err() {
+        }
+        if ops.is_empty() {
+            self.shared.done.notify_all();
+        } else if self.tx.send(Msg::Batch { ticket, priority, ops }).is_err() {
             let mut t = lock(&self.shared.tickets);
             t.dead.get_or_insert_with(|| "the I/O thread has stopped".to_owned());
         }
-        ticket
     }
 
     /// Whether a batch has finished (successfully or not), without blocking.
@@ -177,10 +195,14 @@ impl Drop for IoService {
 }
 
 /// The I/O thread's loop: the event loop of the I/O stage (bounded by Stop or a closed channel).
-fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, ops_max: usize) {
+fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, ops_max: usize, bytes_max: usize) {
     let mut demand: VecDeque<(Ticket, SendOp)> = VecDeque::new();
     let mut prefetch: VecDeque<(Ticket, SendOp)> = VecDeque::new();
     let mut done: Vec<Completion> = Vec::with_capacity(ops_max);
+    // Each op in the backend: its ticket and length, by a per-op tag.
+    let mut in_backend: std::collections::HashMap<u64, (Ticket, usize)> = std::collections::HashMap::with_capacity(ops_max);
+    let mut bytes_in_backend = 0usize;
+    let mut next_tag = 0u64;
     let mut stopping = false;
     let mut last_stats = Instant::now();
     loop {
@@ -214,16 +236,21 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
                 }
             }
         }
-        // Keep the backend busy, demand first.
-        while backend.in_flight() < ops_max {
+        // Keep the backend busy, demand first, up to the byte limit.
+        while backend.in_flight() < ops_max && (bytes_in_backend < bytes_max || backend.in_flight() == 0) {
             let Some((ticket, op)) = demand.pop_front().or_else(|| prefetch.pop_front()) else { break };
             let mut op = op.0;
-            op.tag = ticket;
+            next_tag += 1;
+            op.tag = next_tag;
             // SAFETY: see `SendOp`: the slot behind `op.dst` is in flight and untouched by the
             // store until this ticket completes, which happens only after the backend returns
             // this op's completion.
-            if let Err(e) = unsafe { backend.submit(op) } {
-                finish_one(shared, ticket, Err(e));
+            match unsafe { backend.submit(op) } {
+                Ok(()) => {
+                    in_backend.insert(next_tag, (ticket, op.len));
+                    bytes_in_backend += op.len;
+                }
+                Err(e) => finish_one(shared, ticket, Err(e)),
             }
         }
         if backend.in_flight() == 0 {
@@ -240,7 +267,10 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
             break;
         }
         for c in done.drain(..) {
-            finish_one(shared, c.tag, c.result);
+            if let Some((ticket, len)) = in_backend.remove(&c.tag) {
+                bytes_in_backend -= len;
+                finish_one(shared, ticket, c.result);
+            }
         }
         if last_stats.elapsed().as_millis() >= 5 || backend.in_flight() == 0 {
             *lock(&shared.stats) = backend.stats();

@@ -1,0 +1,98 @@
+//! `k3ring synth`: write a seeded random checkpoint in the release layout, with a progress bar.
+
+use std::path::PathBuf;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::error::UsageError;
+use crate::synth::{synth, SynthError, SynthOptions, SynthReport};
+
+#[derive(Debug, clap::Args)]
+pub struct SynthArgs {
+    /// Output directory (new, empty, or an earlier synth output).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Widths: k3 (the release), small (k3 / 4) or tiny (the test fixture).
+    #[arg(long, value_name = "DIMS", default_value = "k3")]
+    pub dims: String,
+    /// Decoder layers [default: 6 k3, 8 small, 13 tiny].
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
+    /// Routed experts per MoE layer [default: 64 k3/small, 16 tiny].
+    #[arg(long, value_name = "E")]
+    pub experts: Option<usize>,
+    /// Experts per token [default: 16 k3/small, 4 tiny].
+    #[arg(long, value_name = "K")]
+    pub topk: Option<usize>,
+    /// Vocabulary incl. 256 added tokens [default: 8192 k3/small, 768 tiny].
+    #[arg(long, value_name = "V")]
+    pub vocab: Option<usize>,
+    /// Seed of every weight and of the tokenizer.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Keeps the exit code of a synth error: refused options become usage errors (2); I/O errors
+/// keep their `std::io::Error` source (4).
+fn classified(e: SynthError) -> anyhow::Error {
+    match e.exit_code() {
+        2 => UsageError(e.to_string()).into(),
+        _ => e.into(),
+    }
+}
+
+pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
+    let opts = SynthOptions::from_flags(args.out.clone(), &args.dims, args.layers, args.experts, args.topk, args.vocab, args.seed)
+        .map_err(classified)?;
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} synth [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    let report = synth(&opts, &|done, total| {
+        if bar.length() != Some(total) {
+            bar.set_length(total);
+        }
+        // Workers report out of order; keep the bar monotonic.
+        if done > bar.position() {
+            bar.set_position(done);
+        }
+    })
+    .map_err(classified)?;
+    bar.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_text(&report);
+    }
+    Ok(())
+}
+
+fn print_text(r: &SynthReport) {
+    let what = format!(
+        "{} dims, {} layers, {} experts, top-{}, vocab {}, seed {}",
+        r.dims.name(),
+        r.layers,
+        r.experts,
+        r.top_k,
+        r.vocab,
+        r.seed
+    );
+    if r.up_to_date {
+        println!("{} already holds this checkpoint ({what}); nothing to do", r.out.display());
+        return;
+    }
+    println!(
+        "wrote {} ({what}): {:.2} GB in {} shards, {} tensors, {:.2} s, {:.0} MB/s",
+        r.out.display(),
+        r.bytes as f64 / 1e9,
+        r.shards,
+        r.tensors,
+        r.seconds,
+        r.mb_per_s
+    );
+}
