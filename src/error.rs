@@ -64,6 +64,13 @@ fn classify(cause: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
             EngineError::Model(m) => model_code(m),
             EngineError::Memory { .. } | EngineError::EmptyPrompt => ExitCode::Usage,
             EngineError::Threads { .. } => ExitCode::Internal,
+            EngineError::RouteLog(t) => {
+                if t.exit_code() == 4 {
+                    ExitCode::Io
+                } else {
+                    ExitCode::Data
+                }
+            }
         });
     }
     if let Some(e) = cause.downcast_ref::<crate::engine::OpenError>() {
@@ -99,6 +106,9 @@ fn classify(cause: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
             TokenizerError::UnknownId(_) => ExitCode::Usage,
             TokenizerError::Regex(_) => ExitCode::Internal,
         });
+    }
+    if let Some(e) = cause.downcast_ref::<crate::storage::stream::cache_sim::TraceError>() {
+        return Some(if e.exit_code() == 4 { ExitCode::Io } else { ExitCode::Data });
     }
     if cause.is::<crate::storage::plan::PlanError>() {
         return Some(ExitCode::Usage);

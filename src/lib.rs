@@ -10,6 +10,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod model;
+pub mod pipeline;
 pub mod storage;
 pub mod synth;
 pub mod tokenizer;

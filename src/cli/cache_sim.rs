@@ -14,10 +14,9 @@ use serde::Serialize;
 
 use crate::error::UsageError;
 use crate::storage::stream::cache_sim::{
-    belady_with_progress, default_capacities, read_trace, simulate_with_progress, SimResult, Trace, TraceError,
+    belady_with_progress, default_capacities, read_trace, simulate_with_progress, SimResult, Trace,
 };
 use crate::storage::stream::policy::{policy_by_name, POLICY_NAMES};
-use crate::storage::stream::StreamError;
 
 /// How long the simulations run before the progress bar shows.
 const PROGRESS_DELAY: Duration = Duration::from_secs(1);
@@ -102,7 +101,7 @@ struct Report {
 }
 
 pub fn run(args: &CacheSimArgs) -> anyhow::Result<()> {
-    let trace = read_trace(&args.trace).map_err(trace_error)?;
+    let trace = read_trace(&args.trace)?;
     let capacities = resolve_capacities(args.capacities.as_deref(), &trace)?;
     let results = simulate_all(&trace, &capacities)?;
     let report = build_report(args, &trace, &capacities, &results);
@@ -112,15 +111,6 @@ pub fn run(args: &CacheSimArgs) -> anyhow::Result<()> {
         print_table(&report);
     }
     Ok(())
-}
-
-/// `error.rs` has no arm for `TraceError` yet: an I/O error keeps its `io::Error` source (exit 4),
-/// and invalid data travels as the stream store's data error, which maps to exit 3.
-fn trace_error(e: TraceError) -> anyhow::Error {
-    match e.exit_code() {
-        4 => e.into(),
-        _ => StreamError::Mismatch(e.to_string()).into(),
-    }
 }
 
 fn resolve_capacities(given: Option<&[usize]>, trace: &Trace) -> anyhow::Result<Vec<usize>> {

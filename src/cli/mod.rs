@@ -8,6 +8,7 @@ mod cache_sim;
 mod embedded;
 mod inspect;
 mod pack;
+pub mod pipeline_flags;
 mod run;
 mod synth;
 
@@ -103,6 +104,8 @@ pub struct RunArgs {
     pub isa: String,
     #[command(flatten)]
     pub storage: StorageArgs,
+    #[command(flatten)]
+    pub pipeline: pipeline_flags::PipelineArgs,
     /// Write prompt_ids, generated_ids, text, seconds_per_token and peak_rss_bytes as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,

@@ -28,6 +28,8 @@ struct RunReport<'a> {
     stopped_on_eos: bool,
     plan: Option<&'a Plan>,
     storage: Option<StreamStats>,
+    pipeline: crate::trace::Metrics,
+    speculation_recall: Option<f64>,
 }
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
@@ -36,16 +38,23 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         Some(dir) => dir.clone(),
         None => super::embedded::tiny_model_dir()?,
     };
+    let placement = args.pipeline.placement(args.threads)?;
+    if args.pipeline.print_placement {
+        println!("{}", placement.describe());
+        return Ok(());
+    }
     let Some(trunk) = &args.storage.trunk else {
         let opened = open_resident(&model_dir, args.threads, kernels)
             .with_context(|| format!("opening model {}", model_dir.display()))?;
         let prompt = prompt_ids(args, &opened.tokenizer)?;
         return generate(args, &model_dir, &opened, &prompt, None, |_| None);
     };
+    eprintln!("k3ring: {}", placement.describe());
     // The plan depends on the context length, so the prompt is tokenized first.
     let tokenizer = Tokenizer::from_model_dir(&model_dir)?;
     let prompt = prompt_ids(args, &tokenizer)?;
-    let run = streaming_run(args, &args.storage, prompt.len() + args.gen.max(1))?;
+    let mut run = streaming_run(args, &args.storage, prompt.len() + args.gen.max(1))?;
+    run.placement = Some(placement);
     let (opened, plan) = open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
         .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))?;
     let s = opened.engine.src.stats();
@@ -61,19 +70,26 @@ fn streaming_run(args: &RunArgs, st: &StorageArgs, context: usize) -> anyhow::Re
         (None, None) => preset_bytes("auto", available)?,
     };
     let io = IoKind::parse(&st.io).ok_or_else(|| UsageError(format!("--io {:?} is unknown", st.io)))?;
+    let pipe = &args.pipeline;
     Ok(StreamingRun {
         budget_bytes: budget,
         context,
         chunk: args.prefill_chunk,
         threads: args.threads,
         prefetch_window: None,
-        speculation: crate::model::Speculation::default(),
+        speculation: pipe.speculation(),
+        placement: None,
+        trace_detail: pipe.trace.is_some(),
         stream: StreamOptions {
             io,
             queue_depth: st.queue_depth,
-            readahead: st.readahead,
+            // Serial mode reads a layer when it is needed, as the C engine does.
+            readahead: if pipe.serial() { 0 } else { st.readahead },
             lock_memory: !st.no_mlock,
             verify_every_read: st.verify_reads,
+            serial: pipe.serial(),
+            policy: pipe.policy.clone(),
+            spec_prev_token: pipe.spec_prev_token,
             ..StreamOptions::default()
         },
     })
@@ -104,6 +120,7 @@ fn generate<S: WeightSource>(
         full_recompute: args.full_recompute,
         prefill_chunk: args.prefill_chunk,
         keep_logits: false,
+        route_log: args.pipeline.dump_trace.clone(),
     };
     let mut stream = StreamDecoder::default();
     let mut stdout = std::io::stdout().lock();
@@ -124,6 +141,11 @@ fn generate<S: WeightSource>(
     }
     let peak = peak_rss_bytes();
     let stats = storage(&engine.src);
+    let metrics = engine.model.tracer.metrics();
+    if let Some(path) = &args.pipeline.trace {
+        engine.model.tracer.write_chrome_json(path).with_context(|| format!("writing --trace {}", path.display()))?;
+        eprintln!("k3ring: trace written to {}", path.display());
+    }
     eprintln!(
         "k3ring: {} prompt + {} generated tokens | prefill {:.3} s | decode {:.4} s/token | peak RSS {} | {} threads, {} kernels",
         generation.prompt_ids.len(),
@@ -150,6 +172,18 @@ fn generate<S: WeightSource>(
             p.planned_bytes as f64 / GB,
             peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.3} GB", b as f64 / GB)),
         );
+        let recall = if s.routed_experts > 0 { s.routed_recalled as f64 / s.routed_experts as f64 } else { 0.0 };
+        eprintln!(
+            "k3ring: pipeline | I/O busy {:.0}% | compute busy {:.0}% | overlap {:.0}% | stalled {:.3} s | recall {:.0}% | speculative reads {} ({:.1} MiB, {:.1} MiB wasted)",
+            100.0 * metrics.io_busy_fraction,
+            100.0 * metrics.compute_busy_fraction,
+            100.0 * metrics.overlap_fraction,
+            metrics.stall_us / 1e6,
+            100.0 * recall,
+            s.spec_reads,
+            s.spec_bytes as f64 / 1048576.0,
+            s.spec_wasted_bytes as f64 / 1048576.0,
+        );
     }
     if let Some(path) = &args.json {
         let report = RunReport {
@@ -164,7 +198,12 @@ fn generate<S: WeightSource>(
             peak_rss_bytes: peak,
             stopped_on_eos: generation.stopped_on.is_some(),
             plan,
+            speculation_recall: stats
+                .as_ref()
+                .filter(|s| s.routed_experts > 0)
+                .map(|s| s.routed_recalled as f64 / s.routed_experts as f64),
             storage: stats,
+            pipeline: metrics,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("writing --json {}", path.display()))?;

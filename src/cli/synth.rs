@@ -49,7 +49,7 @@ pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
         .map_err(classified)?;
     let bar = ProgressBar::new(0);
     bar.set_style(
-        ProgressStyle::with_template("{spinner} synth [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+        ProgressStyle::with_template("{spinner} synth [{bar:40}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} eta {eta}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("=> "),
     );

@@ -15,6 +15,7 @@ use crate::storage::pack::{Manifest, PackUnit};
 use crate::storage::plan::{Plan, PlanError, PlanInput};
 use crate::storage::stream::{embed_buffer_bytes, expert_slot_bytes, StreamOptions, StreamingSource};
 use crate::tokenizer::Tokenizer;
+use crate::trace::Tracer;
 
 /// An opened model: engine and tokenizer.
 pub struct Opened<S: WeightSource = MmapSource> {
@@ -66,7 +67,8 @@ pub fn open_resident(dir: &Path, threads: usize, kernels: kernels::Kernels) -> R
     let src = MmapSource::open(c.index)?;
     // Everything is mapped: there is nothing to prefetch.
     let speculation = Speculation { enabled: false, margin: 0 };
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation };
+    let tracer = Arc::new(Tracer::new(false));
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation, tracer };
     Ok(Opened { engine: Engine::new(model, src, threads)?, tokenizer: c.tokenizer })
 }
 
@@ -82,6 +84,10 @@ pub struct StreamingRun {
     /// Extra expert slots beyond top-k for reads ahead of compute.
     pub prefetch_window: Option<usize>,
     pub speculation: Speculation,
+    /// Cores and node; `None` resolves the default from the topology.
+    pub placement: Option<crate::pipeline::Placement>,
+    /// Keep every span for a Chrome trace file (otherwise only the busy intervals).
+    pub trace_detail: bool,
 }
 
 /// Opens `dir` for streaming from the trunk pack in `trunk_dir` under a memory budget: makes the
@@ -120,10 +126,13 @@ pub fn open_streaming(
     on_plan(&plan);
     let mut stream = run.stream.clone();
     stream.chunk_tokens = chunk;
-    if stream.numa_node.is_none() {
-        stream.numa_node = crate::storage::io::Topology::detect().ok().and_then(|t| t.nodes.first().map(|n| n.id));
+    if let Some(p) = &run.placement {
+        stream.numa_node = Some(p.numa_node);
+        stream.io_core = p.io_cores.first().copied();
     }
-    let src = StreamingSource::open(dir, trunk_dir, Arc::clone(&c.index), &c.cfg, &plan, &stream)?;
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation: run.speculation };
-    Ok((Opened { engine: Engine::new(model, src, run.threads)?, tokenizer: c.tokenizer }, plan))
+    let tracer = Arc::new(Tracer::new(run.trace_detail));
+    let src = StreamingSource::open(dir, trunk_dir, Arc::clone(&c.index), &c.cfg, &plan, &stream, Arc::clone(&tracer))?;
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation: run.speculation, tracer };
+    let cores = run.placement.as_ref().map_or(&[][..], |p| &p.compute_cores[..]);
+    Ok((Opened { engine: Engine::pinned(model, src, run.threads, cores)?, tokenizer: c.tokenizer }, plan))
 }

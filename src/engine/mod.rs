@@ -27,6 +27,8 @@ pub enum EngineError {
     Threads { threads: usize, message: String },
     #[error("the prompt is empty: give at least one token")]
     EmptyPrompt,
+    #[error(transparent)]
+    RouteLog(#[from] crate::storage::stream::cache_sim::TraceError),
 }
 
 /// Options of one generation.
@@ -43,6 +45,8 @@ pub struct GenerateOptions {
     pub prefill_chunk: usize,
     /// Keep the logits that chose each generated token (tests).
     pub keep_logits: bool,
+    /// Write every routing decision here (`--dump-trace`).
+    pub route_log: Option<std::path::PathBuf>,
 }
 
 impl Default for GenerateOptions {
@@ -54,6 +58,7 @@ impl Default for GenerateOptions {
             full_recompute: false,
             prefill_chunk: 32,
             keep_logits: false,
+            route_log: None,
         }
     }
 }
@@ -90,9 +95,24 @@ pub struct Session {
 impl<S: WeightSource> Engine<S> {
     /// `threads` compute threads (0 = one per available core).
     pub fn new(model: Model, src: S, threads: usize) -> Result<Engine<S>, EngineError> {
+        Engine::pinned(model, src, threads, &[])
+    }
+
+    /// Like [`Engine::new`], with compute thread `i` pinned to `cores[i]` at spawn (one thread per
+    /// core when `cores` is not empty).
+    pub fn pinned(model: Model, src: S, threads: usize, cores: &[usize]) -> Result<Engine<S>, EngineError> {
+        let threads = if cores.is_empty() { threads } else { cores.len() };
+        let cores = cores.to_vec();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("k3ring-compute-{i}"))
+            .start_handler(move |i| {
+                if let Some(&cpu) = cores.get(i) {
+                    if !crate::pipeline::placement::pin_current(cpu) {
+                        tracing::warn!("could not pin compute thread {i} to CPU {cpu}");
+                    }
+                }
+            })
             .build()
             .map_err(|e| EngineError::Threads { threads, message: e.to_string() })?;
         let threads = pool.current_num_threads();
@@ -158,6 +178,21 @@ impl<S: WeightSource> Engine<S> {
         Ok(&sess.logits[..last_rows * vocab])
     }
 
+    /// Prefill (or decode) `tokens`, handing the routing to the log when there is one. The log
+    /// gets one chunk at a time, so its token numbers follow each chunk's start.
+    fn prefill_logged(&self, sess: &mut Session, tokens: &[u32], log: &mut Option<RouteLog>) -> Result<(), EngineError> {
+        let Some(log) = log else {
+            self.prefill(sess, tokens, LogitRows::Last, None)?;
+            return Ok(());
+        };
+        let chunk = sess.scratch.chunk();
+        for piece in tokens.chunks(chunk) {
+            log.base = sess.state.pos() as u64;
+            self.prefill(sess, piece, LogitRows::Last, Some(log))?;
+        }
+        Ok(())
+    }
+
     /// Prefill then decode up to `opts.gen` tokens, calling `on_token` as each is chosen.
     pub fn generate(
         &self,
@@ -174,8 +209,17 @@ impl<S: WeightSource> Engine<S> {
         let mut out = Generation { prompt_ids: prompt.to_vec(), ..Default::default() };
         let mut rng = sampling::Rng::new(opts.sampling.seed);
         let mut candidates = Vec::new();
+        let cfg = &self.model.cfg;
+        let mut log = match &opts.route_log {
+            Some(path) => Some(RouteLog {
+                writer: crate::storage::stream::cache_sim::TraceWriter::create(path, cfg.n_layers, cfg.moe.n_experts, cfg.moe.top_k)?,
+                base: 0,
+                error: None,
+            }),
+            None => None,
+        };
         let start = Instant::now();
-        self.prefill(&mut sess, prompt, LogitRows::Last, None)?;
+        self.prefill_logged(&mut sess, prompt, &mut log)?;
         out.prefill_seconds = start.elapsed().as_secs_f64();
         let decode_start = Instant::now();
         let vocab = self.model.cfg.vocab_size;
@@ -200,13 +244,41 @@ impl<S: WeightSource> Engine<S> {
                 sess.state.reset();
                 self.prefill(&mut sess, &context, LogitRows::Last, None)?;
             } else {
-                self.prefill(&mut sess, &[next], LogitRows::Last, None)?;
+                self.prefill_logged(&mut sess, &[next], &mut log)?;
             }
+        }
+        if let Some(log) = log {
+            if let Some(e) = log.error {
+                return Err(e.into());
+            }
+            log.writer.finish()?;
         }
         out.decode_seconds = decode_start.elapsed().as_secs_f64();
         let steps = out.generated_ids.len().saturating_sub(1).max(1);
         out.seconds_per_token = out.decode_seconds / steps as f64;
         Ok(out)
+    }
+}
+
+/// Writes the routing of every token (a [`Probe`] that only listens to routes).
+struct RouteLog {
+    writer: crate::storage::stream::cache_sim::TraceWriter,
+    /// Position of the chunk's first token.
+    base: u64,
+    error: Option<crate::storage::stream::cache_sim::TraceError>,
+}
+
+impl Probe for RouteLog {
+    fn tensor(&mut self, _layer: Option<usize>, _what: &'static str, _t: usize, _data: &[f32]) {}
+
+    fn routes(&mut self, layer: usize, routes: &[crate::model::moe::Route]) {
+        for (i, r) in routes.iter().enumerate() {
+            if self.error.is_none() {
+                if let Err(e) = self.writer.record(self.base + i as u64, layer, &r.experts) {
+                    self.error = Some(e);
+                }
+            }
+        }
     }
 }
 

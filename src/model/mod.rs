@@ -19,6 +19,7 @@ pub mod weights;
 use kernels::{KernelError, Kernels};
 
 use crate::config::{AttnKind, Config, FfnKind};
+use crate::trace::{SpanArgs, Stage};
 use attn_res::ResScratch;
 use dense::GluScratch;
 use head::HeadScratch;
@@ -80,6 +81,8 @@ pub struct Model {
     pub kernels: Kernels,
     /// Affects only which reads are issued early, never the arithmetic.
     pub speculation: Speculation,
+    /// Compute spans (attention, router, experts, ...) for the trace and the busy fractions.
+    pub tracer: std::sync::Arc<crate::trace::Tracer>,
 }
 
 /// Carried state of one layer.
@@ -231,6 +234,7 @@ impl Model {
             n_snap = self.layer(src, st, sc, l, t, n_snap, &mut probe)?;
         }
         let g = src.trunk(TrunkUnit::Head)?;
+        let head_span = self.tracer.span(Stage::Compute, "head");
         let out_rows = match rows {
             LogitRows::Last => t - 1..t,
             LogitRows::All => 0..t,
@@ -247,6 +251,7 @@ impl Model {
             &mut sc.head,
             logits,
         );
+        drop(head_span);
         if let Some(p) = probe {
             p.tensor(None, "final_hidden", t, h);
             for (j, snap) in sc.snapshots[..n_snap].iter().enumerate() {
@@ -289,6 +294,7 @@ impl Model {
             sc.partial[..td].fill(0.0);
         }
         // 3. a = Attention(RMSNorm(x)); p += a.
+        let attn_span = self.tracer.span_args(Stage::Compute, "attention", SpanArgs::new().layer(l as u32));
         norm_rows(k, view.bytes(lw.input_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match (&lw.attn, &mut st.layers[l]) {
             (AttnWeights::Kda(w), LayerState::Kda(s)) => {
@@ -303,15 +309,19 @@ impl Model {
         add_into(&mut sc.partial[..td], &sc.a[..td]);
         // 4. y = R(p, B); 5. m = FFN(RMSNorm(y)); p += m.
         attn_res::forward(k, &view, &lw.mlp_res, &sc.snapshots[..n_snap], &sc.partial, t, d, &mut sc.res, &mut sc.x);
+        drop(attn_span);
         report(probe, l, "mlp_input", t, &sc.x[..td]);
         if self.speculation.enabled {
             self.speculate(src, sc, l + 1, t);
         }
         norm_rows(k, view.bytes(lw.post_attention_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match &lw.ffn {
-            FfnWeights::Dense(w) => dense::glu_mlp(k, &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a),
+            FfnWeights::Dense(w) => {
+                let _s = self.tracer.span_args(Stage::Compute, "dense ffn", SpanArgs::new().layer(l as u32));
+                dense::glu_mlp(k, &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a)
+            }
             FfnWeights::Moe(w) => {
-                moe::forward(k, cfg, &view, src, l, w, &sc.xn, t, &mut sc.moe, &mut sc.a)?;
+                moe::forward(k, cfg, &view, src, l, w, &sc.xn, t, &mut sc.moe, &mut sc.a, &self.tracer)?;
                 if let Some(p) = probe.as_deref_mut() {
                     p.routes(l, &sc.moe.routes[..t]);
                 }
@@ -335,6 +345,7 @@ impl Model {
     fn speculate<S: WeightSource>(&self, src: &S, sc: &mut Scratch, next: usize, t: usize) {
         let Some(FfnWeights::Moe(w)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = src.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
+        let _s = self.tracer.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32));
         let d = self.cfg.hidden_size;
         let norm = view.bytes(self.weights.layers[next].post_attention_layernorm.id);
         norm_rows(&self.kernels, norm, self.cfg.rms_norm_eps, &sc.x[..t * d], &mut sc.spec_xn[..t * d], d);

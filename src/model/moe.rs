@@ -13,6 +13,7 @@ use super::dense::{self, GluScratch};
 use super::weights::{f32_at, vector_into, ExpertView, MoeWeights, TrunkView, WeightSource};
 use super::ModelError;
 use crate::config::Config;
+use crate::trace::{SpanArgs, Stage, Tracer};
 
 /// Renormalisation guard added to the weight sum (spec 5, step 3).
 const RENORM_EPS: f32 = 1e-20;
@@ -91,10 +92,12 @@ pub fn forward<S: WeightSource>(
     t: usize,
     s: &mut MoeScratch,
     out: &mut [f32],
+    tracer: &Tracer,
 ) -> Result<(), ModelError> {
     let m = &cfg.moe;
     let d = cfg.hidden_size;
     let (lat, e) = (m.latent, m.n_experts);
+    let router_span = tracer.span_args(Stage::Compute, "router", SpanArgs::new().layer(layer as u32));
     k.par_matmul_bf16(view.bytes(w.gate.id), w.gate.rows, w.gate.cols, &x[..t * d], t, &mut s.scores[..t * e]);
     k.sigmoid(&mut s.scores[..t * e]);
     let bias = view.bytes(w.e_score_correction_bias.id);
@@ -107,10 +110,12 @@ pub fn forward<S: WeightSource>(
     let down = &w.routed_expert_down_proj;
     k.par_matmul_bf16(view.bytes(down.id), down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat]);
     distinct_experts(&s.routes[..t], &mut s.distinct);
+    drop(router_span);
     src.will_need_experts(layer, &mut s.distinct);
     for i in 0..s.distinct.len() {
-        run_expert(k, cfg, src, layer, s.distinct[i], t, s)?;
+        run_expert(k, cfg, src, layer, s.distinct[i], t, s, tracer)?;
     }
+    let _latent_span = tracer.span_args(Stage::Compute, "latent norm, up, shared", SpanArgs::new().layer(layer as u32));
     // y_t = sum_i w_i E_i(u_t) in the token's own top-k order.
     for tok in 0..t {
         let y = &mut s.y[tok * lat..(tok + 1) * lat];
@@ -224,6 +229,7 @@ fn distinct_experts(routes: &[Route], out: &mut Vec<usize>) {
 }
 
 /// Applies one expert to every token of the chunk that chose it.
+#[allow(clippy::too_many_arguments)]
 fn run_expert<S: WeightSource>(
     k: &Kernels,
     cfg: &Config,
@@ -232,6 +238,7 @@ fn run_expert<S: WeightSource>(
     expert: usize,
     t: usize,
     s: &mut MoeScratch,
+    tracer: &Tracer,
 ) -> Result<(), ModelError> {
     let m = &cfg.moe;
     let (lat, f) = (m.latent, m.expert_hidden);
@@ -246,6 +253,7 @@ fn run_expert<S: WeightSource>(
         s.gathered[i * lat..(i + 1) * lat].copy_from_slice(&s.u[tok * lat..(tok + 1) * lat]);
     }
     let guard = src.expert(layer, expert)?;
+    let _span = tracer.span_args(Stage::Compute, "expert", SpanArgs::new().layer(layer as u32).expert(expert as u32));
     let b = guard.parts();
     let bad = |source| ModelError::Expert { layer, expert, source };
     k.par_matmul_mxfp4(b.w1_packed, b.w1_scale, f, lat, &s.gathered[..n * lat], n, &mut s.h1[..n * f]).map_err(bad)?;

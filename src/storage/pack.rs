@@ -376,7 +376,7 @@ impl Manifest {
         let corrupt = |message: String| PackError::Corrupt { path: path.clone(), message };
         let m: Manifest = serde_json::from_slice(&text).map_err(|e| corrupt(format!("not a trunk manifest: {e}")))?;
         if m.format != FORMAT || m.version != VERSION {
-            return Err(corrupt(format!("format {} v{} is not {FORMAT} v{VERSION}", m.format, m.version)));
+            return Err(corrupt(format!("format {} v{} is not {FORMAT} v{VERSION}: run `k3ring pack` again", m.format, m.version)));
         }
         if !m.complete {
             return Err(corrupt("the pack is incomplete (an interrupted `k3ring pack`)".to_owned()));

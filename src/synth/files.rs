@@ -157,13 +157,14 @@ pub fn vocab_ranks(n_ranks: usize, seed: u64) -> Result<Vec<Vec<u8>>, SynthError
     let mut out: Vec<Vec<u8>> = bytes.into_iter().map(|b| vec![b]).collect();
     let alphabet: Vec<u8> = PRINTABLE.collect();
     let n_extra = n_ranks - 256;
-    // At most half of all printable pairs, so a draw of a new pair or a new 3-byte extension
-    // (from >= 95 x 4512 candidates for at most 163,328 tokens) succeeds with probability >= 1/2.
+    // At most half of all printable pairs, so a new pair is drawn with probability >= 1/2, and a
+    // new 3-byte extension (from 95 x 4512 = 428,640 candidates for at most 257,120 needed, at
+    // VOCAB_MAX) with probability > 0.4 even at the last draw.
     let n_pairs = (n_extra / 2).min(alphabet.len() * alphabet.len() / 2);
     let mut seen: HashSet<Vec<u8>> = HashSet::with_capacity(n_extra);
     let mut pairs: Vec<Vec<u8>> = Vec::with_capacity(n_pairs);
-    // With draws succeeding at >= 1/2, the bound is never reached by a correct generator; it
-    // keeps a bug from spinning forever.
+    // With every draw succeeding at > 0.4, 64 attempts per token are never needed by a correct
+    // generator; the bound keeps a bug from spinning forever.
     let attempts_max = 64 * n_extra + 1024;
     let mut attempts = 0;
     while out.len() < n_ranks {

@@ -38,7 +38,9 @@ fn run_options(budget: u64, stream: StreamOptions) -> StreamingRun {
         threads: 2,
         stream,
         prefetch_window: None,
-        speculation: k3ring::model::Speculation { enabled: std::env::var("NOSPEC").is_err(), margin: 0 },
+        speculation: k3ring::model::Speculation::default(),
+        placement: None,
+        trace_detail: false,
     }
 }
 

@@ -297,3 +297,23 @@ fn small_synth_validates_runs_and_has_the_release_layout() {
         }
     }
 }
+
+/// The O_DIRECT path (the temp dir's filesystem) and the page-cache fallback (tmpfs, which
+/// refuses O_DIRECT) write the same bytes.
+#[test]
+fn direct_and_buffered_writes_give_the_same_bytes() {
+    let shm = Path::new("/dev/shm");
+    let Ok(ram) = tempfile::tempdir_in(shm) else {
+        eprintln!("SKIPPED: direct_and_buffered_writes_give_the_same_bytes: no writable /dev/shm");
+        return;
+    };
+    let disk = tempfile::tempdir().unwrap();
+    let opts = |dir: &Path| SynthOptions { layers: 4, experts: 8, ..tiny_opts(dir.join("m"), 3) };
+    synth_lib(&opts(ram.path()));
+    synth_lib(&opts(disk.path()));
+    let (a, b) = (dir_files(&ram.path().join("m")), dir_files(&disk.path().join("m")));
+    assert_eq!(a.len(), b.len());
+    for (name, bytes) in &a {
+        assert!(bytes == &b[name], "{name} differs between tmpfs and {}", disk.path().display());
+    }
+}

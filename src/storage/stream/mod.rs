@@ -23,8 +23,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde::Serialize;
 
-use self::policy::{CachePolicy, ExpertKey, Lru};
-use self::service::{IoService, Priority, SendOp, Ticket};
+use self::policy::{CachePolicy, ExpertKey};
+use self::service::{IoService, OpMeta, Priority, SendOp, Ticket};
+use crate::trace::{Stage, Tracer};
 use super::io::{
     align::open_direct, AlignedBuf, BufOptions, FaultPlan, IoError, IoStats, MappedReader, PreadOptions, PreadReader,
     ReadBackend, ReadOp, RingOptions, UringReader,
@@ -78,6 +79,12 @@ pub struct StreamOptions {
     pub verify_every_read: bool,
     pub lock_memory: bool,
     pub numa_node: Option<u32>,
+    /// CPU the I/O thread is pinned to.
+    pub io_core: Option<usize>,
+    /// Expert cache policy: "lru", "s3fifo" or "lfu".
+    pub policy: String,
+    /// Also prefetch the experts the previous token used at the next layer.
+    pub spec_prev_token: bool,
     /// Fault injection for the real backends (tests).
     pub inject: Option<FaultPlan>,
     /// Options of the simulator when `io` is `Sim`.
@@ -99,6 +106,9 @@ impl Default for StreamOptions {
             verify_every_read: false,
             lock_memory: true,
             numa_node: None,
+            io_core: None,
+            policy: "lru".to_owned(),
+            spec_prev_token: false,
             inject: None,
             sim: None,
             pread_threads: 4,
@@ -173,6 +183,31 @@ pub struct StreamStats {
     pub read_busy_seconds: f64,
     pub read_bytes_per_second: f64,
     pub io: IoCounters,
+    /// Per MoE layer: reads, hits, recall and stalls.
+    pub per_layer: Vec<LayerStats>,
+}
+
+/// One layer's share of the store's work.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct LayerStats {
+    pub layer: usize,
+    pub expert_reads: u64,
+    pub expert_bytes_read: u64,
+    pub expert_hits: u64,
+    pub routed_experts: u64,
+    pub routed_recalled: u64,
+    /// Time compute waited for this layer's bytes (trunk and experts).
+    pub stall_us: f64,
+}
+
+impl StreamStats {
+    fn layer(&mut self, layer: usize) -> &mut LayerStats {
+        if self.per_layer.len() <= layer {
+            let from = self.per_layer.len();
+            self.per_layer.extend((from..=layer).map(|l| LayerStats { layer: l, ..LayerStats::default() }));
+        }
+        &mut self.per_layer[layer]
+    }
 }
 
 impl StreamStats {
@@ -267,6 +302,8 @@ struct State {
     pending: VecDeque<ExpertKey>,
     /// Experts of the current layer not used yet: never evicted.
     protected: HashSet<ExpertKey>,
+    /// The experts each layer used for the last chunk (for --spec-prev-token).
+    last_routed: Vec<Vec<usize>>,
     stats: StreamStats,
 }
 
@@ -288,9 +325,11 @@ pub struct StreamingSource {
     readahead: usize,
     verify_every_read: bool,
     serial: bool,
+    spec_prev_token: bool,
     fixed_buffers: bool,
     state: Mutex<State>,
     io: IoService,
+    tracer: Arc<Tracer>,
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -311,6 +350,7 @@ impl StreamingSource {
         cfg: &Config,
         plan: &Plan,
         opts: &StreamOptions,
+        tracer: Arc<Tracer>,
     ) -> Result<StreamingSource, StreamError> {
         let manifest = Manifest::load(trunk_dir)?;
         manifest.check_source(trunk_dir, model_dir, &index)?;
@@ -328,7 +368,7 @@ impl StreamingSource {
         let layout = Layout::new(&mut units, cfg, plan, opts, align)?;
         let buf_opts = BufOptions { node: opts.numa_node, lock: opts.lock_memory, ..BufOptions::default() };
         let arena = Arc::new(AlignedBuf::new(layout.total.max(align as usize), &buf_opts)?);
-        let io = start_io(&files, opts, &arena, align)?;
+        let io = start_io(&files, opts, &arena, align, Arc::clone(&tracer))?;
         let unit_idx = |u: PackUnit| units.iter().position(|p| p.unit == u);
         let missing = |what: &str| StreamError::Mismatch(format!("the trunk pack has no {what} unit"));
         let unit_of_layer =
@@ -372,7 +412,9 @@ impl StreamingSource {
                 .map(|&region| ExpertSlot { region, key: None, ticket: None, users: 0, parts: [(0, 0); 6], speculative: false, bytes: 0 })
                 .collect(),
             resident: HashMap::new(),
-            policy: Box::new(Lru::default()),
+            policy: policy::policy_by_name(&opts.policy, plan.expert_slots)
+                .ok_or_else(|| StreamError::Mismatch(format!("unknown cache policy {:?}", opts.policy)))?,
+            last_routed: Vec::new(),
             pending: VecDeque::new(),
             protected: HashSet::new(),
             stats,
@@ -394,8 +436,10 @@ impl StreamingSource {
             readahead: opts.readahead,
             verify_every_read: opts.verify_every_read,
             serial: opts.serial,
+            spec_prev_token: opts.spec_prev_token,
             state: Mutex::new(state),
             io,
+            tracer,
         };
         src.load_pinned()?;
         Ok(src)
@@ -425,7 +469,7 @@ impl StreamingSource {
         }
         let bytes: u64 = self.units.iter().filter(|u| u.pinned.is_some()).map(|u| u.len).sum();
         let ticket = self.io.submit(Priority::Demand, ops);
-        self.io.wait(ticket).map_err(|e| StreamError::Io(clone_io_error(&e)))?;
+        self.wait_io(ticket, None).map_err(|e| StreamError::Io(clone_io_error(&e)))?;
         for (i, u) in self.units.iter().enumerate() {
             if let Some(r) = u.pinned {
                 self.verify(i, r).map_err(StreamError::Pack)?;
@@ -451,6 +495,35 @@ impl StreamingSource {
         unsafe { std::slice::from_raw_parts(self.arena.as_ptr().add(r.off), r.len) }
     }
 
+    /// Waits for a batch, recording the stall as a scheduler "wait" span when it blocks.
+    fn wait_io(&self, t: Ticket, layer: Option<usize>) -> Result<(), Arc<IoError>> {
+        if self.io.is_done(t) {
+            return self.io.wait(t);
+        }
+        let mut args = crate::trace::SpanArgs::new();
+        args.layer = layer.map(|l| l as u32);
+        let start = self.tracer.now_us();
+        let stall = self.tracer.span_args(Stage::Scheduler, "wait", args);
+        let r = self.io.wait(t);
+        drop(stall);
+        if let Some(l) = layer {
+            lock(&self.state).stats.layer(l).stall_us += self.tracer.now_us() - start;
+        }
+        r
+    }
+
+    fn layer_of_unit(&self, unit: usize) -> Option<usize> {
+        match self.units[unit].unit {
+            PackUnit::Layer(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The tracer the store records reads and stalls in.
+    pub fn tracer(&self) -> &Arc<Tracer> {
+        &self.tracer
+    }
+
     fn ptr(&self, off: usize) -> *mut u8 {
         assert!(off <= self.arena.len(), "offset outside the arena");
         // SAFETY: in bounds of the arena allocation (asserted).
@@ -462,15 +535,21 @@ impl StreamingSource {
         (self.fixed_buffers && off / PIECE == (off + len - 1) / PIECE).then_some((off / PIECE) as u16)
     }
 
-    fn op(&self, file: usize, offset: u64, len: usize, min_len: usize, dst_off: usize) -> SendOp {
+    #[allow(clippy::too_many_arguments)]
+    fn op(&self, file: usize, offset: u64, len: usize, min_len: usize, dst_off: usize, meta: OpMeta) -> SendOp {
         let mut op = ReadOp::new(file, offset, len, self.ptr(dst_off), 0);
         op.min_len = min_len;
         op.buf_index = self.buf_index(dst_off, len);
-        SendOp(op)
+        SendOp { op, meta }
     }
 
     fn unit_op(&self, u: &UnitPlace, r: Region) -> SendOp {
-        self.op(self.pack_file, u.file_offset, u.len as usize, u.len as usize, r.off)
+        let layer = match u.unit {
+            PackUnit::Layer(l) => Some(l as u32),
+            _ => None,
+        };
+        let meta = OpMeta { name: "trunk read", kind: "demand", layer, expert: None };
+        self.op(self.pack_file, u.file_offset, u.len as usize, u.len as usize, r.off, meta)
     }
 
     fn verify(&self, unit: usize, r: Region) -> Result<(), PackError> {
@@ -510,7 +589,7 @@ impl StreamingSource {
             st.ring[slot].unit = None;
         };
         if let Some(t) = ticket {
-            if let Err(e) = self.io.wait(t) {
+            if let Err(e) = self.wait_io(t, self.layer_of_unit(unit)) {
                 release(self);
                 return Err(self.read_error(format!("trunk unit {} of the pack", self.units[unit].unit.name()), &e));
             }
@@ -551,7 +630,7 @@ impl StreamingSource {
             // An unwanted read-ahead is still in flight into this slot: let it land first.
             let t = st.ring[slot].ticket.take();
             if let Some(t) = t {
-                let _ = self.io.wait(t);
+                let _ = self.wait_io(t, None);
             }
         }
         let u = &self.units[unit];
@@ -564,7 +643,8 @@ impl StreamingSource {
     }
 
     /// Read ops for one expert into a slot; returns the ops and the parts' places in the slot.
-    fn expert_ops(&self, key: ExpertKey, region: Region) -> Result<(Vec<SendOp>, PartPlaces), SourceError> {
+    fn expert_ops(&self, key: ExpertKey, region: Region, kind: &'static str) -> Result<(Vec<SendOp>, PartPlaces), SourceError> {
+        let meta = OpMeta { name: "expert read", kind, layer: Some(key.0 as u32), expert: Some(key.1 as u32) };
         let r = self.index.experts.get(key.0, key.1).ok_or_else(|| SourceError::Corrupt {
             what: format!("layer {} expert {}", key.0, key.1),
             message: "not in the checkpoint".to_owned(),
@@ -579,7 +659,7 @@ impl StreamingSource {
                 let t = &self.index.tensors[id];
                 parts[k] = ((t.offset - ws) as usize, t.len as usize);
             }
-            ops.push(self.op(shard, ws, (we - ws) as usize, (end - ws) as usize, region.off));
+            ops.push(self.op(shard, ws, (we - ws) as usize, (end - ws) as usize, region.off, meta));
         } else {
             let mut cursor = 0usize;
             for (k, &id) in r.parts.iter().enumerate() {
@@ -587,11 +667,11 @@ impl StreamingSource {
                 let ws = t.offset / a * a;
                 let we = align_up(t.offset + t.len, a);
                 parts[k] = (cursor + (t.offset - ws) as usize, t.len as usize);
-                ops.push(self.op(t.shard, ws, (we - ws) as usize, (t.offset + t.len - ws) as usize, region.off + cursor));
+                ops.push(self.op(t.shard, ws, (we - ws) as usize, (t.offset + t.len - ws) as usize, region.off + cursor, meta));
                 cursor += (we - ws) as usize;
             }
         }
-        let used = ops.iter().map(|o| o.0.len).sum::<usize>();
+        let used = ops.iter().map(|o| o.op.len).sum::<usize>();
         if used > region.len {
             return Err(SourceError::Internal(format!("expert ({}, {}) needs {used} bytes, slot holds {}", key.0, key.1, region.len)));
         }
@@ -618,8 +698,9 @@ impl StreamingSource {
                 st.stats.spec_bytes += bytes;
             }
             let region = st.experts[slot].region;
-            let (mut o, parts) = self.expert_ops(key, region)?;
-            st.stats.expert_window_bytes_read += o.iter().map(|op| op.0.len as u64).sum::<u64>();
+            let kind = if prio == Priority::Prefetch { "speculative" } else { "demand" };
+            let (mut o, parts) = self.expert_ops(key, region, kind)?;
+            st.stats.expert_window_bytes_read += o.iter().map(|op| op.op.len as u64).sum::<u64>();
             ops.append(&mut o);
             let s = &mut st.experts[slot];
             s.key = Some(key);
@@ -628,9 +709,15 @@ impl StreamingSource {
             st.policy.on_insert(key);
             st.stats.expert_reads += 1;
             st.stats.expert_bytes_read += bytes;
+            let ls = st.stats.layer(key.0);
+            ls.expert_reads += 1;
+            ls.expert_bytes_read += bytes;
             slots.push(slot);
         }
         debug_check_pool(st);
+        if !slots.is_empty() {
+            self.tracer.counter("expert pool occupancy", st.resident.len() as f64);
+        }
         self.io.submit_reserved(ticket, prio, ops);
         Ok((!slots.is_empty()).then_some(ticket))
     }
@@ -684,7 +771,7 @@ impl StreamingSource {
             let busy = st.experts.iter().filter(|s| s.users == 0).find_map(|s| s.ticket.filter(|&t| !self.io.is_done(t)));
             if let Some(ticket) = busy {
                 drop(st);
-                let _ = self.io.wait(ticket);
+                let _ = self.wait_io(ticket, Some(key.0));
                 st = lock(&self.state);
             }
         }
@@ -775,7 +862,7 @@ impl Layout {
     }
 }
 
-fn start_io(files: &[PathBuf], opts: &StreamOptions, arena: &Arc<AlignedBuf>, align: u64) -> Result<IoService, StreamError> {
+fn start_io(files: &[PathBuf], opts: &StreamOptions, arena: &Arc<AlignedBuf>, align: u64, tracer: Arc<Tracer>) -> Result<IoService, StreamError> {
     let files = files.to_vec();
     let ops_max = 256usize;
     let qd = opts.queue_depth.max(1);
@@ -810,7 +897,7 @@ fn start_io(files: &[PathBuf], opts: &StreamOptions, arena: &Arc<AlignedBuf>, al
             }
         })
     });
-    Ok(IoService::start(factory, ops_max, qd as usize * chunk as usize)?)
+    Ok(IoService::start(factory, ops_max, qd as usize * chunk as usize, opts.io_core, tracer)?)
 }
 
 fn clone_io_error(e: &Arc<IoError>) -> IoError {
@@ -946,11 +1033,12 @@ impl WeightSource for StreamingSource {
             let at = unit.file_offset + (self.embed.offset + id as usize * row) as u64;
             let ws = at / a * a;
             let we = align_up(at + row as u64, a);
-            ops.push(self.op(self.pack_file, ws, (we - ws) as usize, (we - ws) as usize, self.embed_region.off + i * window));
+            let meta = OpMeta { name: "embedding read", kind: "demand", layer: None, expert: None };
+            ops.push(self.op(self.pack_file, ws, (we - ws) as usize, (we - ws) as usize, self.embed_region.off + i * window, meta));
             starts.push(i * window + (at - ws) as usize);
         }
         let ticket = self.io.submit(Priority::Demand, ops);
-        self.io.wait(ticket).map_err(|e| self.read_error("embedding rows from the trunk pack".to_owned(), &e))?;
+        self.wait_io(ticket, None).map_err(|e| self.read_error("embedding rows from the trunk pack".to_owned(), &e))?;
         let buf = self.bytes(self.embed_region);
         for ((dst, &s), &id) in out.chunks_exact_mut(row).zip(&starts).zip(ids) {
             let bytes = &buf[s..s + row];
@@ -976,11 +1064,16 @@ impl WeightSource for StreamingSource {
             let key = (layer, e);
             st.protected.insert(key);
             st.stats.routed_experts += 1;
+            st.stats.layer(layer).routed_experts += 1;
             if st.resident.contains_key(&key) {
                 st.stats.routed_recalled += 1;
+                st.stats.layer(layer).routed_recalled += 1;
             }
             match st.resident.get(&key) {
-                Some(&slot) if st.experts[slot].ticket.is_none_or(|t| self.io.is_done(t)) => st.stats.expert_hits += 1,
+                Some(&slot) if st.experts[slot].ticket.is_none_or(|t| self.io.is_done(t)) => {
+                    st.stats.expert_hits += 1;
+                    st.stats.layer(layer).expert_hits += 1;
+                }
                 Some(_) => {}
                 None => {
                     st.stats.expert_misses += 1;
@@ -997,11 +1090,20 @@ impl WeightSource for StreamingSource {
         });
         st.pending.extend(misses.iter().copied());
         let issued = self.issue_pending(&mut st, Priority::Demand, false);
+        if st.last_routed.len() <= layer {
+            st.last_routed.resize(layer + 1, Vec::new());
+        }
+        st.last_routed[layer].clear();
+        st.last_routed[layer].extend(experts.iter().copied());
+        let prev_next = if self.spec_prev_token && !self.serial { st.last_routed.get(layer + 1).cloned() } else { None };
         drop(st);
+        if let Some(next) = prev_next.filter(|n| !n.is_empty()) {
+            self.prefetch_experts(layer + 1, &next);
+        }
         if self.serial {
             // Read everything the layer needs before computing any of it.
             if let Ok(Some(t)) = issued {
-                let _ = self.io.wait(t);
+                let _ = self.wait_io(t, Some(layer));
             }
         }
         // Compute resident experts first, then the misses in the order they were issued.
@@ -1023,7 +1125,7 @@ impl WeightSource for StreamingSource {
             (slot, st.experts[slot].ticket)
         };
         if let Some(t) = ticket {
-            if let Err(e) = self.io.wait(t) {
+            if let Err(e) = self.wait_io(t, Some(layer)) {
                 let mut st = lock(&self.state);
                 st.experts[slot].users -= 1;
                 st.resident.remove(&key);

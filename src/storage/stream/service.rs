@@ -10,9 +10,24 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crate::storage::io::{Completion, IoError, IoStats, ReadBackend, ReadOp};
+use crate::trace::{SpanArgs, Stage, Tracer};
+
+/// What a read is for, for the trace.
+#[derive(Clone, Copy, Debug)]
+pub struct OpMeta {
+    /// "trunk read", "expert read" or "embedding read".
+    pub name: &'static str,
+    /// "demand" or "speculative".
+    pub kind: &'static str,
+    pub layer: Option<u32>,
+    pub expert: Option<u32>,
+}
 
 /// A read whose destination pointer may cross to the I/O thread.
-pub struct SendOp(pub ReadOp);
+pub struct SendOp {
+    pub op: ReadOp,
+    pub meta: OpMeta,
+}
 
 // SAFETY: the destination belongs to a buffer slot that the store marks in flight before sending
 // and does not touch (nor hand out) until this op's ticket completes; only the I/O thread and the
@@ -80,22 +95,34 @@ impl IoService {
     /// Starts the I/O thread; fails if its backend cannot be built. The thread keeps up to
     /// `bytes_in_backend_max` bytes of reads in the backend (at least one read), so demand
     /// reads queued behind prefetch wait for little more than the device's queue.
-    pub fn start(factory: BackendFactory, ops_in_backend_max: usize, bytes_in_backend_max: usize) -> Result<IoService, IoError> {
+    pub fn start(
+        factory: BackendFactory,
+        ops_in_backend_max: usize,
+        bytes_in_backend_max: usize,
+        pin_to: Option<usize>,
+        tracer: Arc<Tracer>,
+    ) -> Result<IoService, IoError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(CHANNEL_BATCHES_MAX);
         let shared = Arc::new(Shared { tickets: Mutex::default(), done: Condvar::new(), stats: Mutex::default() });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("k3ring-io".to_owned())
-            .spawn(move || match factory() {
+            .spawn(move || {
+                if let Some(cpu) = pin_to {
+                    if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
+                        tracing::warn!("could not pin the I/O thread to CPU {cpu}");
+                    }
+                }
+                match factory() {
                 Ok(backend) => {
                     let _ = ready_tx.send(Ok(backend.describe()));
-                    run(backend, rx, &thread_shared, ops_in_backend_max.max(1), bytes_in_backend_max);
+                    run(backend, rx, &thread_shared, ops_in_backend_max.max(1), bytes_in_backend_max, &tracer);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
                 }
-            })
+            }})
             .map_err(|source| IoError::Setup { what: "the I/O thread".to_owned(), source })?;
         match ready_rx.recv() {
             Ok(Ok(backend_info)) => Ok(IoService { backend_info, tx, shared, thread: Some(thread) }),
@@ -195,12 +222,12 @@ impl Drop for IoService {
 }
 
 /// The I/O thread's loop: the event loop of the I/O stage (bounded by Stop or a closed channel).
-fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, ops_max: usize, bytes_max: usize) {
+fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, ops_max: usize, bytes_max: usize, tracer: &Tracer) {
     let mut demand: VecDeque<(Ticket, SendOp)> = VecDeque::new();
     let mut prefetch: VecDeque<(Ticket, SendOp)> = VecDeque::new();
     let mut done: Vec<Completion> = Vec::with_capacity(ops_max);
     // Each op in the backend: its ticket and length, by a per-op tag.
-    let mut in_backend: std::collections::HashMap<u64, (Ticket, usize)> = std::collections::HashMap::with_capacity(ops_max);
+    let mut in_backend: std::collections::HashMap<u64, (Ticket, usize, OpMeta, f64)> = std::collections::HashMap::with_capacity(ops_max);
     let mut bytes_in_backend = 0usize;
     let mut next_tag = 0u64;
     let mut stopping = false;
@@ -238,8 +265,8 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
         }
         // Keep the backend busy, demand first, up to the byte limit.
         while backend.in_flight() < ops_max && (bytes_in_backend < bytes_max || backend.in_flight() == 0) {
-            let Some((ticket, op)) = demand.pop_front().or_else(|| prefetch.pop_front()) else { break };
-            let mut op = op.0;
+            let Some((ticket, send)) = demand.pop_front().or_else(|| prefetch.pop_front()) else { break };
+            let (mut op, meta) = (send.op, send.meta);
             next_tag += 1;
             op.tag = next_tag;
             // SAFETY: see `SendOp`: the slot behind `op.dst` is in flight and untouched by the
@@ -247,8 +274,9 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
             // this op's completion.
             match unsafe { backend.submit(op) } {
                 Ok(()) => {
-                    in_backend.insert(next_tag, (ticket, op.len));
+                    in_backend.insert(next_tag, (ticket, op.len, meta, tracer.now_us()));
                     bytes_in_backend += op.len;
+                    tracer.counter("bytes in flight", bytes_in_backend as f64);
                 }
                 Err(e) => finish_one(shared, ticket, Err(e)),
             }
@@ -266,12 +294,18 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
             shared.done.notify_all();
             break;
         }
+        let now = tracer.now_us();
         for c in done.drain(..) {
-            if let Some((ticket, len)) = in_backend.remove(&c.tag) {
+            if let Some((ticket, len, meta, start)) = in_backend.remove(&c.tag) {
                 bytes_in_backend -= len;
+                let mut args = SpanArgs::new().bytes(len as u64).kind(meta.kind);
+                args.layer = meta.layer;
+                args.expert = meta.expert;
+                tracer.complete(Stage::Io, meta.name, start, now.max(start), args);
                 finish_one(shared, ticket, c.result);
             }
         }
+        tracer.counter("bytes in flight", bytes_in_backend as f64);
         if last_stats.elapsed().as_millis() >= 5 || backend.in_flight() == 0 {
             *lock(&shared.stats) = backend.stats();
             last_stats = Instant::now();

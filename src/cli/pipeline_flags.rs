@@ -1,0 +1,74 @@
+//! Flags of the pipeline (`run`, `tune`, `bench`): placement, speculation, cache policy, mode,
+//! profiling outputs; and turning them into the library's options.
+
+use std::path::PathBuf;
+
+use crate::error::UsageError;
+use crate::model::Speculation;
+use crate::pipeline::{Placement, PlacementRequest};
+use crate::storage::io::topology::parse_cpulist;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct PipelineArgs {
+    /// NUMA node for buffers and threads (default: the node with the most CPUs).
+    #[arg(long, value_name = "N")]
+    pub numa_node: Option<u32>,
+    /// CPUs of the compute threads, e.g. 0-6,8 (default: the node's CPUs but the I/O one).
+    #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
+    pub compute_cores: Option<Vec<usize>>,
+    /// CPUs of the I/O thread (default: the node's last CPU).
+    #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
+    pub io_cores: Option<Vec<usize>>,
+    /// Print the placement and exit.
+    #[arg(long)]
+    pub print_placement: bool,
+    /// Do not prefetch experts predicted by the next layer's router.
+    #[arg(long)]
+    pub no_spec: bool,
+    /// Experts predicted per token beyond top-k.
+    #[arg(long, value_name = "M", default_value_t = 0)]
+    pub spec_margin: usize,
+    /// Also prefetch the experts the previous token used at the next layer.
+    #[arg(long)]
+    pub spec_prev_token: bool,
+    /// Expert cache policy: lru, s3fifo or lfu.
+    #[arg(long, value_name = "NAME", default_value = "lru", value_parser = ["lru", "s3fifo", "lfu"])]
+    pub policy: String,
+    /// pipelined (reads overlap compute) or serial (read a layer's experts, then compute them).
+    #[arg(long, value_name = "MODE", default_value = "pipelined", value_parser = ["pipelined", "serial"])]
+    pub mode: String,
+    /// Write a Chrome trace-event JSON (open in Perfetto or chrome://tracing).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Write every (token, layer, experts) routing decision, for `k3ring cache-sim`.
+    #[arg(long, value_name = "FILE")]
+    pub dump_trace: Option<PathBuf>,
+}
+
+fn parse_cpus(s: &str) -> Result<Vec<usize>, String> {
+    parse_cpulist(s, std::path::Path::new("(flag)")).map_err(|e| e.to_string())
+}
+
+impl PipelineArgs {
+    /// Resolves the placement against this machine's topology.
+    pub fn placement(&self, threads: usize) -> anyhow::Result<Placement> {
+        let topo = crate::storage::io::Topology::detect()?;
+        let req = PlacementRequest {
+            numa_node: self.numa_node,
+            compute_cores: self.compute_cores.clone(),
+            io_cores: self.io_cores.clone(),
+            threads,
+        };
+        Placement::resolve(&topo, &req).map_err(|e| UsageError(e.to_string()).into())
+    }
+
+    pub fn serial(&self) -> bool {
+        self.mode == "serial"
+    }
+
+    /// Speculation as the flags and the mode ask (never in serial mode: the C engine's design
+    /// reads after routing).
+    pub fn speculation(&self) -> Speculation {
+        Speculation { enabled: !self.no_spec && !self.serial(), margin: self.spec_margin }
+    }
+}
