@@ -15,10 +15,10 @@ pub struct PipelineArgs {
     pub numa_node: Option<u32>,
     /// CPUs of the compute threads, e.g. 0-6,8 (default: the node's CPUs but the I/O one).
     #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
-    pub compute_cores: Option<Vec<usize>>,
+    pub compute_cores: Option<CpuList>,
     /// CPUs of the I/O thread (default: the node's last CPU).
     #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
-    pub io_cores: Option<Vec<usize>>,
+    pub io_cores: Option<CpuList>,
     /// Print the placement and exit.
     #[arg(long)]
     pub print_placement: bool,
@@ -45,8 +45,12 @@ pub struct PipelineArgs {
     pub dump_trace: Option<PathBuf>,
 }
 
-fn parse_cpus(s: &str) -> Result<Vec<usize>, String> {
-    parse_cpulist(s, std::path::Path::new("(flag)")).map_err(|e| e.to_string())
+/// A CPU list flag value ("0-3,8").
+#[derive(Clone, Debug)]
+pub struct CpuList(pub Vec<usize>);
+
+fn parse_cpus(s: &str) -> Result<CpuList, String> {
+    parse_cpulist(s, std::path::Path::new("(flag)")).map(CpuList).map_err(|e| e.to_string())
 }
 
 impl PipelineArgs {
@@ -55,8 +59,8 @@ impl PipelineArgs {
         let topo = crate::storage::io::Topology::detect()?;
         let req = PlacementRequest {
             numa_node: self.numa_node,
-            compute_cores: self.compute_cores.clone(),
-            io_cores: self.io_cores.clone(),
+            compute_cores: self.compute_cores.as_ref().map(|c| c.0.clone()),
+            io_cores: self.io_cores.as_ref().map(|c| c.0.clone()),
             threads,
         };
         Placement::resolve(&topo, &req).map_err(|e| UsageError(e.to_string()).into())

@@ -6,6 +6,7 @@ mod cli_tests;
 mod common;
 mod config_tests;
 mod oracle_tests;
+mod pipeline_tests;
 mod streaming_tests;
 mod synth_tests;
 mod tokenizer_tests;

@@ -1,0 +1,178 @@
+//! The pipeline (issue 5): identical output whatever the speculation, read-ahead, policy,
+//! threads, placement or mode; a valid trace whose reads overlap compute; the routing dump.
+
+use std::path::Path;
+
+use k3ring::engine::{open_streaming, GenerateOptions, Generation, StreamingRun};
+use k3ring::model::Speculation;
+use k3ring::pipeline::Placement;
+use k3ring::storage::pack::write_pack;
+use k3ring::storage::stream::{StreamOptions, StreamStats};
+use kernels::{Isa, Kernels};
+
+use crate::checkpoint_tests::k3ring;
+use crate::common::*;
+
+const GEN: usize = 10;
+
+fn pack(model: &Path) -> tempfile::TempDir {
+    let out = tempfile::tempdir().unwrap();
+    let cfg = k3ring::config::Config::from_model_dir(model).unwrap();
+    let index = k3ring::checkpoint::CheckpointIndex::open(model).unwrap();
+    write_pack(model, &cfg, &index, out.path(), |_, _| {}).unwrap();
+    out
+}
+
+fn prompt() -> Vec<u32> {
+    ids(&reference_json(&tiny_dir())["prompt_ids"])
+}
+
+/// A budget that streams most trunk units and keeps the expert pool small.
+const BUDGET: u64 = 1_400_000;
+
+fn base_run() -> StreamingRun {
+    StreamingRun {
+        budget_bytes: BUDGET,
+        context: prompt().len() + GEN,
+        chunk: 6,
+        threads: 2,
+        stream: StreamOptions::default(),
+        prefetch_window: None,
+        speculation: Speculation::default(),
+        placement: None,
+        trace_detail: false,
+    }
+}
+
+fn go(trunk: &Path, run: &StreamingRun) -> (Generation, StreamStats, k3ring::trace::Metrics) {
+    let (o, _) = open_streaming(&tiny_dir(), trunk, run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).unwrap();
+    let opts = GenerateOptions { gen: GEN, keep_logits: true, prefill_chunk: run.chunk, ..Default::default() };
+    let g = o.engine.generate(&prompt(), &opts, |_| {}).unwrap();
+    (g, o.engine.src.stats(), o.engine.model.tracer.metrics())
+}
+
+fn bits(g: &Generation) -> Vec<u32> {
+    g.logits.iter().flatten().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn output_is_identical_across_every_pipeline_setting() {
+    let trunk = pack(&tiny_dir());
+    let (base, base_stats, _) = go(trunk.path(), &base_run());
+    assert!(base_stats.trunk_streamed_units > 0, "the budget should stream: {base_stats:?}");
+    assert!(base_stats.spec_reads > 0, "speculation should read ahead: {base_stats:?}");
+    let one_core = Placement { numa_node: 0, compute_cores: vec![0], io_cores: vec![0], nodes_used: vec![0] };
+    let other = Placement { numa_node: 0, compute_cores: vec![1, 0], io_cores: vec![1], nodes_used: vec![0] };
+    let mut variants: Vec<(String, StreamingRun)> = Vec::new();
+    let mut add = |name: &str, f: &dyn Fn(&mut StreamingRun)| {
+        let mut r = base_run();
+        f(&mut r);
+        variants.push((name.to_owned(), r));
+    };
+    add("no speculation", &|r| r.speculation.enabled = false);
+    add("margin 4", &|r| r.speculation.margin = 4);
+    add("previous-token speculation", &|r| r.stream.spec_prev_token = true);
+    add("readahead 0", &|r| r.stream.readahead = 0);
+    add("readahead 3", &|r| r.stream.readahead = 3);
+    add("s3fifo", &|r| r.stream.policy = "s3fifo".into());
+    add("lfu", &|r| r.stream.policy = "lfu".into());
+    add("1 thread", &|r| r.threads = 1);
+    add("pinned to one core", &|r| r.placement = Some(one_core.clone()));
+    add("pinned elsewhere", &|r| r.placement = Some(other.clone()));
+    add("serial", &|r| {
+        r.stream.serial = true;
+        r.stream.readahead = 0;
+        r.speculation.enabled = false;
+    });
+    add("prefill chunk 1", &|r| r.chunk = 1);
+    for (name, run) in &variants {
+        let (g, s, _) = go(trunk.path(), run);
+        assert_eq!(g.generated_ids, base.generated_ids, "{name}");
+        assert!(bits(&g) == bits(&base), "{name}: logits changed");
+        if !run.speculation.enabled {
+            assert_eq!(s.spec_reads, 0, "{name}");
+        }
+    }
+}
+
+#[test]
+fn speculation_raises_recall() {
+    let trunk = pack(&tiny_dir());
+    let mut off = base_run();
+    off.speculation.enabled = false;
+    let mut on = base_run();
+    on.speculation.margin = 2;
+    let (_, s_off, _) = go(trunk.path(), &off);
+    let (_, s_on, _) = go(trunk.path(), &on);
+    let recall = |s: &StreamStats| s.routed_recalled as f64 / s.routed_experts as f64;
+    assert!(recall(&s_on) > recall(&s_off), "recall with speculation {} vs without {}", recall(&s_on), recall(&s_off));
+    assert!(s_on.spec_used > 0);
+    assert!(s_on.per_layer.iter().any(|l| l.routed_recalled > 0));
+}
+
+#[test]
+fn the_trace_is_valid_chrome_json_with_overlapping_reads_and_compute() {
+    let trunk = pack(&tiny_dir());
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("trace.json");
+    let (code, _, err) = k3ring(&[
+        "run", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--mem-gb", "0.0014",
+        "--prompt", "Once upon a time", "--gen", "8", "--ignore-eos", "--trace", trace.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("overlap") && err.contains("recall"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    let spans = |cat: &str| -> Vec<(f64, f64)> {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["cat"] == cat)
+            .map(|e| (e["ts"].as_f64().unwrap(), e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()))
+            .collect()
+    };
+    let (io, compute) = (spans("io"), spans("compute"));
+    assert!(!io.is_empty() && !compute.is_empty());
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        for key in ["name", "ts", "dur", "pid", "tid"] {
+            assert!(e.get(key).is_some(), "event without {key}: {e}");
+        }
+    }
+    let reads: Vec<&serde_json::Value> = events.iter().filter(|e| e["name"] == "expert read").collect();
+    assert!(reads.iter().any(|e| e["args"]["kind"] == "speculative") && reads.iter().any(|e| e["args"]["kind"] == "demand"));
+    assert!(reads.iter().all(|e| e["args"]["layer"].is_u64() && e["args"]["expert"].is_u64() && e["args"]["bytes"].is_u64()));
+    let overlaps = io.iter().any(|a| compute.iter().any(|b| a.0 < b.1 && b.0 < a.1));
+    assert!(overlaps, "no I/O span overlaps a compute span");
+    assert!(events.iter().any(|e| e["ph"] == "C" && e["name"] == "bytes in flight"));
+    assert!(events.iter().any(|e| e["ph"] == "M" && e["name"] == "thread_name"));
+}
+
+#[test]
+fn the_routing_dump_replays_in_cache_sim() {
+    let trunk = pack(&tiny_dir());
+    let tmp = tempfile::tempdir().unwrap();
+    let dump = tmp.path().join("routes.txt");
+    let (code, _, err) = k3ring(&[
+        "run", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--mem-gb", "0.01",
+        "--prompt", "Once upon a time", "--gen", "6", "--ignore-eos", "--dump-trace", dump.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let text = std::fs::read_to_string(&dump).unwrap();
+    assert!(text.starts_with("# k3ring expert trace v1 layers=13 experts=16 top_k=4"), "{text}");
+    // Prompt tokens plus the 5 tokens fed back while decoding, times 12 MoE layers.
+    let records = text.lines().filter(|l| !l.starts_with('#')).count();
+    let prompt_len = text.lines().filter(|l| l.split(' ').nth(1) == Some("1")).count();
+    assert_eq!(records, prompt_len * 12);
+    let (code, out, err) = k3ring(&["cache-sim", dump.to_str().unwrap(), "--capacities", "8,16,64"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("belady"), "{out}");
+}
+
+#[test]
+fn print_placement_exits_after_printing() {
+    let (code, out, err) = k3ring(&["run", "--prompt", "x", "--print-placement", "--compute-cores", "0"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("placement: NUMA node 0 | compute 1 threads on CPUs 0"), "{out}");
+    let (code, _, err) = k3ring(&["run", "--prompt", "x", "--print-placement", "--compute-cores", "4096"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--compute-cores: CPU 4096 is not online"), "{err}");
+}
