@@ -110,6 +110,13 @@ fn classify(cause: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
     if let Some(e) = cause.downcast_ref::<crate::storage::stream::cache_sim::TraceError>() {
         return Some(if e.exit_code() == 4 { ExitCode::Io } else { ExitCode::Data });
     }
+    if let Some(e) = cause.downcast_ref::<crate::synth::SynthError>() {
+        return Some(match e.exit_code() {
+            2 => ExitCode::Usage,
+            4 => ExitCode::Io,
+            _ => ExitCode::Internal,
+        });
+    }
     if cause.is::<crate::storage::plan::PlanError>() {
         return Some(ExitCode::Usage);
     }

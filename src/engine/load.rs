@@ -88,6 +88,8 @@ pub struct StreamingRun {
     pub placement: Option<crate::pipeline::Placement>,
     /// Keep every span for a Chrome trace file (otherwise only the busy intervals).
     pub trace_detail: bool,
+    /// Cap on the budget share for pinned trunk units (`None`: trunk first).
+    pub trunk_share: Option<f64>,
 }
 
 /// Opens `dir` for streaming from the trunk pack in `trunk_dir` under a memory budget: makes the
@@ -121,6 +123,7 @@ pub fn open_streaming(
         readahead: run.stream.readahead,
         states_bytes: ModelState::bytes(&c.cfg, run.context),
         scratch_bytes: Scratch::bytes(&c.cfg, chunk, run.context) + logits + embed_buffer_bytes(&c.cfg, chunk, align),
+        trunk_share: run.trunk_share,
     };
     let plan = Plan::make(&input)?;
     on_plan(&plan);

@@ -59,6 +59,9 @@ pub struct PlanInput {
     pub states_bytes: u64,
     /// Scratch, logits and the embedding row buffer.
     pub scratch_bytes: u64,
+    /// At most this share of what is left after the fixed parts goes to pinned trunk units
+    /// (`None`: trunk first, as much as fits). `k3ring tune` sweeps it.
+    pub trunk_share: Option<f64>,
 }
 
 /// The division of the budget, printed before allocation and written into `--json`.
@@ -114,7 +117,15 @@ impl Plan {
             return Err(PlanError::BelowMinimum { budget_gb: to_gb(input.budget), min_gb: to_gb(minimum), detail });
         }
         let avail = input.budget - fixed - pool_min_bytes;
-        let (pinned, streamed, ring_slot_bytes) = choose_pinned(&units, avail, ring_slots);
+        // The ring is always affordable (the minimum includes it); the share caps pinning only.
+        let trunk_avail = match input.trunk_share {
+            Some(share) => {
+                let ring = ring_slots as u64 * largest;
+                (ring + ((avail - ring) as f64 * share.clamp(0.0, 1.0)) as u64).min(avail)
+            }
+            None => avail,
+        };
+        let (pinned, streamed, ring_slot_bytes) = choose_pinned(&units, trunk_avail, ring_slots);
         let pinned_bytes: u64 = pinned.iter().map(|u| u.1).sum();
         let ring_bytes = if streamed.is_empty() { 0 } else { ring_slots as u64 * ring_slot_bytes };
         let spare = avail - pinned_bytes - ring_bytes;
@@ -215,6 +226,7 @@ mod tests {
             readahead: 1,
             states_bytes: 50,
             scratch_bytes: 50,
+            trunk_share: None,
         }
     }
 
@@ -250,6 +262,21 @@ mod tests {
             last = p.trunk_read_bytes_per_token;
         }
         assert_eq!(last, 0);
+    }
+
+    #[test]
+    fn trunk_share_moves_bytes_from_trunk_to_experts() {
+        let budget = 100 + 80 + 300 + 1045 + 2000;
+        let all = Plan::make(&input(budget)).unwrap();
+        let mut half = input(budget);
+        half.trunk_share = Some(0.1);
+        let half = Plan::make(&half).unwrap();
+        assert!(half.pinned_bytes < all.pinned_bytes);
+        assert!(half.expert_slots > all.expert_slots);
+        let mut none = input(budget);
+        none.trunk_share = Some(0.0);
+        let none = Plan::make(&none).unwrap();
+        assert!(none.pinned_bytes <= half.pinned_bytes && none.expert_slots >= half.expert_slots);
     }
 
     #[test]

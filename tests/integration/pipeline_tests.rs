@@ -41,6 +41,7 @@ fn base_run() -> StreamingRun {
         speculation: Speculation::default(),
         placement: None,
         trace_detail: false,
+        trunk_share: None,
     }
 }
 

@@ -41,6 +41,7 @@ fn run_options(budget: u64, stream: StreamOptions) -> StreamingRun {
         speculation: k3ring::model::Speculation::default(),
         placement: None,
         trace_detail: false,
+        trunk_share: None,
     }
 }
 
