@@ -4,12 +4,14 @@
 #![forbid(unsafe_code)]
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod bench;
 mod cache_sim;
 mod embedded;
 mod inspect;
 mod pack;
 pub mod pipeline_flags;
 mod run;
+mod svg;
 mod synth;
 
 use std::path::PathBuf;
@@ -38,6 +40,8 @@ pub enum Command {
     Synth(synth::SynthArgs),
     /// Replay an expert trace (run --dump-trace) through the cache policies and Belady's optimum.
     CacheSim(cache_sim::CacheSimArgs),
+    /// Measure the engine against the device, memory bandwidth and resident compute.
+    Bench(Box<bench::BenchArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -222,6 +226,7 @@ pub fn main() -> std::process::ExitCode {
         Command::Pack(args) => pack::run(&args),
         Command::Synth(args) => synth::run(&args),
         Command::CacheSim(args) => cache_sim::run(&args),
+        Command::Bench(args) => bench::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

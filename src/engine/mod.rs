@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod load;
+pub mod measure;
 pub mod sampling;
 
 use std::time::Instant;

@@ -24,6 +24,7 @@ pub mod buffer;
 pub mod error;
 pub mod mapped;
 mod ops;
+pub mod probe;
 pub mod pread;
 pub mod ring;
 pub mod sim;

@@ -1,0 +1,236 @@
+//! `k3ring bench`: the engine against the machine's own limits, measured in one invocation.
+//!
+//! 1. The device: random O_DIRECT reads of one expert's size at queue depths 1, 4, 16, 32 on the
+//!    checkpoint's own files (fio's randread method). 2. Memory bandwidth (STREAM triad).
+//! 3. Resident compute: s/token with every weight in RAM. 4. For each budget and mode: s/token,
+//!    bytes per token, read rate, overlap, the floor max(bytes / device rate, resident compute),
+//!    efficiency = floor / measured, speedup = serial / pipelined. 5. Ids identical everywhere.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use super::svg::{line_chart, Series};
+use crate::checkpoint::CheckpointIndex;
+use crate::config::Config;
+use crate::engine::measure::{drop_page_cache, measure_resident, measure_streaming, triad_bandwidth, warm_page_cache, MeasureSpec, Measurement};
+use crate::engine::StreamingRun;
+use crate::error::UsageError;
+use crate::storage::io::probe::random_read_rate;
+use crate::storage::plan::GB;
+use crate::storage::stream::{IoKind, StreamOptions};
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Model directory.
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Trunk pack directory (`k3ring pack`).
+    #[arg(long, value_name = "DIR")]
+    pub trunk: PathBuf,
+    /// Budgets in GB, e.g. 6,9,12.
+    #[arg(long, value_name = "GB,...", value_delimiter = ',', required = true)]
+    pub budgets: Vec<f64>,
+    /// Modes to compare.
+    #[arg(long, value_name = "MODE,...", value_delimiter = ',', default_value = "serial,pipelined")]
+    pub modes: Vec<String>,
+    /// Tokens measured per cell.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub tokens: usize,
+    /// Tokens decoded before measuring.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub warmup: usize,
+    /// Compute threads (0 = every core).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub threads: usize,
+    /// Engine queue depth.
+    #[arg(long, value_name = "Q", default_value_t = 32)]
+    pub queue_depth: u32,
+    /// Random reads per queue depth when measuring the device.
+    #[arg(long, value_name = "N", default_value_t = 96)]
+    pub device_reads: usize,
+    /// Prompt text.
+    #[arg(long, value_name = "TEXT", default_value = "The quick brown fox")]
+    pub prompt: String,
+    /// Write the results as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write a plot of s/token against budget per mode.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Cell {
+    budget_gb: f64,
+    mode: String,
+    #[serde(flatten)]
+    m: Measurement,
+    floor_seconds_per_token: f64,
+    efficiency: f64,
+    read_rate_vs_device: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    device_read_rate: Vec<(u32, f64)>,
+    memory_bandwidth: f64,
+    resident_seconds_per_token: f64,
+    page_cache_dropped: bool,
+    cells: Vec<Cell>,
+    speedups: Vec<(f64, f64)>,
+    ids_identical: bool,
+}
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let kernels = super::kernels_for("auto")?;
+    let cfg = Config::from_model_dir(&args.model)?;
+    let index = CheckpointIndex::open(&args.model)?;
+    let tok = Tokenizer::from_model_dir(&args.model)?;
+    let prompt = tok.encode(&args.prompt)?;
+    if prompt.is_empty() {
+        return Err(UsageError("--prompt encodes to zero tokens".into()).into());
+    }
+    let spec = MeasureSpec { prompt, warmup: args.warmup, tokens: args.tokens, prefill_chunk: 32 };
+    let threads = if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
+    let cells_total = args.budgets.len() * args.modes.len();
+    let bar = ProgressBar::new((cells_total + 3) as u64);
+    bar.set_style(ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+
+    bar.set_message("device: random reads of one expert");
+    let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
+    let ranges: Vec<(usize, u64, u64)> = index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
+    let mut device = Vec::new();
+    for qd in [1u32, 4, 16, 32] {
+        let rate = random_read_rate(&files, &ranges, cfg.expert_bytes() as usize, qd, args.device_reads, 0x5eed + u64::from(qd))
+            .context("measuring the device")?;
+        device.push((qd, rate));
+    }
+    bar.inc(1);
+    bar.set_message("memory bandwidth");
+    let membw = triad_bandwidth(threads);
+    bar.inc(1);
+    bar.set_message("resident compute (every weight in RAM)");
+    warm_page_cache(&files).context("reading the model into the page cache")?;
+    let resident = measure_resident(&args.model, kernels, args.threads, &spec)?;
+    bar.inc(1);
+
+    let engine_rate = device.iter().filter(|(q, _)| *q <= args.queue_depth).map(|d| d.1).last().unwrap_or(device[0].1);
+    let mut cells = Vec::new();
+    let mut dropped = true;
+    for &budget in &args.budgets {
+        for mode in &args.modes {
+            bar.set_message(format!("{budget} GB {mode}"));
+            dropped &= drop_page_cache();
+            let serial = mode == "serial";
+            let run = StreamingRun {
+                budget_bytes: (budget * GB) as u64,
+                context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
+                chunk: spec.prefill_chunk,
+                threads: args.threads,
+                stream: StreamOptions {
+                    io: IoKind::Uring,
+                    queue_depth: args.queue_depth,
+                    serial,
+                    readahead: if serial { 0 } else { 1 },
+                    ..StreamOptions::default()
+                },
+                prefetch_window: None,
+                speculation: crate::model::Speculation { enabled: !serial, margin: 0 },
+                placement: None,
+                trace_detail: false,
+                trunk_share: None,
+            };
+            let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
+                .with_context(|| format!("budget {budget} GB, mode {mode}"))?;
+            let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
+            let floor = (bytes / engine_rate).max(resident.seconds_per_token);
+            cells.push(Cell {
+                budget_gb: budget,
+                mode: mode.clone(),
+                efficiency: floor / m.seconds_per_token,
+                read_rate_vs_device: m.read_rate_busy / engine_rate,
+                floor_seconds_per_token: floor,
+                m,
+            });
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let ids_identical = cells.iter().all(|c| c.m.ids == resident.ids);
+    let speedups: Vec<(f64, f64)> = args
+        .budgets
+        .iter()
+        .filter_map(|&b| {
+            let get = |mode: &str| cells.iter().find(|c| c.budget_gb == b && c.mode == mode).map(|c| c.m.seconds_per_token);
+            Some((b, get("serial")? / get("pipelined")?))
+        })
+        .collect();
+    let report = Report {
+        device_read_rate: device,
+        memory_bandwidth: membw,
+        resident_seconds_per_token: resident.seconds_per_token,
+        page_cache_dropped: dropped,
+        cells,
+        speedups,
+        ids_identical,
+    };
+    print_report(&report, &cfg, args);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.svg {
+        let series: Vec<Series> = args
+            .modes
+            .iter()
+            .map(|mode| Series {
+                name: mode.clone(),
+                points: report.cells.iter().filter(|c| &c.mode == mode).map(|c| (c.budget_gb, c.m.seconds_per_token)).collect(),
+            })
+            .collect();
+        std::fs::write(path, line_chart("k3ring bench: s/token by memory budget", "budget (GB)", "s/token", &series))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if !report.ids_identical {
+        anyhow::bail!("generated ids differ between cells: the output must not depend on budget or mode");
+    }
+    Ok(())
+}
+
+fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
+    let rates: Vec<String> = r.device_read_rate.iter().map(|(q, v)| format!("QD{q} {:.2}", v / 1e9)).collect();
+    println!("device (random O_DIRECT reads of {:.1} MB): {} GB/s", cfg.expert_bytes() as f64 / 1e6, rates.join(", "));
+    println!("memory bandwidth (triad): {:.1} GB/s", r.memory_bandwidth / 1e9);
+    println!("resident compute: {:.3} s/token", r.resident_seconds_per_token);
+    println!(
+        "page cache: {}",
+        if r.page_cache_dropped { "dropped before every cell" } else { "not dropped (not root); reads are O_DIRECT" }
+    );
+    println!(
+        "{:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}",
+        "budget", "mode", "s/token", "trunk/tok", "exp/tok", "read GB/s", "overlap", "floor", "effic.", "recall"
+    );
+    for c in &r.cells {
+        println!(
+            "{:>6}G {:>9} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {:>6.0}%",
+            c.budget_gb,
+            c.mode,
+            c.m.seconds_per_token,
+            c.m.trunk_bytes_per_token / 1e9,
+            c.m.expert_bytes_per_token / 1e9,
+            c.m.read_rate_busy / 1e9,
+            100.0 * c.m.overlap_fraction,
+            c.floor_seconds_per_token,
+            c.efficiency,
+            100.0 * c.m.recall
+        );
+    }
+    for (b, s) in &r.speedups {
+        println!("speedup at {b} GB: pipelined is {s:.2}x serial");
+    }
+    println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
+    let _ = args;
+}

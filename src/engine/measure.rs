@@ -1,0 +1,207 @@
+//! Measuring decode speed for `k3ring bench` and `k3ring tune`: greedy decode after a warm-up,
+//! with the store's counters and the tracer's busy intervals taken over the measured tokens only.
+#![forbid(unsafe_code)]
+
+use std::path::Path;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::load::{open_resident, open_streaming, OpenError, StreamingRun};
+use super::sampling::argmax;
+use super::{Engine, EngineError};
+use crate::model::weights::WeightSource;
+use crate::model::LogitRows;
+use crate::storage::plan::Plan;
+use crate::storage::stream::{StreamStats, StreamingSource};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct MeasureSpec {
+    pub prompt: Vec<u32>,
+    /// Decode steps before measuring (fill caches, reach steady state).
+    pub warmup: usize,
+    /// Decode steps measured.
+    pub tokens: usize,
+    pub prefill_chunk: usize,
+}
+
+/// One measured configuration.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Measurement {
+    /// Every generated id (warm-up and measured): cells must agree on them.
+    pub ids: Vec<u32>,
+    pub seconds_per_token: f64,
+    pub trunk_bytes_per_token: f64,
+    pub expert_bytes_per_token: f64,
+    /// Bytes read per second of I/O busy time (what the engine achieved while reading).
+    pub read_rate_busy: f64,
+    /// Bytes read per second of wall time.
+    pub read_rate_wall: f64,
+    pub io_busy_fraction: f64,
+    pub compute_busy_fraction: f64,
+    pub overlap_fraction: f64,
+    pub stall_seconds_per_token: f64,
+    /// Routed experts already requested when routing was known, over all routed experts.
+    pub recall: f64,
+    pub spec_wasted_bytes_per_token: f64,
+    pub plan: Option<Plan>,
+}
+
+/// Errors of a measurement: opening or running.
+#[derive(Debug, thiserror::Error)]
+pub enum MeasureError {
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// Decodes greedily: prefill, warm-up, then `tokens` timed steps. Returns the ids and the
+/// measured window's seconds, calling `between` right before the window starts.
+fn decode<S: WeightSource>(
+    engine: &Engine<S>,
+    spec: &MeasureSpec,
+    mut between: impl FnMut(),
+) -> Result<(Vec<u32>, f64), EngineError> {
+    let capacity = spec.prompt.len() + spec.warmup + spec.tokens + 1;
+    let chunk = spec.prefill_chunk.clamp(1, capacity);
+    let mut sess = engine.session(capacity, chunk)?;
+    let vocab = engine.model.cfg.vocab_size;
+    let logits = engine.prefill(&mut sess, &spec.prompt, LogitRows::Last, None)?;
+    let mut next = argmax(&logits[..vocab]) as u32;
+    let mut ids = vec![next];
+    for _ in 0..spec.warmup {
+        let logits = engine.prefill(&mut sess, &[next], LogitRows::Last, None)?;
+        next = argmax(&logits[..vocab]) as u32;
+        ids.push(next);
+    }
+    between();
+    let start = Instant::now();
+    for _ in 0..spec.tokens {
+        let logits = engine.prefill(&mut sess, &[next], LogitRows::Last, None)?;
+        next = argmax(&logits[..vocab]) as u32;
+        ids.push(next);
+    }
+    Ok((ids, start.elapsed().as_secs_f64()))
+}
+
+/// Measures a streaming configuration.
+pub fn measure_streaming(
+    model: &Path,
+    trunk: &Path,
+    run: &StreamingRun,
+    kernels: kernels::Kernels,
+    spec: &MeasureSpec,
+) -> Result<Measurement, MeasureError> {
+    let (opened, plan) = open_streaming(model, trunk, run, kernels, |_| {})?;
+    let engine = &opened.engine;
+    let tracer = engine.model.tracer.clone();
+    let mut before = StreamStats::default();
+    let (ids, seconds) = decode(engine, spec, || {
+        before = engine.src.stats();
+        tracer.reset_metrics();
+        tracer.mark_start();
+    })?;
+    tracer.mark_end();
+    let after = engine.src.stats();
+    let m = tracer.metrics();
+    let n = spec.tokens.max(1) as f64;
+    let bytes = (after.io.bytes_read - before.io.bytes_read) as f64;
+    let io_busy_s = m.io_busy_us / 1e6;
+    let routed = (after.routed_experts - before.routed_experts) as f64;
+    Ok(Measurement {
+        ids,
+        seconds_per_token: seconds / n,
+        trunk_bytes_per_token: (after.trunk_bytes_read - before.trunk_bytes_read) as f64 / n,
+        expert_bytes_per_token: (after.expert_bytes_read - before.expert_bytes_read) as f64 / n,
+        read_rate_busy: if io_busy_s > 0.0 { bytes / io_busy_s } else { 0.0 },
+        read_rate_wall: bytes / seconds.max(1e-9),
+        io_busy_fraction: m.io_busy_fraction,
+        compute_busy_fraction: m.compute_busy_fraction,
+        overlap_fraction: m.overlap_fraction,
+        stall_seconds_per_token: m.stall_us / 1e6 / n,
+        recall: if routed > 0.0 { (after.routed_recalled - before.routed_recalled) as f64 / routed } else { 0.0 },
+        spec_wasted_bytes_per_token: (after.spec_wasted_bytes - before.spec_wasted_bytes) as f64 / n,
+        plan: Some(plan),
+    })
+}
+
+/// Measures with every weight mapped and already in the page cache (no I/O while timing):
+/// the resident compute time per token.
+pub fn measure_resident(
+    model: &Path,
+    kernels: kernels::Kernels,
+    threads: usize,
+    spec: &MeasureSpec,
+) -> Result<Measurement, MeasureError> {
+    let opened = open_resident(model, threads, kernels)?;
+    let engine = &opened.engine;
+    let tracer = engine.model.tracer.clone();
+    let (ids, seconds) = decode(engine, spec, || {
+        tracer.reset_metrics();
+        tracer.mark_start();
+    })?;
+    tracer.mark_end();
+    let m = tracer.metrics();
+    Ok(Measurement {
+        ids,
+        seconds_per_token: seconds / spec.tokens.max(1) as f64,
+        compute_busy_fraction: m.compute_busy_fraction,
+        ..Measurement::default()
+    })
+}
+
+/// The streaming source type measured (for callers that name it).
+pub type Streamed = StreamingSource;
+
+/// STREAM-like triad `a = b + s * c` on `threads` threads over arrays larger than any cache;
+/// returns bytes moved per second (3 arrays x 4 bytes per element), best of several passes.
+pub fn triad_bandwidth(threads: usize) -> f64 {
+    use rayon::prelude::*;
+    const N: usize = 48 << 20; // 48 Mi floats = 192 MiB per array
+    let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(threads).build() else { return 0.0 };
+    pool.install(|| {
+        let mut a = vec![0.0f32; N];
+        let b = vec![1.0f32; N];
+        let c = vec![2.0f32; N];
+        let mut best = 0.0f64;
+        for _ in 0..5 {
+            let start = Instant::now();
+            a.par_chunks_mut(1 << 16).zip(b.par_chunks(1 << 16)).zip(c.par_chunks(1 << 16)).for_each(|((a, b), c)| {
+                for ((x, y), z) in a.iter_mut().zip(b).zip(c) {
+                    *x = *y + 3.0 * *z;
+                }
+            });
+            let secs = start.elapsed().as_secs_f64();
+            best = best.max((3 * N * 4) as f64 / secs);
+        }
+        std::hint::black_box(&a);
+        best
+    })
+}
+
+/// Drops the page cache (needs root); says whether it did.
+pub fn drop_page_cache() -> bool {
+    // sync first so dirty pages can be dropped too.
+    let _ = std::process::Command::new("sync").status();
+    std::fs::write("/proc/sys/vm/drop_caches", b"3\n").is_ok()
+}
+
+/// Reads every file once so a mapped model is in the page cache (for resident measurements).
+pub fn warm_page_cache(paths: &[std::path::PathBuf]) -> std::io::Result<u64> {
+    use std::io::Read;
+    let mut buf = vec![0u8; 16 << 20];
+    let mut total = 0;
+    for p in paths {
+        let mut f = std::fs::File::open(p)?;
+        loop {
+            let n = f.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+        }
+    }
+    Ok(total)
+}

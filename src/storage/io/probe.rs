@@ -1,0 +1,81 @@
+//! Measuring the device the way fio's `randread` does: random O_DIRECT reads of one size at a
+//! fixed queue depth, through the same io_uring reader the engine uses.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{AlignedBuf, BufOptions, IoError, ReadBackend, ReadOp, RingOptions, UringReader};
+
+/// Reads `reads` random windows of `read_bytes` (rounded up to the alignment) from `ranges`
+/// (file index, first byte, end) with `queue_depth` reads in flight; returns bytes per second.
+pub fn random_read_rate(
+    files: &[PathBuf],
+    ranges: &[(usize, u64, u64)],
+    read_bytes: usize,
+    queue_depth: u32,
+    reads: usize,
+    seed: u64,
+) -> Result<f64, IoError> {
+    let qd = queue_depth.max(1) as usize;
+    let probe = UringReader::new(files, RingOptions { queue_depth: 1, chunk_bytes: 4096, ops_max: 1, register_files: false, ..RingOptions::default() })?;
+    let align = u64::from(probe.dio_align().strictest()).max(4096);
+    drop(probe);
+    let len = (read_bytes as u64).div_ceil(align) * align;
+    let buf = Arc::new(AlignedBuf::new(qd * len as usize, &BufOptions::default())?);
+    let opts = RingOptions {
+        queue_depth: queue_depth.max(1),
+        chunk_bytes: len as usize,
+        ops_max: qd,
+        register_files: true,
+        register_buffers: vec![Arc::clone(&buf)],
+        align_min: align as u32,
+        inject: None,
+    };
+    let mut ring = UringReader::new(files, opts)?;
+    let usable: Vec<(usize, u64, u64)> = ranges
+        .iter()
+        .map(|&(f, a, b)| (f, a.div_ceil(align) * align, b))
+        .filter(|&(_, a, b)| b > a + len)
+        .collect();
+    if usable.is_empty() {
+        return Err(IoError::BadOp { tag: 0, why: format!("no file range holds a {len}-byte read") });
+    }
+    let mut rng = seed.max(1);
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut done = Vec::with_capacity(qd);
+    let mut free: Vec<usize> = (0..qd).collect();
+    let (mut issued, mut completed, mut bytes) = (0usize, 0usize, 0u64);
+    let start = Instant::now();
+    // Bounded: every pass completes at least one read until `reads` have completed.
+    while completed < reads {
+        while issued < reads {
+            let Some(slot) = free.pop() else { break };
+            let (file, a, b) = usable[(next() % usable.len() as u64) as usize];
+            let blocks = (b - a - len) / align;
+            let offset = a + (next() % (blocks + 1)) * align;
+            // SAFETY: `slot` is a distinct `len`-byte window of `buf`, which the reader keeps
+            // alive (registered); it is handed out again only after this read's completion.
+            let dst = unsafe { buf.as_mut_ptr().add(slot * len as usize) };
+            let mut op = ReadOp::new(file, offset, len as usize, dst, slot as u64);
+            op.buf_index = ring.fixed_buffer_for(dst, len as usize);
+            // SAFETY: as above: the window stays valid and untouched until its completion.
+            unsafe { ring.submit(op)? };
+            issued += 1;
+        }
+        done.clear();
+        ring.reap(&mut done, 1)?;
+        for c in done.drain(..) {
+            c.result?;
+            free.push(c.tag as usize);
+            completed += 1;
+            bytes += len;
+        }
+    }
+    Ok(bytes as f64 / start.elapsed().as_secs_f64())
+}
