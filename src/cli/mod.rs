@@ -12,6 +12,7 @@ mod pack;
 pub mod pipeline_flags;
 mod run;
 mod svg;
+mod tune;
 mod synth;
 
 use std::path::PathBuf;
@@ -42,6 +43,8 @@ pub enum Command {
     CacheSim(cache_sim::CacheSimArgs),
     /// Measure the engine against the device, memory bandwidth and resident compute.
     Bench(Box<bench::BenchArgs>),
+    /// Sweep read-ahead, speculation, queue depth, backend and trunk/expert split at a budget.
+    Tune(Box<tune::TuneArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -142,6 +145,17 @@ pub struct StorageArgs {
     /// Check every streamed trunk unit's checksum on every read (default: first read of each).
     #[arg(long)]
     pub verify_reads: bool,
+    /// At most this share (0-1) of the budget left after the fixed parts goes to pinned trunk
+    /// (default: trunk first, as much as fits).
+    #[arg(long, value_name = "F", value_parser = parse_share)]
+    pub trunk_share: Option<f64>,
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if (0.0..=1.0).contains(&x) => Ok(x),
+        _ => Err(format!("{s:?} is not a share between 0 and 1")),
+    }
 }
 
 fn parse_gb(s: &str) -> Result<f64, String> {
@@ -227,6 +241,7 @@ pub fn main() -> std::process::ExitCode {
         Command::Synth(args) => synth::run(&args),
         Command::CacheSim(args) => cache_sim::run(&args),
         Command::Bench(args) => bench::run(&args),
+        Command::Tune(args) => tune::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -80,7 +80,7 @@ fn streaming_run(args: &RunArgs, st: &StorageArgs, context: usize) -> anyhow::Re
         speculation: pipe.speculation(),
         placement: None,
         trace_detail: pipe.trace.is_some(),
-        trunk_share: None,
+        trunk_share: st.trunk_share,
         stream: StreamOptions {
             io,
             queue_depth: st.queue_depth,

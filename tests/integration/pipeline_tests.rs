@@ -177,3 +177,45 @@ fn print_placement_exits_after_printing() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--compute-cores: CPU 4096 is not online"), "{err}");
 }
+
+#[test]
+fn tune_sweeps_reports_and_recommends_with_identical_ids() {
+    let trunk = pack(&tiny_dir());
+    let tmp = tempfile::tempdir().unwrap();
+    let (csv, svg) = (tmp.path().join("t.csv"), tmp.path().join("t.svg"));
+    let (code, out, err) = k3ring(&[
+        "tune", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--mem-gb", "0.0015",
+        "--splits", "0.5,1", "--readahead", "0,1", "--spec-margin", "0,2", "--queue-depth", "4,32", "--io", "uring,pread",
+        "--tokens", "2", "--warmup", "1", "--csv", csv.to_str().unwrap(), "--svg", svg.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("recommended: k3ring run") && err.contains("--readahead"), "{err}");
+    let rows = std::fs::read_to_string(&csv).unwrap();
+    assert_eq!(rows.lines().count(), 1 + 4 + 2 + 2 + 2, "{rows}");
+    assert!(rows.lines().skip(1).all(|l| l.ends_with(",true")), "{rows}");
+    assert!(out.contains("pread"), "{out}");
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert_eq!(plot.matches("<polyline").count(), 2, "one line per split");
+}
+
+#[test]
+fn bench_reports_every_cell_with_identical_ids() {
+    let trunk = pack(&tiny_dir());
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("b.json");
+    let (code, out, err) = k3ring(&[
+        "bench", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--budgets", "0.0015,0.004",
+        "--tokens", "2", "--warmup", "1", "--device-reads", "8", "--json", json.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("ids identical in every cell and resident: yes"), "{out}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["cells"].as_array().unwrap().len(), 4);
+    assert_eq!(v["device_read_rate"].as_array().unwrap().len(), 4);
+    for c in v["cells"].as_array().unwrap() {
+        for key in ["seconds_per_token", "trunk_bytes_per_token", "expert_bytes_per_token", "read_rate_busy", "overlap_fraction", "floor_seconds_per_token", "efficiency"] {
+            assert!(c[key].as_f64().is_some(), "{key} missing in {c}");
+        }
+    }
+    assert_eq!(v["speedups"].as_array().unwrap().len(), 2);
+}

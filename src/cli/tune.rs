@@ -1,0 +1,246 @@
+//! `k3ring tune`: sweeps the pipeline's knobs at a fixed budget and recommends flags.
+//!
+//! First a grid of trunk/expert split x trunk read-ahead depth (the plot: s/token against
+//! read-ahead per split), then, from the best grid point, speculation margin, queue depth and
+//! I/O backend one at a time. Every point must produce the same ids.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use super::svg::{line_chart, Series};
+use crate::engine::measure::{measure_streaming, MeasureSpec};
+use crate::engine::StreamingRun;
+use crate::error::UsageError;
+use crate::storage::plan::GB;
+use crate::storage::stream::{IoKind, StreamOptions};
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug, clap::Args)]
+pub struct TuneArgs {
+    /// Model directory.
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Trunk pack directory.
+    #[arg(long, value_name = "DIR")]
+    pub trunk: PathBuf,
+    /// The fixed memory budget, GB.
+    #[arg(long, value_name = "X")]
+    pub mem_gb: f64,
+    /// Shares of the budget for pinned trunk (1 = trunk first).
+    #[arg(long, value_name = "F,...", value_delimiter = ',', default_value = "0.25,0.5,1")]
+    pub splits: Vec<f64>,
+    /// Trunk read-ahead depths.
+    #[arg(long, value_name = "N,...", value_delimiter = ',', default_value = "0,1,2")]
+    pub readahead: Vec<usize>,
+    /// Speculation margins (experts beyond top-k).
+    #[arg(long, value_name = "M,...", value_delimiter = ',', default_value = "0,4")]
+    pub spec_margin: Vec<usize>,
+    /// Queue depths.
+    #[arg(long, value_name = "Q,...", value_delimiter = ',', default_value = "8,32")]
+    pub queue_depth: Vec<u32>,
+    /// I/O backends.
+    #[arg(long = "io", value_name = "B,...", value_delimiter = ',', default_value = "uring,pread")]
+    pub io: Vec<String>,
+    /// Tokens measured per point.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub tokens: usize,
+    /// Tokens decoded before measuring.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub warmup: usize,
+    /// Compute threads (0 = every core).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub threads: usize,
+    /// Prompt text.
+    #[arg(long, value_name = "TEXT", default_value = "The quick brown fox")]
+    pub prompt: String,
+    /// Write every point as CSV.
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<PathBuf>,
+    /// Write a plot of s/token against read-ahead depth per split.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+    /// Print the points as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Knobs {
+    split: f64,
+    readahead: usize,
+    spec_margin: usize,
+    queue_depth: u32,
+    io: String,
+}
+
+#[derive(Serialize)]
+struct Point {
+    #[serde(flatten)]
+    knobs: Knobs,
+    seconds_per_token: f64,
+    bytes_per_token: f64,
+    overlap_fraction: f64,
+    recall: f64,
+    same_ids: bool,
+}
+
+pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
+    let kernels = super::kernels_for("auto")?;
+    let tok = Tokenizer::from_model_dir(&args.model)?;
+    let prompt = tok.encode(&args.prompt)?;
+    if prompt.is_empty() {
+        return Err(UsageError("--prompt encodes to zero tokens".into()).into());
+    }
+    for io in &args.io {
+        if IoKind::parse(io).is_none() {
+            return Err(UsageError(format!("--io {io:?} is unknown; choose from: uring, pread, mmap")).into());
+        }
+    }
+    let spec = MeasureSpec { prompt, warmup: args.warmup, tokens: args.tokens, prefill_chunk: 32 };
+    let first = |v: &[usize]| v.first().copied().unwrap_or(0);
+    let base = Knobs {
+        split: 1.0,
+        readahead: 1,
+        spec_margin: first(&args.spec_margin),
+        queue_depth: args.queue_depth.last().copied().unwrap_or(32),
+        io: args.io.first().cloned().unwrap_or_else(|| "uring".into()),
+    };
+    let total = args.splits.len() * args.readahead.len() + args.spec_margin.len() + args.queue_depth.len() + args.io.len();
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(ProgressStyle::with_template("{spinner} tune [{bar:30}] {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    let mut points: Vec<Point> = Vec::new();
+    let mut reference: Option<Vec<u32>> = None;
+    let mut measure = |k: Knobs, points: &mut Vec<Point>| -> anyhow::Result<()> {
+        bar.set_message(format!("split {} readahead {} margin {} qd {} {}", k.split, k.readahead, k.spec_margin, k.queue_depth, k.io));
+        let run = streaming_run(args, &k, &spec);
+        let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec).with_context(|| format!("tuning point {k:?}"))?;
+        let same_ids = reference.get_or_insert_with(|| m.ids.clone()) == &m.ids;
+        points.push(Point {
+            knobs: k,
+            seconds_per_token: m.seconds_per_token,
+            bytes_per_token: m.trunk_bytes_per_token + m.expert_bytes_per_token,
+            overlap_fraction: m.overlap_fraction,
+            recall: m.recall,
+            same_ids,
+        });
+        bar.inc(1);
+        Ok(())
+    };
+    for &split in &args.splits {
+        for &readahead in &args.readahead {
+            measure(Knobs { split, readahead, ..base.clone() }, &mut points)?;
+        }
+    }
+    let best_grid = best(&points).knobs.clone();
+    for &m in &args.spec_margin {
+        measure(Knobs { spec_margin: m, ..best_grid.clone() }, &mut points)?;
+    }
+    let best_spec = best(&points).knobs.clone();
+    for &q in &args.queue_depth {
+        measure(Knobs { queue_depth: q, ..best_spec.clone() }, &mut points)?;
+    }
+    let best_qd = best(&points).knobs.clone();
+    for io in &args.io {
+        measure(Knobs { io: io.clone(), ..best_qd.clone() }, &mut points)?;
+    }
+    bar.finish_and_clear();
+    report(args, &points)?;
+    if points.iter().any(|p| !p.same_ids) {
+        anyhow::bail!("generated ids differ between tuning points: the output must not depend on the knobs");
+    }
+    Ok(())
+}
+
+fn best(points: &[Point]) -> &Point {
+    points.iter().min_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token)).unwrap_or(&points[0])
+}
+
+fn streaming_run(args: &TuneArgs, k: &Knobs, spec: &MeasureSpec) -> StreamingRun {
+    StreamingRun {
+        budget_bytes: (args.mem_gb * GB) as u64,
+        context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
+        chunk: spec.prefill_chunk,
+        threads: args.threads,
+        stream: StreamOptions {
+            io: IoKind::parse(&k.io).unwrap_or(IoKind::Uring),
+            queue_depth: k.queue_depth,
+            readahead: k.readahead,
+            ..StreamOptions::default()
+        },
+        prefetch_window: None,
+        speculation: crate::model::Speculation { enabled: true, margin: k.spec_margin },
+        placement: None,
+        trace_detail: false,
+        trunk_share: (k.split < 1.0).then_some(k.split),
+    }
+}
+
+fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
+    let b = best(points);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"points": points, "best": b}))?);
+    } else {
+        println!("{:>6} {:>9} {:>6} {:>5} {:>6} {:>9} {:>10} {:>8} {:>7} {:>5}", "split", "readahead", "margin", "qd", "io", "s/token", "GB/token", "overlap", "recall", "ids");
+        for p in points {
+            let k = &p.knobs;
+            println!(
+                "{:>6} {:>9} {:>6} {:>5} {:>6} {:>9.3} {:>10.2} {:>7.0}% {:>6.0}% {:>5}",
+                k.split,
+                k.readahead,
+                k.spec_margin,
+                k.queue_depth,
+                k.io,
+                p.seconds_per_token,
+                p.bytes_per_token / 1e9,
+                100.0 * p.overlap_fraction,
+                100.0 * p.recall,
+                if p.same_ids { "same" } else { "DIFF" }
+            );
+        }
+    }
+    let k = &b.knobs;
+    let mut flags = format!("--mem-gb {} --readahead {} --spec-margin {} --queue-depth {} --io {}", args.mem_gb, k.readahead, k.spec_margin, k.queue_depth, k.io);
+    if k.split < 1.0 {
+        let _ = write!(flags, " --trunk-share {}", k.split);
+    }
+    eprintln!("recommended: k3ring run --model ... --trunk ... {flags}  ({:.3} s/token)", b.seconds_per_token);
+    if let Some(path) = &args.csv {
+        let mut csv = String::from("split,readahead,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
+        for p in points {
+            let k = &p.knobs;
+            let _ = writeln!(
+                csv,
+                "{},{},{},{},{},{:.6},{:.0},{:.4},{:.4},{}",
+                k.split, k.readahead, k.spec_margin, k.queue_depth, k.io, p.seconds_per_token, p.bytes_per_token, p.overlap_fraction, p.recall, p.same_ids
+            );
+        }
+        std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.svg {
+        let series: Vec<Series> = args
+            .splits
+            .iter()
+            .map(|&split| Series {
+                name: if split < 1.0 { format!("trunk share {split}") } else { "trunk first".to_owned() },
+                points: args
+                    .readahead
+                    .iter()
+                    .filter_map(|&r| {
+                        points
+                            .iter()
+                            .find(|p| p.knobs.split == split && p.knobs.readahead == r)
+                            .map(|p| (r as f64, p.seconds_per_token))
+                    })
+                    .collect(),
+            })
+            .collect();
+        let title = format!("k3ring tune at {} GB: s/token by trunk read-ahead", args.mem_gb);
+        std::fs::write(path, line_chart(&title, "trunk read-ahead depth (layers)", "s/token", &series))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
