@@ -34,7 +34,8 @@ fn digest() -> u64 {
     h
 }
 
-fn cache_root() -> PathBuf {
+/// `$XDG_CACHE_HOME/k3ring`, else `~/.cache/k3ring`, else the temp dir.
+pub fn cache_root() -> PathBuf {
     if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
         return PathBuf::from(dir).join("k3ring");
     }

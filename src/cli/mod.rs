@@ -6,6 +6,7 @@
 
 mod bench;
 mod cache_sim;
+mod demo;
 mod embedded;
 mod inspect;
 mod pack;
@@ -31,6 +32,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Synthesize a small K3 model (once), then stream it under a budget smaller than itself.
+    Demo(demo::DemoArgs),
     /// Validate a model directory and print its config, layer map and byte census.
     Inspect(InspectArgs),
     /// Generate text from a prompt (the embedded tiny model when --model is absent).
@@ -235,6 +238,7 @@ pub fn main() -> std::process::ExitCode {
         }
     };
     let result = match cli.command {
+        Command::Demo(args) => demo::run(&args),
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
         Command::Pack(args) => pack::run(&args),
