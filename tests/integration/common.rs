@@ -60,3 +60,17 @@ pub fn rel_max_diff(a: &[f32], b: &[f64]) -> f64 {
 pub fn argmax(row: &[f32]) -> u32 {
     k3ring::engine::sampling::argmax(row) as u32
 }
+
+/// Packs the trunk of `model` into a fresh temp dir.
+pub fn pack(model: &Path) -> tempfile::TempDir {
+    let out = tempfile::tempdir().unwrap();
+    let cfg = k3ring::config::Config::from_model_dir(model).unwrap();
+    let index = k3ring::checkpoint::CheckpointIndex::open(model).unwrap();
+    k3ring::storage::pack::write_pack(model, &cfg, &index, out.path(), |_, _| {}).unwrap();
+    out
+}
+
+/// The tiny fixture's reference prompt.
+pub fn prompt() -> Vec<u32> {
+    ids(&reference_json(&tiny_dir())["prompt_ids"])
+}

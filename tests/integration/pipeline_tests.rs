@@ -6,7 +6,6 @@ use std::path::Path;
 use k3ring::engine::{open_streaming, GenerateOptions, Generation, StreamingRun};
 use k3ring::model::Speculation;
 use k3ring::pipeline::Placement;
-use k3ring::storage::pack::write_pack;
 use k3ring::storage::stream::{StreamOptions, StreamStats};
 use kernels::{Isa, Kernels};
 
@@ -15,17 +14,6 @@ use crate::common::*;
 
 const GEN: usize = 10;
 
-fn pack(model: &Path) -> tempfile::TempDir {
-    let out = tempfile::tempdir().unwrap();
-    let cfg = k3ring::config::Config::from_model_dir(model).unwrap();
-    let index = k3ring::checkpoint::CheckpointIndex::open(model).unwrap();
-    write_pack(model, &cfg, &index, out.path(), |_, _| {}).unwrap();
-    out
-}
-
-fn prompt() -> Vec<u32> {
-    ids(&reference_json(&tiny_dir())["prompt_ids"])
-}
 
 /// A budget that streams most trunk units and keeps the expert pool small.
 const BUDGET: u64 = 1_400_000;

@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use k3ring::engine::{open_streaming, GenerateOptions, Generation, StreamingRun};
 use k3ring::storage::io::sim::SimOptions;
 use k3ring::storage::io::FaultPlan;
-use k3ring::storage::pack::write_pack;
 use k3ring::storage::plan::Plan;
 use k3ring::storage::stream::{IoKind, StreamOptions, StreamStats};
 use kernels::{Isa, Kernels};
@@ -17,18 +16,6 @@ use crate::common::*;
 
 const GEN: usize = 12;
 
-/// Packs `model` into a fresh temp dir.
-fn pack(model: &Path) -> tempfile::TempDir {
-    let out = tempfile::tempdir().unwrap();
-    let cfg = k3ring::config::Config::from_model_dir(model).unwrap();
-    let index = k3ring::checkpoint::CheckpointIndex::open(model).unwrap();
-    write_pack(model, &cfg, &index, out.path(), |_, _| {}).unwrap();
-    out
-}
-
-fn prompt() -> Vec<u32> {
-    ids(&reference_json(&tiny_dir())["prompt_ids"])
-}
 
 fn run_options(budget: u64, stream: StreamOptions) -> StreamingRun {
     StreamingRun {
