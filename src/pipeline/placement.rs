@@ -211,3 +211,60 @@ mod tests {
         assert_eq!(p.io_cores, vec![127]);
     }
 }
+
+/// The placement rules on hwloc synthetic topologies, which number nodes and PUs in order.
+#[cfg(all(test, feature = "hwloc"))]
+#[allow(clippy::unwrap_used)]
+mod hwloc_tests {
+    use super::*;
+
+    /// Two packages of 64 cores, one NUMA node each: nodes 0 and 1, CPUs 0-63 and 64-127.
+    const TWO_PACKAGES: &str = "pack:2 numa:1 core:64 pu:1";
+
+    #[test]
+    fn two_packages_of_64_cores_default_to_node_0_with_a_dedicated_io_core() {
+        let t = Topology::from_hwloc_synthetic(TWO_PACKAGES).unwrap();
+        let p = Placement::resolve(&t, &PlacementRequest::default()).unwrap();
+        assert_eq!(p.numa_node, 0);
+        assert_eq!(cpulist(&p.compute_cores), "0-62");
+        assert_eq!(p.io_cores, vec![63]);
+        assert_eq!(p.nodes_used, vec![0]);
+    }
+
+    #[test]
+    fn numa_node_1_of_two_packages_keeps_every_stage_on_it() {
+        let t = Topology::from_hwloc_synthetic(TWO_PACKAGES).unwrap();
+        let p = Placement::resolve(&t, &PlacementRequest { numa_node: Some(1), ..Default::default() }).unwrap();
+        assert_eq!(p.numa_node, 1);
+        assert_eq!(cpulist(&p.compute_cores), "64-126");
+        assert_eq!(p.io_cores, vec![127]);
+        assert_eq!(p.nodes_used, vec![1]);
+    }
+
+    #[test]
+    fn a_single_node_of_2_pus_shares_the_io_core() {
+        let t = Topology::from_hwloc_synthetic("numa:1 pu:2").unwrap();
+        assert_eq!(t.nodes.len(), 1);
+        let p = Placement::resolve(&t, &PlacementRequest::default()).unwrap();
+        assert_eq!(p.numa_node, 0);
+        assert_eq!(p.compute_cores, vec![0, 1]);
+        assert_eq!(p.io_cores, vec![1]);
+    }
+
+    #[test]
+    fn the_hwloc_and_sysfs_fixtures_of_two_packages_place_alike() {
+        let dir = tempfile::tempdir().unwrap();
+        for (n, list) in [(0, "0-63"), (1, "64-127")] {
+            let d = dir.path().join(format!("devices/system/node/node{n}"));
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("cpulist"), format!("{list}\n")).unwrap();
+        }
+        let sysfs = Topology::from_sysfs(dir.path()).unwrap();
+        let hwloc = Topology::from_hwloc_synthetic(TWO_PACKAGES).unwrap();
+        for numa_node in [None, Some(0), Some(1)] {
+            let req = PlacementRequest { numa_node, threads: 8, ..Default::default() };
+            let (from_hwloc, from_sysfs) = (Placement::resolve(&hwloc, &req), Placement::resolve(&sysfs, &req));
+            assert_eq!(from_hwloc.unwrap(), from_sysfs.unwrap(), "{numa_node:?}");
+        }
+    }
+}

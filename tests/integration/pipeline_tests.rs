@@ -207,3 +207,19 @@ fn bench_reports_every_cell_with_identical_ids() {
     }
     assert_eq!(v["speedups"].as_array().unwrap().len(), 2);
 }
+
+#[test]
+fn bookkeeping_does_not_grow_with_the_run() {
+    let trunk = pack(&tiny_dir());
+    let mut run = base_run();
+    run.context = prompt().len() + 60;
+    run.stream.spec_prev_token = true;
+    let (o, plan) = open_streaming(&tiny_dir(), trunk.path(), &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).unwrap();
+    let bound = plan.expert_slots + plan.ring_slots + 4;
+    for gen in [10, 50] {
+        let opts = GenerateOptions { gen, prefill_chunk: run.chunk, ..Default::default() };
+        o.engine.generate(&prompt(), &opts, |_| {}).unwrap();
+        let held = o.engine.src.tickets_held();
+        assert!(held <= bound, "{held} tickets held after {gen} tokens (slots bound {bound})");
+    }
+}

@@ -6,6 +6,10 @@
 //! touched* (a touched page stays where it was first faulted); `mlock` if asked; write one byte
 //! per 4 KiB page so no page fault is left for the per-token path. Runs on the thread that builds
 //! the arena; the first touch happens there, which is why the node policy must come first.
+//!
+//! With the `hwloc` cargo feature the binding goes through hwloc (`hwloc_set_area_membind` with
+//! the node's nodeset) on a topology of this machine loaded once per process; if hwloc cannot
+//! load one, the raw `mbind` below is used, as in the default build.
 
 use std::ptr::NonNull;
 
@@ -98,6 +102,9 @@ impl AlignedBuf {
         }
         if let Some(node) = opts.node {
             // On failure `buf` drops here and unmaps.
+            #[cfg(feature = "hwloc")]
+            hwloc_bind::bind_to_node(buf.ptr, buf.map_len, node, opts.policy)?;
+            #[cfg(not(feature = "hwloc"))]
             bind_to_node(buf.ptr, buf.map_len, node, opts.policy)?;
             buf.node = Some(node);
         }
@@ -275,6 +282,76 @@ fn bind_to_node(ptr: NonNull<u8>, len: usize, node: u32, policy: NumaPolicy) -> 
     Ok(())
 }
 
+/// Memory binding through hwloc, for the `hwloc` feature.
+#[cfg(feature = "hwloc")]
+mod hwloc_bind {
+    use std::ptr::NonNull;
+    use std::sync::OnceLock;
+
+    use hwlocality::memory::binding::{MemoryBindingError, MemoryBindingFlags, MemoryBindingPolicy};
+    use hwlocality::memory::nodeset::NodeSet;
+    use hwlocality::object::types::ObjectType;
+    use hwlocality::Topology;
+
+    use super::{IoError, NumaPolicy};
+
+    /// This machine's hwloc topology, loaded on first use (tens of milliseconds) and kept for the
+    /// process; None when hwloc could not load it.
+    pub(super) fn this_machine() -> Option<&'static Topology> {
+        static TOPOLOGY: OnceLock<Option<Topology>> = OnceLock::new();
+        let topology = TOPOLOGY.get_or_init(|| match Topology::new() {
+            Ok(topology) => Some(topology),
+            Err(e) => {
+                tracing::warn!("hwloc cannot load this machine's topology, binding buffers with mbind: {e}");
+                None
+            }
+        });
+        topology.as_ref()
+    }
+
+    /// Binds `ptr..ptr+len` to NUMA node `node` (its OS index). hwloc's `Bind` policy is
+    /// `MPOL_BIND` on Linux only with the STRICT flag, and `MPOL_PREFERRED` (or
+    /// `MPOL_PREFERRED_MANY`) without it, so STRICT is what tells our two policies apart.
+    pub(super) fn bind_to_node(ptr: NonNull<u8>, len: usize, node: u32, policy: NumaPolicy) -> Result<(), IoError> {
+        let Some(topology) = this_machine() else {
+            return super::bind_to_node(ptr, len, node, policy);
+        };
+        let bind_error = |source| IoError::Mbind { node, bytes: len as u64, source };
+        let numa = topology
+            .objects_with_type(ObjectType::NUMANode)
+            .find(|obj| obj.os_index() == Some(node as usize));
+        let Some(nodeset) = numa.and_then(|obj| obj.nodeset()) else {
+            // The same errno mbind gives for a node that does not exist.
+            return Err(bind_error(std::io::Error::from_raw_os_error(libc::EINVAL)));
+        };
+        let flags = match policy {
+            NumaPolicy::Bind => MemoryBindingFlags::STRICT,
+            NumaPolicy::Preferred => MemoryBindingFlags::empty(),
+        };
+        // SAFETY: `ptr..ptr+len` is a live, readable (PROT_READ|PROT_WRITE) anonymous mapping
+        // owned by the caller, whose bytes read as zero, and no `&mut` to it exists while this
+        // slice lives (until the end of this function). hwloc only passes its address and
+        // length to mbind and never reads or writes the bytes, so no page is touched here.
+        let area = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) };
+        match topology.bind_memory_area(area, nodeset, MemoryBindingPolicy::Bind, flags) {
+            Ok(()) => Ok(()),
+            // A kernel without NUMA support has one node; binding to node 0 is then a no-op.
+            Err(hwlocality::errors::HybridError::Rust(MemoryBindingError::Unsupported)) if node == 0 => Ok(()),
+            Err(e) => Err(bind_error(to_io_error(e))),
+        }
+    }
+
+    fn to_io_error(e: hwlocality::errors::HybridError<MemoryBindingError<NodeSet>>) -> std::io::Error {
+        match e {
+            hwlocality::errors::HybridError::Hwloc(raw) => match raw.errno {
+                Some(errno) => std::io::Error::from_raw_os_error(errno.0),
+                None => std::io::Error::other(raw.to_string()),
+            },
+            hwlocality::errors::HybridError::Rust(e) => std::io::Error::other(format!("hwloc: {e}")),
+        }
+    }
+}
+
 /// `RLIMIT_MEMLOCK` soft limit in bytes; None when unlimited.
 pub fn memlock_limit() -> Option<u64> {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -390,5 +467,67 @@ mod tests {
         assert!(check_memlock(None, 0, u64::MAX).is_ok());
         assert!(check_memlock(Some(8 << 20), 4 << 20, 4 << 20).is_ok());
         assert!(check_memlock(Some(8 << 20), 4 << 20, (4 << 20) + 1).is_err());
+    }
+}
+
+#[cfg(all(test, feature = "hwloc"))]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod hwloc_tests {
+    use hwlocality::memory::binding::{MemoryBindingFlags, MemoryBindingPolicy};
+    use hwlocality::memory::nodeset::NodeSet;
+
+    use super::*;
+
+    /// `MPOL_F_ADDR` and `MPOL_PREFERRED_MANY` of `<linux/mempolicy.h>`; libc lacks them.
+    const MPOL_F_ADDR: libc::c_ulong = 1 << 1;
+    const MPOL_PREFERRED_MANY: libc::c_int = 5;
+
+    /// The kernel's policy mode for the mapping holding `addr` (`get_mempolicy(MPOL_F_ADDR)`).
+    fn kernel_policy(addr: *const u8) -> libc::c_int {
+        let mut mode: libc::c_int = -1;
+        // SAFETY: `mode` is a live, writable int; a null node mask with maxnode 0 asks for the
+        // mode only; `addr` is only looked up in this process's mappings, never dereferenced.
+        let rc = unsafe {
+            let no_mask = std::ptr::null_mut::<libc::c_ulong>();
+            libc::syscall(libc::SYS_get_mempolicy, &mut mode, no_mask, 0 as libc::c_ulong, addr, MPOL_F_ADDR)
+        };
+        assert_eq!(rc, 0, "get_mempolicy: {}", std::io::Error::last_os_error());
+        mode
+    }
+
+    fn nodes(set: &NodeSet) -> Vec<usize> {
+        set.iter_set().map(usize::from).collect()
+    }
+
+    #[test]
+    fn a_buffer_bound_through_hwloc_reports_its_node() {
+        let topology = hwloc_bind::this_machine().expect("hwloc loads this machine's topology");
+        let cases = [
+            (NumaPolicy::Bind, &[libc::MPOL_BIND][..]),
+            (NumaPolicy::Preferred, &[libc::MPOL_PREFERRED, MPOL_PREFERRED_MANY][..]),
+        ];
+        for (policy, kernel_modes) in cases {
+            let buf = AlignedBuf::new(4 << 20, &BufOptions { node: Some(0), policy, ..BufOptions::default() }).unwrap();
+            assert_eq!(buf.node(), Some(0));
+            let (bound, hwloc_policy) =
+                topology.area_memory_binding::<[u8], NodeSet>(buf.as_slice(), MemoryBindingFlags::empty()).unwrap();
+            assert_eq!(nodes(&bound), vec![0], "{policy:?}");
+            assert_eq!(hwloc_policy, Some(MemoryBindingPolicy::Bind), "{policy:?}");
+            // The buffer is pre-faulted, so its pages are resident, and on node 0.
+            let resident: NodeSet = topology.area_memory_location(buf.as_slice(), MemoryBindingFlags::empty()).unwrap();
+            assert_eq!(nodes(&resident), vec![0], "{policy:?}");
+            let mode = kernel_policy(buf.as_ptr());
+            assert!(kernel_modes.contains(&mode), "{policy:?} gave kernel mode {mode}");
+        }
+    }
+
+    #[test]
+    fn hwloc_refuses_a_missing_node_with_the_mbind_error() {
+        if hwloc_bind::this_machine().unwrap().nodeset().iter_set().any(|n| usize::from(n) == 7) {
+            return; // This machine has a node 7; the test below covers node 1023.
+        }
+        let err = AlignedBuf::new(2 << 20, &BufOptions { node: Some(7), ..BufOptions::default() }).unwrap_err();
+        assert!(matches!(err, IoError::Mbind { node: 7, .. }), "{err}");
+        assert!(err.to_string().contains("to NUMA node 7: Invalid argument (os error 22)"), "{err}");
     }
 }

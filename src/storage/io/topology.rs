@@ -5,6 +5,11 @@
 //! `<root>/devices/system/cpu/online`. The root is a parameter so tests run on fixture trees.
 //! Placement (which cores compute, which one drives the ring, how big each node's arena is) is
 //! decided elsewhere from this data (house rule 16).
+//!
+//! With the `hwloc` cargo feature, [`Topology::detect`] asks hwloc (through hwlocality) instead,
+//! and falls back to sysfs with a warning when hwloc fails; [`Topology::from_hwloc_synthetic`]
+//! builds test topologies from hwloc's synthetic descriptions. hwloc reports only the CPUs and
+//! nodes this process may use (a cgroup cpuset can hide some), sysfs every online one.
 
 use std::path::{Path, PathBuf};
 
@@ -31,8 +36,17 @@ pub struct Topology {
 }
 
 impl Topology {
-    /// Reads the running machine's topology from `/sys`.
+    /// Reads the running machine's topology: from hwloc with the `hwloc` feature (sysfs when
+    /// hwloc fails), otherwise from `/sys`.
     pub fn detect() -> Result<Topology, IoError> {
+        #[cfg(feature = "hwloc")]
+        match hwlocality::Topology::new() {
+            Ok(topo) => match Topology::from_hwloc(&topo) {
+                Ok(ours) => return Ok(ours),
+                Err(e) => tracing::warn!("hwloc topology unusable, reading /sys instead: {e}"),
+            },
+            Err(e) => tracing::warn!("hwloc topology detection failed, reading /sys instead: {e}"),
+        }
         Topology::from_sysfs(Path::new("/sys"))
     }
 
@@ -67,6 +81,73 @@ impl Topology {
     /// The node holding `cpu`.
     pub fn node_of_cpu(&self, cpu: usize) -> Option<u32> {
         self.nodes.iter().find(|n| n.cpus.binary_search(&cpu).is_ok()).map(|n| n.id)
+    }
+}
+
+#[cfg(feature = "hwloc")]
+impl Topology {
+    /// Builds the topology from an hwloc one: each NUMA node's OS index, the OS indices of its
+    /// CPUs (PUs), and its local memory when hwloc knows it. Nodes without CPUs (CXL or HBM
+    /// memory) are kept with an empty CPU list, as sysfs shows them.
+    pub fn from_hwloc(topo: &hwlocality::Topology) -> Result<Topology, IoError> {
+        use hwlocality::object::{attributes::ObjectAttributes, types::ObjectType};
+        let mut nodes = Vec::new();
+        for obj in topo.objects_with_type(ObjectType::NUMANode) {
+            let Some(id) = obj.os_index().and_then(|i| u32::try_from(i).ok()) else {
+                return Err(hwloc_error(format!("NUMA node #{} has no usable OS index", obj.logical_index())));
+            };
+            let Some(cpuset) = obj.cpuset() else {
+                return Err(hwloc_error(format!("NUMA node {id} has no cpuset")));
+            };
+            let Some(cpu_count) = cpuset.weight() else {
+                return Err(hwloc_error(format!("NUMA node {id} has an infinite cpuset")));
+            };
+            let mut cpus = Vec::with_capacity(cpu_count);
+            for cpu in cpuset.iter_set().map(usize::from) {
+                if cpu > CPU_ID_MAX {
+                    return Err(hwloc_error(format!("NUMA node {id} holds CPU {cpu}, above the limit {CPU_ID_MAX}")));
+                }
+                cpus.push(cpu);
+            }
+            assert_eq!(cpus.len(), cpu_count);
+            assert!(cpus.windows(2).all(|w| w[0] < w[1]), "hwloc bitmaps iterate ascending");
+            let mem_bytes = match obj.attributes() {
+                Some(ObjectAttributes::NUMANode(attr)) => attr.local_memory().map(|m| m.get()),
+                _ => None,
+            };
+            nodes.push(NumaNode { id, cpus, mem_bytes });
+        }
+        if nodes.is_empty() {
+            return Err(hwloc_error("no NUMA node".to_string()));
+        }
+        nodes.sort_unstable_by_key(|n| n.id);
+        if nodes.windows(2).any(|w| w[0].id == w[1].id) {
+            return Err(hwloc_error("two NUMA nodes share an OS index".to_string()));
+        }
+        Ok(Topology { nodes })
+    }
+
+    /// Builds the topology of an hwloc synthetic description, e.g. `"pack:2 numa:1 core:64
+    /// pu:1"` for two packages of 64 cores with one NUMA node each (hwloc numbers the nodes and
+    /// PUs of a synthetic topology in order: nodes 0-1, CPUs 0-63 and 64-127). For tests and
+    /// for planning a placement for another machine.
+    pub fn from_hwloc_synthetic(description: &str) -> Result<Topology, IoError> {
+        let setup = |e: &dyn std::fmt::Display| IoError::Setup {
+            what: format!("the hwloc synthetic topology {description:?}"),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()),
+        };
+        let builder = hwlocality::Topology::builder().from_synthetic(description).map_err(|e| setup(&e))?;
+        let topo = builder.build().map_err(|e| setup(&e))?;
+        Topology::from_hwloc(&topo)
+    }
+}
+
+/// An hwloc topology that cannot be turned into ours.
+#[cfg(feature = "hwloc")]
+fn hwloc_error(why: String) -> IoError {
+    IoError::Setup {
+        what: "the topology from hwloc".to_string(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, why),
     }
 }
 
@@ -217,5 +298,62 @@ mod tests {
         let topo = Topology::detect().unwrap();
         assert!(!topo.nodes.is_empty());
         assert!(!topo.cpus().is_empty());
+    }
+}
+
+#[cfg(all(test, feature = "hwloc"))]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
+mod hwloc_tests {
+    use super::*;
+
+    #[test]
+    fn synthetic_two_packages_of_64_cores() {
+        let topo = Topology::from_hwloc_synthetic("pack:2 numa:1 core:64 pu:1").unwrap();
+        assert_eq!(topo.nodes.len(), 2);
+        assert_eq!((topo.nodes[0].id, topo.nodes[1].id), (0, 1));
+        assert_eq!(topo.nodes[0].cpus, (0..64).collect::<Vec<_>>());
+        assert_eq!(topo.nodes[1].cpus, (64..128).collect::<Vec<_>>());
+        assert_eq!(topo.node_of_cpu(70), Some(1));
+        assert_eq!(topo.cpus().len(), 128);
+    }
+
+    #[test]
+    fn synthetic_memory_size_is_read() {
+        let topo = Topology::from_hwloc_synthetic("numa:2(memory=1GiB) pu:2").unwrap();
+        assert_eq!(topo.nodes.len(), 2);
+        assert!(topo.nodes.iter().all(|n| n.mem_bytes == Some(1 << 30)), "{topo:?}");
+    }
+
+    #[test]
+    fn a_bad_synthetic_description_is_refused_with_its_text() {
+        let err = Topology::from_hwloc_synthetic("pack:x").unwrap_err();
+        assert!(err.to_string().starts_with("cannot set up the hwloc synthetic topology \"pack:x\": "), "{err}");
+    }
+
+    /// hwloc and sysfs must agree on this machine. hwloc hides CPUs a cgroup cpuset forbids;
+    /// then only inclusion is checked.
+    #[test]
+    fn hwloc_matches_sysfs_on_this_machine() {
+        let hw = hwlocality::Topology::new().unwrap();
+        let ours = Topology::from_hwloc(&hw).unwrap();
+        let sysfs = Topology::from_sysfs(Path::new("/sys")).unwrap();
+        let ids = |t: &Topology| t.nodes.iter().map(|n| n.id).collect::<Vec<_>>();
+        let restricted = hw.allowed_cpuset().weight() != hw.complete_cpuset().weight()
+            || hw.allowed_nodeset().weight() != hw.complete_nodeset().weight();
+        if restricted {
+            eprintln!("SKIPPED: exact hwloc/sysfs match, this process is restricted to a subset of CPUs or nodes");
+            assert!(ids(&ours).iter().all(|id| ids(&sysfs).contains(id)));
+            assert!(ours.cpus().iter().all(|cpu| sysfs.cpus().contains(cpu)));
+            return;
+        }
+        assert_eq!(ids(&ours), ids(&sysfs));
+        for (h, s) in ours.nodes.iter().zip(&sysfs.nodes) {
+            assert_eq!(h.cpus, s.cpus, "node {}", h.id);
+            // hwloc subtracts reserved huge pages from MemTotal, so it may only be smaller.
+            if let (Some(h_bytes), Some(s_bytes)) = (h.mem_bytes, s.mem_bytes) {
+                assert!(h_bytes <= s_bytes, "node {}: hwloc {h_bytes} > sysfs {s_bytes}", h.id);
+            }
+        }
+        assert_eq!(Topology::detect().unwrap(), ours);
     }
 }

@@ -445,6 +445,11 @@ impl StreamingSource {
         Ok(src)
     }
 
+    /// Batches the I/O service still tracks (bounded by the slots, whatever the run length).
+    pub fn tickets_held(&self) -> usize {
+        self.io.tickets_held()
+    }
+
     /// Replaces the expert cache policy.
     pub fn set_policy(&self, policy: Box<dyn CachePolicy>) {
         lock(&self.state).policy = policy;
@@ -597,15 +602,14 @@ impl StreamingSource {
         let region = {
             let mut st = lock(&self.state);
             st.ring[slot].ticket = None;
-            let check = self.verify_every_read || !st.verified[unit];
-            st.verified[unit] = true;
-            (st.ring[slot].region, check)
+            (st.ring[slot].region, self.verify_every_read || !st.verified[unit])
         };
         if region.1 {
             if let Err(e) = self.verify(unit, region.0) {
                 release(self);
                 return Err(SourceError::Corrupt { what: format!("trunk unit {}", self.units[unit].unit.name()), message: e.to_string() });
             }
+            lock(&self.state).verified[unit] = true;
         }
         Ok(StreamTrunk { src: self, unit, base: region.0, slot: Some(slot) })
     }
@@ -681,34 +685,51 @@ impl StreamingSource {
     /// Starts reads for as many pending experts as there are evictable slots, in one batch.
     /// Only a demand read (`take_protected`) may evict an expert the layer has yet to use.
     fn issue_pending(&self, st: &mut State, prio: Priority, take_protected: bool) -> Result<Option<Ticket>, SourceError> {
+        if st.pending.is_empty() {
+            return Ok(None);
+        }
         let mut ops = Vec::new();
         let mut slots = Vec::new();
         // Slots are tagged with the batch's ticket as they are chosen, so a slot taken for one
-        // expert of this batch never looks evictable to the next.
+        // expert of this batch never looks evictable to the next. Whatever happens below, the
+        // reserved ticket is submitted with the ops built so far, so nobody waits on it forever.
         let ticket = self.io.reserve();
+        let mut failure = None;
         while let Some(&key) = st.pending.front() {
-            let Some(slot) = self.victim(st, take_protected && slots.is_empty()) else { break };
-            st.experts[slot].ticket = Some(ticket);
-            st.pending.pop_front();
-            let bytes = self.index.experts.get(key.0, key.1).map_or(0, |r| r.parts.iter().map(|&id| self.index.tensors[id].len).sum::<u64>());
-            st.experts[slot].speculative = prio == Priority::Prefetch;
-            st.experts[slot].bytes = bytes;
-            if prio == Priority::Prefetch {
-                st.stats.spec_reads += 1;
-                st.stats.spec_bytes += bytes;
+            if st.resident.contains_key(&key) {
+                st.pending.pop_front();
+                continue;
             }
-            let region = st.experts[slot].region;
+            let Some(slot) = self.victim(st, take_protected && slots.is_empty()) else { break };
+            st.pending.pop_front();
             let kind = if prio == Priority::Prefetch { "speculative" } else { "demand" };
-            let (mut o, parts) = self.expert_ops(key, region, kind)?;
+            let (mut o, parts) = match self.expert_ops(key, st.experts[slot].region, kind) {
+                Ok(built) => built,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            let bytes = self.index.experts.get(key.0, key.1).map_or(0, |r| r.parts.iter().map(|&id| self.index.tensors[id].len).sum::<u64>());
+            if let Some(old) = st.experts[slot].ticket.replace(ticket) {
+                self.io.forget(old);
+            }
             st.stats.expert_window_bytes_read += o.iter().map(|op| op.op.len as u64).sum::<u64>();
             ops.append(&mut o);
             let s = &mut st.experts[slot];
             s.key = Some(key);
             s.parts = parts;
-            st.resident.insert(key, slot);
+            s.speculative = prio == Priority::Prefetch;
+            s.bytes = bytes;
+            let replaced = st.resident.insert(key, slot);
+            assert!(replaced.is_none(), "expert {key:?} read into two slots");
             st.policy.on_insert(key);
             st.stats.expert_reads += 1;
             st.stats.expert_bytes_read += bytes;
+            if prio == Priority::Prefetch {
+                st.stats.spec_reads += 1;
+                st.stats.spec_bytes += bytes;
+            }
             let ls = st.stats.layer(key.0);
             ls.expert_reads += 1;
             ls.expert_bytes_read += bytes;
@@ -719,7 +740,10 @@ impl StreamingSource {
             self.tracer.counter("expert pool occupancy", st.resident.len() as f64);
         }
         self.io.submit_reserved(ticket, prio, ops);
-        Ok((!slots.is_empty()).then_some(ticket))
+        match failure {
+            Some(e) => Err(e),
+            None => Ok((!slots.is_empty()).then_some(ticket)),
+        }
     }
 
     /// A slot for a new expert: a free one, else the policy's choice among evictable ones
@@ -740,8 +764,12 @@ impl StreamingSource {
         let key = st.policy.victim(&candidates)?;
         debug_check_pool(st);
         let slot = st.resident.remove(&key)?;
+        assert_eq!(st.experts[slot].key, Some(key), "the resident map and the slots disagree");
         st.policy.on_evict(key);
         st.experts[slot].key = None;
+        if let Some(old) = st.experts[slot].ticket.take() {
+            self.io.forget(old);
+        }
         st.stats.expert_evictions += 1;
         if st.experts[slot].speculative {
             st.stats.spec_wasted_bytes += st.experts[slot].bytes;
@@ -771,7 +799,8 @@ impl StreamingSource {
             let busy = st.experts.iter().filter(|s| s.users == 0).find_map(|s| s.ticket.filter(|&t| !self.io.is_done(t)));
             if let Some(ticket) = busy {
                 drop(st);
-                let _ = self.wait_io(ticket, Some(key.0));
+                // A failed read frees nothing; say why instead of searching on.
+                self.wait_io(ticket, Some(key.0)).map_err(|e| self.read_error(format!("layer {} expert {}", key.0, key.1), &e))?;
                 st = lock(&self.state);
             }
         }
@@ -871,6 +900,7 @@ fn start_io(files: &[PathBuf], opts: &StreamOptions, arena: &Arc<AlignedBuf>, al
     let kind = opts.io;
     let sim = opts.sim.clone();
     let threads = opts.pread_threads.max(1);
+    let keep = Arc::clone(arena);
     let arena = Arc::clone(arena);
     let factory: service::BackendFactory = Box::new(move || -> Result<Box<dyn ReadBackend>, IoError> {
         Ok(match kind {
@@ -897,7 +927,7 @@ fn start_io(files: &[PathBuf], opts: &StreamOptions, arena: &Arc<AlignedBuf>, al
             }
         })
     });
-    Ok(IoService::start(factory, ops_max, qd as usize * chunk as usize, opts.io_core, tracer)?)
+    Ok(IoService::start(factory, ops_max, qd as usize * chunk as usize, opts.io_core, tracer, vec![keep])?)
 }
 
 fn clone_io_error(e: &Arc<IoError>) -> IoError {
@@ -1005,6 +1035,8 @@ impl WeightSource for StreamingSource {
         }
         let mut st = lock(&self.state);
         let mut wanted: Vec<ExpertKey> = experts.iter().map(|&e| (layer, e)).filter(|k| !st.resident.contains_key(k)).collect();
+        wanted.sort_unstable();
+        wanted.dedup();
         wanted.sort_by_key(|k| {
             self.index.experts.get(k.0, k.1).map_or((usize::MAX, 0), |r| {
                 let t = &self.index.tensors[r.parts[0]];

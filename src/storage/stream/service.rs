@@ -86,6 +86,26 @@ pub struct IoService {
     tx: SyncSender<Msg>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// Memory the reads target. Dropped only after `Drop` has joined the I/O thread (which
+    /// waits for every read in the backend), so no read can outlive its buffer.
+    _targets: Vec<Arc<crate::storage::io::AlignedBuf>>,
+}
+
+/// Marks the service dead and wakes every waiter when the I/O thread exits for any reason,
+/// including a panic, so that no compute thread waits forever.
+struct DeadOnExit(Arc<Shared>);
+
+impl Drop for DeadOnExit {
+    fn drop(&mut self) {
+        let mut t = lock(&self.0.tickets);
+        if std::thread::panicking() {
+            t.dead = Some("the I/O thread panicked".to_owned());
+        } else {
+            t.dead.get_or_insert_with(|| "the I/O thread has stopped".to_owned());
+        }
+        drop(t);
+        self.0.done.notify_all();
+    }
 }
 
 /// Builds the backend on the I/O thread (a ring must live on the thread that uses it).
@@ -101,6 +121,7 @@ impl IoService {
         bytes_in_backend_max: usize,
         pin_to: Option<usize>,
         tracer: Arc<Tracer>,
+        targets: Vec<Arc<crate::storage::io::AlignedBuf>>,
     ) -> Result<IoService, IoError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(CHANNEL_BATCHES_MAX);
         let shared = Arc::new(Shared { tickets: Mutex::default(), done: Condvar::new(), stats: Mutex::default() });
@@ -109,6 +130,7 @@ impl IoService {
         let thread = std::thread::Builder::new()
             .name("k3ring-io".to_owned())
             .spawn(move || {
+                let _dead_on_exit = DeadOnExit(Arc::clone(&thread_shared));
                 if let Some(cpu) = pin_to {
                     if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
                         tracing::warn!("could not pin the I/O thread to CPU {cpu}");
@@ -125,7 +147,7 @@ impl IoService {
             }})
             .map_err(|source| IoError::Setup { what: "the I/O thread".to_owned(), source })?;
         match ready_rx.recv() {
-            Ok(Ok(backend_info)) => Ok(IoService { backend_info, tx, shared, thread: Some(thread) }),
+            Ok(Ok(backend_info)) => Ok(IoService { backend_info, tx, shared, thread: Some(thread), _targets: targets }),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -159,19 +181,35 @@ impl IoService {
     pub fn submit_reserved(&self, ticket: Ticket, priority: Priority, ops: Vec<SendOp>) {
         {
             let mut t = lock(&self.shared.tickets);
-            let state = if ops.is_empty() {
-                TicketState::Done(Ok(()))
+            if ops.is_empty() {
+                // An unknown ticket is a finished success: keep nothing.
+                t.states.remove(&ticket);
             } else {
-                TicketState::Pending { remaining: ops.len(), error: None }
-            };
-            t.states.insert(ticket, state);
+                t.states.insert(ticket, TicketState::Pending { remaining: ops.len(), error: None });
+            }
         }
         if ops.is_empty() {
             self.shared.done.notify_all();
         } else if self.tx.send(Msg::Batch { ticket, priority, ops }).is_err() {
             let mut t = lock(&self.shared.tickets);
             t.dead.get_or_insert_with(|| "the I/O thread has stopped".to_owned());
+            drop(t);
+            self.shared.done.notify_all();
         }
+    }
+
+    /// Forgets a finished, successful batch nobody will wait on (a slot was retagged or
+    /// evicted). Failures are kept: whoever needed those bytes must see the error.
+    pub fn forget(&self, ticket: Ticket) {
+        let mut t = lock(&self.shared.tickets);
+        if matches!(t.states.get(&ticket), Some(TicketState::Done(Ok(())))) {
+            t.states.remove(&ticket);
+        }
+    }
+
+    /// Tickets held (finished or not), for tests that check the table does not grow.
+    pub fn tickets_held(&self) -> usize {
+        lock(&self.shared.tickets).states.len()
     }
 
     /// Whether a batch has finished (successfully or not), without blocking.
@@ -256,7 +294,13 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
                 },
             };
             match msg {
-                Msg::Stop => stopping = true,
+                Msg::Stop => {
+                    // Reads not yet in the backend are dropped: the store is closing.
+                    stopping = true;
+                    for (ticket, _) in demand.drain(..).chain(prefetch.drain(..)) {
+                        finish_one(shared, ticket, Err(IoError::Setup { what: "a read".to_owned(), source: std::io::Error::other("the store closed") }));
+                    }
+                }
                 Msg::Batch { ticket, priority, ops } => {
                     let queue = if priority == Priority::Demand { &mut demand } else { &mut prefetch };
                     queue.extend(ops.into_iter().map(|op| (ticket, op)));
@@ -296,7 +340,9 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
         }
         let now = tracer.now_us();
         for c in done.drain(..) {
-            if let Some((ticket, len, meta, start)) = in_backend.remove(&c.tag) {
+            let entry = in_backend.remove(&c.tag);
+            assert!(entry.is_some(), "completion for unknown read tag {}", c.tag);
+            if let Some((ticket, len, meta, start)) = entry {
                 bytes_in_backend -= len;
                 let mut args = SpanArgs::new().bytes(len as u64).kind(meta.kind);
                 args.layer = meta.layer;
@@ -318,13 +364,14 @@ fn finish_one(shared: &Shared, ticket: Ticket, result: Result<(), IoError>) {
     let mut t = lock(&shared.tickets);
     let finished = match t.states.get_mut(&ticket) {
         Some(TicketState::Pending { remaining, error }) => {
+            assert!(*remaining > 0, "ticket {ticket} completed more reads than it has");
             *remaining -= 1;
             if let Err(e) = result {
                 error.get_or_insert(e);
             }
             *remaining == 0
         }
-        _ => false,
+        other => panic!("completion for ticket {ticket}, which is {other:?}"),
     };
     if finished {
         if let Some(TicketState::Pending { error, .. }) = t.states.remove(&ticket) {
