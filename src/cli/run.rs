@@ -44,6 +44,9 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let Some(trunk) = &args.storage.trunk else {
+        if args.pipeline.trace.is_some() || args.storage.mem_gb.is_some() || args.storage.preset.is_some() {
+            return Err(UsageError("--trace, --mem-gb and --preset need --trunk DIR (a streaming run)".into()).into());
+        }
         let opened = open_resident(&model_dir, args.threads, kernels)
             .with_context(|| format!("opening model {}", model_dir.display()))?;
         let prompt = prompt_ids(args, &opened.tokenizer)?;
@@ -142,9 +145,9 @@ fn generate<S: WeightSource>(
     }
     let peak = peak_rss_bytes();
     let stats = storage(&engine.src);
-    let metrics = engine.model.tracer.metrics();
-    if let Some(path) = &args.pipeline.trace {
-        engine.model.tracer.write_chrome_json(path).with_context(|| format!("writing --trace {}", path.display()))?;
+    let metrics = engine.model.tracer.as_ref().map(|t| t.metrics()).unwrap_or_default();
+    if let (Some(path), Some(tracer)) = (&args.pipeline.trace, &engine.model.tracer) {
+        tracer.write_chrome_json(path).with_context(|| format!("writing --trace {}", path.display()))?;
         eprintln!("k3ring: trace written to {}", path.display());
     }
     eprintln!(

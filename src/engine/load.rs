@@ -67,8 +67,7 @@ pub fn open_resident(dir: &Path, threads: usize, kernels: kernels::Kernels) -> R
     let src = MmapSource::open(c.index)?;
     // Everything is mapped: there is nothing to prefetch.
     let speculation = Speculation { enabled: false, margin: 0 };
-    let tracer = Arc::new(Tracer::new(false));
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation, tracer };
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation, tracer: None };
     Ok(Opened { engine: Engine::new(model, src, threads)?, tokenizer: c.tokenizer })
 }
 
@@ -135,7 +134,7 @@ pub fn open_streaming(
     }
     let tracer = Arc::new(Tracer::new(run.trace_detail));
     let src = StreamingSource::open(dir, trunk_dir, Arc::clone(&c.index), &c.cfg, &plan, &stream, Arc::clone(&tracer))?;
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation: run.speculation, tracer };
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation: run.speculation, tracer: Some(tracer) };
     let cores = run.placement.as_ref().map_or(&[][..], |p| &p.compute_cores[..]);
     Ok((Opened { engine: Engine::pinned(model, src, run.threads, cores)?, tokenizer: c.tokenizer }, plan))
 }

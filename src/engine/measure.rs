@@ -96,7 +96,7 @@ pub fn measure_streaming(
 ) -> Result<Measurement, MeasureError> {
     let (opened, plan) = open_streaming(model, trunk, run, kernels, |_| {})?;
     let engine = &opened.engine;
-    let tracer = engine.model.tracer.clone();
+    let tracer = std::sync::Arc::clone(engine.src.tracer());
     let mut before = StreamStats::default();
     let (ids, seconds) = decode(engine, spec, || {
         before = engine.src.stats();
@@ -136,20 +136,8 @@ pub fn measure_resident(
     spec: &MeasureSpec,
 ) -> Result<Measurement, MeasureError> {
     let opened = open_resident(model, threads, kernels)?;
-    let engine = &opened.engine;
-    let tracer = engine.model.tracer.clone();
-    let (ids, seconds) = decode(engine, spec, || {
-        tracer.reset_metrics();
-        tracer.mark_start();
-    })?;
-    tracer.mark_end();
-    let m = tracer.metrics();
-    Ok(Measurement {
-        ids,
-        seconds_per_token: seconds / spec.tokens.max(1) as f64,
-        compute_busy_fraction: m.compute_busy_fraction,
-        ..Measurement::default()
-    })
+    let (ids, seconds) = decode(&opened.engine, spec, || {})?;
+    Ok(Measurement { ids, seconds_per_token: seconds / spec.tokens.max(1) as f64, ..Measurement::default() })
 }
 
 /// The streaming source type measured (for callers that name it).

@@ -81,8 +81,9 @@ pub struct Model {
     pub kernels: Kernels,
     /// Affects only which reads are issued early, never the arithmetic.
     pub speculation: Speculation,
-    /// Compute spans (attention, router, experts, ...) for the trace and the busy fractions.
-    pub tracer: std::sync::Arc<crate::trace::Tracer>,
+    /// Compute spans (attention, router, experts, ...) for the trace and the busy fractions;
+    /// `None` records nothing (resident runs, which have no I/O to overlap).
+    pub tracer: Option<std::sync::Arc<crate::trace::Tracer>>,
 }
 
 /// Carried state of one layer.
@@ -234,7 +235,7 @@ impl Model {
             n_snap = self.layer(src, st, sc, l, t, n_snap, &mut probe)?;
         }
         let g = src.trunk(TrunkUnit::Head)?;
-        let head_span = self.tracer.span(Stage::Compute, "head");
+        let head_span = self.tracer.as_ref().map(|t| t.span(Stage::Compute, "head"));
         let out_rows = match rows {
             LogitRows::Last => t - 1..t,
             LogitRows::All => 0..t,
@@ -294,7 +295,7 @@ impl Model {
             sc.partial[..td].fill(0.0);
         }
         // 3. a = Attention(RMSNorm(x)); p += a.
-        let attn_span = self.tracer.span_args(Stage::Compute, "attention", SpanArgs::new().layer(l as u32));
+        let attn_span = self.tracer.as_ref().map(|t| t.span_args(Stage::Compute, "attention", SpanArgs::new().layer(l as u32)));
         norm_rows(k, view.bytes(lw.input_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match (&lw.attn, &mut st.layers[l]) {
             (AttnWeights::Kda(w), LayerState::Kda(s)) => {
@@ -317,11 +318,11 @@ impl Model {
         norm_rows(k, view.bytes(lw.post_attention_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match &lw.ffn {
             FfnWeights::Dense(w) => {
-                let _s = self.tracer.span_args(Stage::Compute, "dense ffn", SpanArgs::new().layer(l as u32));
+                let _s = self.tracer.as_ref().map(|t| t.span_args(Stage::Compute, "dense ffn", SpanArgs::new().layer(l as u32)));
                 dense::glu_mlp(k, &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a)
             }
             FfnWeights::Moe(w) => {
-                moe::forward(k, cfg, &view, src, l, w, &sc.xn, t, &mut sc.moe, &mut sc.a, &self.tracer)?;
+                moe::forward(k, cfg, &view, src, l, w, &sc.xn, t, &mut sc.moe, &mut sc.a, self.tracer.as_deref())?;
                 if let Some(p) = probe.as_deref_mut() {
                     p.routes(l, &sc.moe.routes[..t]);
                 }
@@ -345,7 +346,7 @@ impl Model {
     fn speculate<S: WeightSource>(&self, src: &S, sc: &mut Scratch, next: usize, t: usize) {
         let Some(FfnWeights::Moe(w)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = src.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
-        let _s = self.tracer.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32));
+        let _s = self.tracer.as_ref().map(|t| t.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32)));
         let d = self.cfg.hidden_size;
         let norm = view.bytes(self.weights.layers[next].post_attention_layernorm.id);
         norm_rows(&self.kernels, norm, self.cfg.rms_norm_eps, &sc.x[..t * d], &mut sc.spec_xn[..t * d], d);

@@ -92,12 +92,12 @@ pub fn forward<S: WeightSource>(
     t: usize,
     s: &mut MoeScratch,
     out: &mut [f32],
-    tracer: &Tracer,
+    tracer: Option<&Tracer>,
 ) -> Result<(), ModelError> {
     let m = &cfg.moe;
     let d = cfg.hidden_size;
     let (lat, e) = (m.latent, m.n_experts);
-    let router_span = tracer.span_args(Stage::Compute, "router", SpanArgs::new().layer(layer as u32));
+    let router_span = tracer.map(|t| t.span_args(Stage::Compute, "router", SpanArgs::new().layer(layer as u32)));
     k.par_matmul_bf16(view.bytes(w.gate.id), w.gate.rows, w.gate.cols, &x[..t * d], t, &mut s.scores[..t * e]);
     k.sigmoid(&mut s.scores[..t * e]);
     let bias = view.bytes(w.e_score_correction_bias.id);
@@ -115,7 +115,7 @@ pub fn forward<S: WeightSource>(
     for i in 0..s.distinct.len() {
         run_expert(k, cfg, src, layer, s.distinct[i], t, s, tracer)?;
     }
-    let _latent_span = tracer.span_args(Stage::Compute, "latent norm, up, shared", SpanArgs::new().layer(layer as u32));
+    let _latent_span = tracer.map(|t| t.span_args(Stage::Compute, "latent norm, up, shared", SpanArgs::new().layer(layer as u32)));
     // y_t = sum_i w_i E_i(u_t) in the token's own top-k order.
     for tok in 0..t {
         let y = &mut s.y[tok * lat..(tok + 1) * lat];
@@ -238,7 +238,7 @@ fn run_expert<S: WeightSource>(
     expert: usize,
     t: usize,
     s: &mut MoeScratch,
-    tracer: &Tracer,
+    tracer: Option<&Tracer>,
 ) -> Result<(), ModelError> {
     let m = &cfg.moe;
     let (lat, f) = (m.latent, m.expert_hidden);
@@ -253,7 +253,7 @@ fn run_expert<S: WeightSource>(
         s.gathered[i * lat..(i + 1) * lat].copy_from_slice(&s.u[tok * lat..(tok + 1) * lat]);
     }
     let guard = src.expert(layer, expert)?;
-    let _span = tracer.span_args(Stage::Compute, "expert", SpanArgs::new().layer(layer as u32).expert(expert as u32));
+    let _span = tracer.map(|t| t.span_args(Stage::Compute, "expert", SpanArgs::new().layer(layer as u32).expert(expert as u32)));
     let b = guard.parts();
     let bad = |source| ModelError::Expert { layer, expert, source };
     k.par_matmul_mxfp4(b.w1_packed, b.w1_scale, f, lat, &s.gathered[..n * lat], n, &mut s.h1[..n * f]).map_err(bad)?;

@@ -37,7 +37,7 @@ fn go(trunk: &Path, run: &StreamingRun) -> (Generation, StreamStats, k3ring::tra
     let (o, _) = open_streaming(&tiny_dir(), trunk, run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).unwrap();
     let opts = GenerateOptions { gen: GEN, keep_logits: true, prefill_chunk: run.chunk, ..Default::default() };
     let g = o.engine.generate(&prompt(), &opts, |_| {}).unwrap();
-    (g, o.engine.src.stats(), o.engine.model.tracer.metrics())
+    (g, o.engine.src.stats(), o.engine.src.tracer().metrics())
 }
 
 fn bits(g: &Generation) -> Vec<u32> {

@@ -1,0 +1,99 @@
+//! Allocations on the per-token path, counted by a global allocator (its own test binary, so
+//! no other test allocates meanwhile). House rule 3: the resident decode step allocates nothing;
+//! the streaming step allocates no buffer, only small op lists and bookkeeping (bounded here).
+#![allow(clippy::unwrap_used, clippy::print_stdout)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use k3ring::engine::open_resident;
+use k3ring::model::LogitRows;
+use kernels::{Isa, Kernels};
+
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only counts calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn main() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
+    for isa in Isa::available() {
+        let o = open_resident(&dir, 2, Kernels::with_isa(isa).unwrap()).unwrap();
+        let e = &o.engine;
+        let mut sess = e.session(64, 8).unwrap();
+        let logits = e.prefill(&mut sess, &[512, 199, 167, 365], LogitRows::Last, None).unwrap();
+        let mut next = k3ring::engine::sampling::argmax(logits) as u32;
+        // Warm-up steps (first-touch growth of any lazily sized structure).
+        for _ in 0..3 {
+            next = k3ring::engine::sampling::argmax(e.prefill(&mut sess, &[next], LogitRows::Last, None).unwrap()) as u32;
+        }
+        let before = ALLOCS.load(Ordering::Relaxed);
+        for _ in 0..20 {
+            next = k3ring::engine::sampling::argmax(e.prefill(&mut sess, &[next], LogitRows::Last, None).unwrap()) as u32;
+        }
+        let per_step = (ALLOCS.load(Ordering::Relaxed) - before) as f64 / 20.0;
+        println!("{isa:?}: {per_step} allocations per decode step");
+        assert_eq!(per_step, 0.0, "{isa:?}: the decode step allocates");
+    }
+    streaming(&dir);
+}
+
+/// The streaming store's decode step: reads are issued in small batches whose op lists are
+/// allocated; report the count so a regression shows.
+fn streaming(dir: &Path) {
+    let trunk = tempfile::tempdir().unwrap();
+    let cfg = k3ring::config::Config::from_model_dir(dir).unwrap();
+    let index = k3ring::checkpoint::CheckpointIndex::open(dir).unwrap();
+    k3ring::storage::pack::write_pack(dir, &cfg, &index, trunk.path(), |_, _| {}).unwrap();
+    let run = k3ring::engine::StreamingRun {
+        budget_bytes: 1_400_000,
+        context: 64,
+        chunk: 8,
+        threads: 2,
+        stream: k3ring::storage::stream::StreamOptions::default(),
+        prefetch_window: None,
+        speculation: k3ring::model::Speculation::default(),
+        placement: None,
+        trace_detail: false,
+        trunk_share: None,
+    };
+    let (o, _) = k3ring::engine::open_streaming(dir, trunk.path(), &run, Kernels::detect(), |_| {}).unwrap();
+    let e = &o.engine;
+    let mut sess = e.session(64, 8).unwrap();
+    let logits = e.prefill(&mut sess, &[512, 199, 167, 365], LogitRows::Last, None).unwrap();
+    let mut next = k3ring::engine::sampling::argmax(logits) as u32;
+    for _ in 0..3 {
+        next = k3ring::engine::sampling::argmax(e.prefill(&mut sess, &[next], LogitRows::Last, None).unwrap()) as u32;
+    }
+    let before = ALLOCS.load(Ordering::Relaxed);
+    for _ in 0..20 {
+        next = k3ring::engine::sampling::argmax(e.prefill(&mut sess, &[next], LogitRows::Last, None).unwrap()) as u32;
+    }
+    let per_step = (ALLOCS.load(Ordering::Relaxed) - before) as f64 / 20.0;
+    println!("streaming: {per_step} allocations per decode step");
+    // No large buffer is allocated per token (the arena holds every slot); what remains are
+    // small op lists handed to the I/O thread and bookkeeping. Bound it so a regression shows.
+    let bound = 60.0 * cfg.n_layers as f64;
+    assert!(per_step < bound, "streaming decode makes {per_step} allocations per step (bound {bound})");
+}
