@@ -34,9 +34,12 @@ pub struct BenchArgs {
     /// Budgets in GB, e.g. 6,9,12.
     #[arg(long, value_name = "GB,...", value_delimiter = ',', required = true)]
     pub budgets: Vec<f64>,
-    /// Modes to compare.
-    #[arg(long, value_name = "MODE,...", value_delimiter = ',', default_value = "serial,pipelined")]
+    /// Modes to compare: serial, pipelined, speculative (pipelined plus expert prediction).
+    #[arg(long, value_name = "MODE,...", value_delimiter = ',', default_value = "serial,pipelined", value_parser = ["serial", "pipelined", "speculative"])]
     pub modes: Vec<String>,
+    /// Measure each cell this many times, alternating the modes, and keep the median.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub repeats: usize,
     /// Tokens measured per cell.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub tokens: usize,
@@ -99,7 +102,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let spec = MeasureSpec { prompt, warmup: args.warmup, tokens: args.tokens, prefill_chunk: 32 };
     let threads = if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
-    let cells_total = args.budgets.len() * args.modes.len();
+    let cells_total = args.budgets.len() * args.modes.len() * args.repeats.max(1);
     let bar = ProgressBar::new((cells_total + 3) as u64);
     bar.set_style(ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
 
@@ -128,11 +131,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 
     // The device is probed again after the cells; the floor uses the better of the two probes
     // (this VM's disk varies by 30% or more over minutes), so efficiencies are not flattered.
-    let mut cells_raw: Vec<(f64, String, Measurement)> = Vec::new();
+    let mut samples: Vec<(f64, String, Measurement)> = Vec::new();
     let mut dropped = true;
+    let repeats = args.repeats.max(1);
     for &budget in &args.budgets {
-        for mode in &args.modes {
-            bar.set_message(format!("{budget} GB {mode}"));
+        for rep in 0..repeats {
+            for mode in &args.modes {
+            bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
             dropped &= drop_page_cache();
             let serial = mode == "serial";
             let run = StreamingRun {
@@ -148,15 +153,29 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                     ..StreamOptions::default()
                 },
                 prefetch_window: None,
-                speculation: crate::model::Speculation { enabled: !serial, margin: 0 },
+                speculation: crate::model::Speculation { enabled: mode == "speculative", margin: 0 },
                 placement: None,
                 trace_detail: false,
                 trunk_share: None,
             };
             let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
                 .with_context(|| format!("budget {budget} GB, mode {mode}"))?;
-            cells_raw.push((budget, mode.clone(), m));
+            samples.push((budget, mode.clone(), m));
             bar.inc(1);
+            }
+        }
+    }
+    // The median sample of each (budget, mode): modes alternate within each repeat, so slow
+    // phases of the VM's disk hit every mode alike.
+    let mut cells_raw: Vec<(f64, String, Measurement)> = Vec::new();
+    for &budget in &args.budgets {
+        for mode in &args.modes {
+            let mut runs: Vec<Measurement> =
+                samples.iter().filter(|s| s.0 == budget && &s.1 == mode).map(|s| s.2.clone()).collect();
+            runs.sort_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token));
+            if let Some(m) = runs.get(runs.len() / 2).cloned() {
+                cells_raw.push((budget, mode.clone(), m));
+            }
         }
     }
     bar.set_message("device again");

@@ -22,8 +22,12 @@ pub struct PipelineArgs {
     /// Print the placement and exit.
     #[arg(long)]
     pub print_placement: bool,
-    /// Do not prefetch experts predicted by the next layer's router.
-    #[arg(long)]
+    /// Prefetch the experts the next layer's router predicts (off by default: with K3's flat
+    /// routing about half the guesses are wrong, see docs/PIPELINE.md).
+    #[arg(long, overrides_with = "no_spec")]
+    pub spec: bool,
+    /// Do not prefetch predicted experts (the default).
+    #[arg(long, overrides_with = "spec")]
     pub no_spec: bool,
     /// Experts predicted per token beyond top-k.
     #[arg(long, value_name = "M", default_value_t = 0)]
@@ -73,6 +77,6 @@ impl PipelineArgs {
     /// Speculation as the flags and the mode ask (never in serial mode: the C engine's design
     /// reads after routing).
     pub fn speculation(&self) -> Speculation {
-        Speculation { enabled: !self.no_spec && !self.serial(), margin: self.spec_margin }
+        Speculation { enabled: self.spec && !self.no_spec && !self.serial(), margin: self.spec_margin }
     }
 }

@@ -69,8 +69,10 @@ pub struct Speculation {
 }
 
 impl Default for Speculation {
+    /// Off: with K3's flat routing about half the predicted experts are wrong, and on the
+    /// measured device the extra reads cost more than the earlier start gains (docs/PIPELINE.md).
     fn default() -> Self {
-        Speculation { enabled: true, margin: 0 }
+        Speculation { enabled: false, margin: 0 }
     }
 }
 

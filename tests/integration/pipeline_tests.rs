@@ -26,7 +26,7 @@ fn base_run() -> StreamingRun {
         threads: 2,
         stream: StreamOptions::default(),
         prefetch_window: None,
-        speculation: Speculation::default(),
+        speculation: Speculation { enabled: true, margin: 0 },
         placement: None,
         trace_detail: false,
         trunk_share: None,
@@ -106,7 +106,7 @@ fn the_trace_is_valid_chrome_json_with_overlapping_reads_and_compute() {
     let trace = tmp.path().join("trace.json");
     let (code, _, err) = k3ring(&[
         "run", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--mem-gb", "0.0014",
-        "--prompt", "Once upon a time", "--gen", "8", "--ignore-eos", "--trace", trace.to_str().unwrap(),
+        "--prompt", "Once upon a time", "--gen", "8", "--ignore-eos", "--spec", "--trace", trace.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("overlap") && err.contains("recall"), "{err}");

@@ -176,6 +176,8 @@ pub struct StreamStats {
     pub spec_used: u64,
     /// Bytes of predicted experts evicted without being used.
     pub spec_wasted_bytes: u64,
+    /// Layers whose speculation was skipped because the device was already saturated.
+    pub spec_skipped_busy: u64,
     /// True routed experts, and those already requested (resident or in flight) when the
     /// layer's routing was known: recall = recalled / routed.
     pub routed_experts: u64,
@@ -326,6 +328,8 @@ pub struct StreamingSource {
     verify_every_read: bool,
     serial: bool,
     spec_prev_token: bool,
+    /// Outstanding bytes above which speculation waits (the device's window).
+    spec_idle_bytes: usize,
     fixed_buffers: bool,
     state: Mutex<State>,
     io: IoService,
@@ -437,6 +441,7 @@ impl StreamingSource {
             verify_every_read: opts.verify_every_read,
             serial: opts.serial,
             spec_prev_token: opts.spec_prev_token,
+            spec_idle_bytes: opts.queue_depth.max(1) as usize * opts.chunk_bytes.max(1),
             state: Mutex::new(state),
             io,
             tracer,
@@ -684,16 +689,16 @@ impl StreamingSource {
 
     /// Starts reads for as many pending experts as there are evictable slots, in one batch.
     /// Only a demand read (`take_protected`) may evict an expert the layer has yet to use.
-    fn issue_pending(&self, st: &mut State, prio: Priority, take_protected: bool) -> Result<Option<Ticket>, SourceError> {
+    fn issue_pending(&self, st: &mut State, prio: Priority, take_protected: bool) -> Result<Vec<Ticket>, SourceError> {
         if st.pending.is_empty() {
-            return Ok(None);
+            return Ok(Vec::new());
         }
-        let mut ops = Vec::new();
+        let mut groups: Vec<(Ticket, Vec<SendOp>)> = Vec::new();
         let mut slots = Vec::new();
-        // Slots are tagged with the batch's ticket as they are chosen, so a slot taken for one
-        // expert of this batch never looks evictable to the next. Whatever happens below, the
-        // reserved ticket is submitted with the ops built so far, so nobody waits on it forever.
-        let ticket = self.io.reserve();
+        // Each expert gets its own ticket, reserved as its slot is chosen, so a slot taken for
+        // one expert of this batch never looks evictable to the next, and each expert can be
+        // computed as soon as its own bytes arrive. All go out as one submission, and whatever
+        // happens below every reserved ticket is submitted, so nobody waits on one forever.
         let mut failure = None;
         while let Some(&key) = st.pending.front() {
             if st.resident.contains_key(&key) {
@@ -702,8 +707,8 @@ impl StreamingSource {
             }
             let Some(slot) = self.victim(st, take_protected && slots.is_empty()) else { break };
             st.pending.pop_front();
-            let kind = if prio == Priority::Prefetch { "speculative" } else { "demand" };
-            let (mut o, parts) = match self.expert_ops(key, st.experts[slot].region, kind) {
+            let kind = if prio == Priority::Speculative { "speculative" } else { "demand" };
+            let (o, parts) = match self.expert_ops(key, st.experts[slot].region, kind) {
                 Ok(built) => built,
                 Err(e) => {
                     failure = Some(e);
@@ -711,22 +716,23 @@ impl StreamingSource {
                 }
             };
             let bytes = self.index.experts.get(key.0, key.1).map_or(0, |r| r.parts.iter().map(|&id| self.index.tensors[id].len).sum::<u64>());
+            let ticket = self.io.reserve();
             if let Some(old) = st.experts[slot].ticket.replace(ticket) {
                 self.io.forget(old);
             }
             st.stats.expert_window_bytes_read += o.iter().map(|op| op.op.len as u64).sum::<u64>();
-            ops.append(&mut o);
+            groups.push((ticket, o));
             let s = &mut st.experts[slot];
             s.key = Some(key);
             s.parts = parts;
-            s.speculative = prio == Priority::Prefetch;
+            s.speculative = prio == Priority::Speculative;
             s.bytes = bytes;
             let replaced = st.resident.insert(key, slot);
             assert!(replaced.is_none(), "expert {key:?} read into two slots");
             st.policy.on_insert(key);
             st.stats.expert_reads += 1;
             st.stats.expert_bytes_read += bytes;
-            if prio == Priority::Prefetch {
+            if prio == Priority::Speculative {
                 st.stats.spec_reads += 1;
                 st.stats.spec_bytes += bytes;
             }
@@ -739,10 +745,11 @@ impl StreamingSource {
         if !slots.is_empty() {
             self.tracer.counter("expert pool occupancy", st.resident.len() as f64);
         }
-        self.io.submit_reserved(ticket, prio, ops);
+        let tickets: Vec<Ticket> = groups.iter().map(|g| g.0).collect();
+        self.io.submit_groups(prio, groups);
         match failure {
             Some(e) => Err(e),
-            None => Ok((!slots.is_empty()).then_some(ticket)),
+            None => Ok(tickets),
         }
     }
 
@@ -1033,6 +1040,13 @@ impl WeightSource for StreamingSource {
         if self.serial {
             return;
         }
+        // Speculation uses idle bandwidth only: with more than the device's window already
+        // outstanding, a guess would delay reads compute is waiting for (and, with K3's flat
+        // routing, about half the guesses are wrong).
+        if self.io.outstanding_bytes() > self.spec_idle_bytes {
+            lock(&self.state).stats.spec_skipped_busy += 1;
+            return;
+        }
         let mut st = lock(&self.state);
         let mut wanted: Vec<ExpertKey> = experts.iter().map(|&e| (layer, e)).filter(|k| !st.resident.contains_key(k)).collect();
         wanted.sort_unstable();
@@ -1047,7 +1061,7 @@ impl WeightSource for StreamingSource {
         // pending demand reads first.
         let saved = std::mem::take(&mut st.pending);
         st.pending.extend(wanted);
-        let _ = self.issue_pending(&mut st, Priority::Prefetch, false);
+        let _ = self.issue_pending(&mut st, Priority::Speculative, false);
         st.pending = saved;
     }
 
@@ -1134,7 +1148,7 @@ impl WeightSource for StreamingSource {
         }
         if self.serial {
             // Read everything the layer needs before computing any of it.
-            if let Ok(Some(t)) = issued {
+            for t in issued.unwrap_or_default() {
                 let _ = self.wait_io(t, Some(layer));
             }
         }

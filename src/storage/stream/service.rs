@@ -37,8 +37,13 @@ unsafe impl Send for SendOp {}
 /// Urgency of a batch: demand reads are issued before any queued prefetch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Priority {
+    /// Bytes compute is waiting for (or will wait for within this layer).
     Demand,
+    /// Trunk read-ahead: needed soon, certainly.
     Prefetch,
+    /// A guess (speculative experts): enters the device only while no demand read is queued or
+    /// in the device, so a wrong guess never delays a needed read.
+    Speculative,
 }
 
 /// Identifies one batch of reads.
@@ -64,6 +69,8 @@ pub struct Shared {
     tickets: Mutex<Tickets>,
     done: Condvar,
     stats: Mutex<IoStats>,
+    /// Bytes sent to the I/O thread and not yet completed (queued or in the device).
+    outstanding_bytes: std::sync::atomic::AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -72,7 +79,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 enum Msg {
-    Batch { ticket: Ticket, priority: Priority, ops: Vec<SendOp> },
+    /// One submission: reads, each with the ticket that completes when all of its reads have.
+    Batch { priority: Priority, ops: Vec<(Ticket, SendOp)> },
     Stop,
 }
 
@@ -124,7 +132,12 @@ impl IoService {
         targets: Vec<Arc<crate::storage::io::AlignedBuf>>,
     ) -> Result<IoService, IoError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(CHANNEL_BATCHES_MAX);
-        let shared = Arc::new(Shared { tickets: Mutex::default(), done: Condvar::new(), stats: Mutex::default() });
+        let shared = Arc::new(Shared {
+            tickets: Mutex::default(),
+            done: Condvar::new(),
+            stats: Mutex::default(),
+            outstanding_bytes: std::sync::atomic::AtomicUsize::new(0),
+        });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -179,23 +192,42 @@ impl IoService {
 
     /// Sends the batch of a reserved ticket.
     pub fn submit_reserved(&self, ticket: Ticket, priority: Priority, ops: Vec<SendOp>) {
+        self.submit_groups(priority, vec![(ticket, ops)]);
+    }
+
+    /// Sends several reserved tickets' reads as one submission (in this order), so that each
+    /// ticket completes as soon as its own reads have: a layer's experts are read in one batch
+    /// and each is computed as soon as its bytes arrive.
+    pub fn submit_groups(&self, priority: Priority, groups: Vec<(Ticket, Vec<SendOp>)>) {
+        let mut ops = Vec::with_capacity(groups.iter().map(|g| g.1.len()).sum());
         {
             let mut t = lock(&self.shared.tickets);
-            if ops.is_empty() {
-                // An unknown ticket is a finished success: keep nothing.
-                t.states.remove(&ticket);
-            } else {
-                t.states.insert(ticket, TicketState::Pending { remaining: ops.len(), error: None });
+            for (ticket, group) in groups {
+                if group.is_empty() {
+                    // An unknown ticket is a finished success: keep nothing.
+                    t.states.remove(&ticket);
+                } else {
+                    t.states.insert(ticket, TicketState::Pending { remaining: group.len(), error: None });
+                    ops.extend(group.into_iter().map(|op| (ticket, op)));
+                }
             }
         }
+        let bytes: usize = ops.iter().map(|o| o.1.op.len).sum();
+        self.shared.outstanding_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
         if ops.is_empty() {
             self.shared.done.notify_all();
-        } else if self.tx.send(Msg::Batch { ticket, priority, ops }).is_err() {
+        } else if self.tx.send(Msg::Batch { priority, ops }).is_err() {
             let mut t = lock(&self.shared.tickets);
             t.dead.get_or_insert_with(|| "the I/O thread has stopped".to_owned());
             drop(t);
             self.shared.done.notify_all();
         }
+    }
+
+    /// Bytes of reads sent and not yet completed: above the device's window, the device is
+    /// saturated and a speculative read would only delay the reads compute is waiting for.
+    pub fn outstanding_bytes(&self) -> usize {
+        self.shared.outstanding_bytes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Forgets a finished, successful batch nobody will wait on (a slot was retagged or
@@ -263,16 +295,19 @@ impl Drop for IoService {
 fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, ops_max: usize, bytes_max: usize, tracer: &Tracer) {
     let mut demand: VecDeque<(Ticket, SendOp)> = VecDeque::new();
     let mut prefetch: VecDeque<(Ticket, SendOp)> = VecDeque::new();
+    let mut speculative: VecDeque<(Ticket, SendOp)> = VecDeque::new();
+    let mut demand_in_backend = 0usize;
     let mut done: Vec<Completion> = Vec::with_capacity(ops_max);
     // Each op in the backend: its ticket and length, by a per-op tag.
-    let mut in_backend: std::collections::HashMap<u64, (Ticket, usize, OpMeta, f64)> = std::collections::HashMap::with_capacity(ops_max);
+    // Per read in the backend: ticket, length, trace metadata, start time, demand or not.
+    let mut in_backend: std::collections::HashMap<u64, (Ticket, usize, OpMeta, f64, bool)> = std::collections::HashMap::with_capacity(ops_max);
     let mut bytes_in_backend = 0usize;
     let mut next_tag = 0u64;
     let mut stopping = false;
     let mut last_stats = Instant::now();
     loop {
         // Take new batches: block only when nothing is queued or in flight.
-        let idle = demand.is_empty() && prefetch.is_empty() && backend.in_flight() == 0;
+        let idle = demand.is_empty() && prefetch.is_empty() && speculative.is_empty() && backend.in_flight() == 0;
         if stopping && idle {
             break;
         }
@@ -297,19 +332,28 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
                 Msg::Stop => {
                     // Reads not yet in the backend are dropped: the store is closing.
                     stopping = true;
-                    for (ticket, _) in demand.drain(..).chain(prefetch.drain(..)) {
+                    for (ticket, op) in demand.drain(..).chain(prefetch.drain(..)).chain(speculative.drain(..)) {
+                        shared.outstanding_bytes.fetch_sub(op.op.len, std::sync::atomic::Ordering::Relaxed);
                         finish_one(shared, ticket, Err(IoError::Setup { what: "a read".to_owned(), source: std::io::Error::other("the store closed") }));
                     }
                 }
-                Msg::Batch { ticket, priority, ops } => {
-                    let queue = if priority == Priority::Demand { &mut demand } else { &mut prefetch };
-                    queue.extend(ops.into_iter().map(|op| (ticket, op)));
+                Msg::Batch { priority, ops } => {
+                    let queue = match priority {
+                        Priority::Demand => &mut demand,
+                        Priority::Prefetch => &mut prefetch,
+                        Priority::Speculative => &mut speculative,
+                    };
+                    queue.extend(ops);
                 }
             }
         }
         // Keep the backend busy, demand first, up to the byte limit.
         while backend.in_flight() < ops_max && (bytes_in_backend < bytes_max || backend.in_flight() == 0) {
-            let Some((ticket, send)) = demand.pop_front().or_else(|| prefetch.pop_front()) else { break };
+            let is_demand = !demand.is_empty();
+            let guess_may_enter = demand.is_empty() && demand_in_backend == 0;
+            let next = demand.pop_front().or_else(|| prefetch.pop_front());
+            let next = if next.is_none() && guess_may_enter { speculative.pop_front() } else { next };
+            let Some((ticket, send)) = next else { break };
             let (mut op, meta) = (send.op, send.meta);
             next_tag += 1;
             op.tag = next_tag;
@@ -318,11 +362,15 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
             // this op's completion.
             match unsafe { backend.submit(op) } {
                 Ok(()) => {
-                    in_backend.insert(next_tag, (ticket, op.len, meta, tracer.now_us()));
+                    in_backend.insert(next_tag, (ticket, op.len, meta, tracer.now_us(), is_demand));
+                    demand_in_backend += usize::from(is_demand);
                     bytes_in_backend += op.len;
                     tracer.counter("bytes in flight", bytes_in_backend as f64);
                 }
-                Err(e) => finish_one(shared, ticket, Err(e)),
+                Err(e) => {
+                    shared.outstanding_bytes.fetch_sub(op.len, std::sync::atomic::Ordering::Relaxed);
+                    finish_one(shared, ticket, Err(e));
+                }
             }
         }
         if backend.in_flight() == 0 {
@@ -342,8 +390,10 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
         for c in done.drain(..) {
             let entry = in_backend.remove(&c.tag);
             assert!(entry.is_some(), "completion for unknown read tag {}", c.tag);
-            if let Some((ticket, len, meta, start)) = entry {
+            if let Some((ticket, len, meta, start, was_demand)) = entry {
                 bytes_in_backend -= len;
+                demand_in_backend -= usize::from(was_demand);
+                shared.outstanding_bytes.fetch_sub(len, std::sync::atomic::Ordering::Relaxed);
                 let mut args = SpanArgs::new().bytes(len as u64).kind(meta.kind);
                 args.layer = meta.layer;
                 args.expert = meta.expert;
