@@ -107,15 +107,22 @@ pub fn forward<S: WeightSource>(
     for tok in 0..t {
         route(cfg, layer, tok, &s.scores[tok * e..(tok + 1) * e], &s.bias, &mut s.biased, &mut s.routes[tok])?;
     }
-    let down = &w.routed_expert_down_proj;
-    k.par_matmul_bf16(view.bytes(down.id), down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat]);
     distinct_experts(&s.routes[..t], &mut s.distinct);
     drop(router_span);
+    // Start the expert reads first, then do the work that does not need them (the shared
+    // experts and the latent down projection) while they are in flight.
     src.will_need_experts(layer, &mut s.distinct);
+    let shared_span = tracer.map(|t| t.span_args(Stage::Compute, "shared experts, latent down", SpanArgs::new().layer(layer as u32)));
+    if let Some(shared) = &w.shared {
+        dense::glu_mlp(k, view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
+    }
+    let down = &w.routed_expert_down_proj;
+    k.par_matmul_bf16(view.bytes(down.id), down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat]);
+    drop(shared_span);
     for i in 0..s.distinct.len() {
         run_expert(k, cfg, src, layer, s.distinct[i], t, s, tracer)?;
     }
-    let _latent_span = tracer.map(|t| t.span_args(Stage::Compute, "latent norm, up, shared", SpanArgs::new().layer(layer as u32)));
+    let _latent_span = tracer.map(|t| t.span_args(Stage::Compute, "latent norm, up", SpanArgs::new().layer(layer as u32)));
     // y_t = sum_i w_i E_i(u_t) in the token's own top-k order.
     for tok in 0..t {
         let y = &mut s.y[tok * lat..(tok + 1) * lat];
@@ -132,8 +139,7 @@ pub fn forward<S: WeightSource>(
     }
     let up = &w.routed_expert_up_proj;
     k.par_matmul_bf16(view.bytes(up.id), up.rows, up.cols, &s.yn[..t * lat], t, &mut out[..t * d]);
-    if let Some(shared) = &w.shared {
-        dense::glu_mlp(k, view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
+    if w.shared.is_some() {
         for (o, sh) in out[..t * d].iter_mut().zip(&s.up[..t * d]) {
             *o += *sh;
         }
