@@ -151,25 +151,24 @@ impl Config {
     }
 
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
         Config::from_json_str(&text, path)
     }
 
     /// Parses config text; `path` only names the source in errors.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        let value: Value = serde_json::from_str(text)
-            .map_err(|source| ConfigError::Json { path: path.to_owned(), source })?;
-        let raw = RawConfig::from_value(&value)
-            .map_err(|problems| ConfigError::Keys { path: path.to_owned(), problems })?;
+        let value: Value =
+            serde_json::from_str(text).map_err(|source| ConfigError::Json { path: path.to_owned(), source })?;
+        let raw =
+            RawConfig::from_value(&value).map_err(|problems| ConfigError::Keys { path: path.to_owned(), problems })?;
         Config::validate(raw, path)
     }
 
     /// Structural checks and the derived layer plan.
     pub fn validate(raw: RawConfig, path: &Path) -> Result<Config, ConfigError> {
         let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
-        let unsupported =
-            |message: String| ConfigError::Unsupported { path: path.to_owned(), message };
+        let unsupported = |message: String| ConfigError::Unsupported { path: path.to_owned(), message };
         check_supported(&raw).map_err(unsupported)?;
         check_dims(&raw).map_err(invalid)?;
         let layers = layer_plan(&raw).map_err(invalid)?;
@@ -449,11 +448,7 @@ impl RawConfig {
 fn find_scopes<'a>(root: &'a Map<String, Value>, problems: &mut Vec<String>) -> Scopes<'a> {
     let mut top = Collector { problems: Vec::new(), scope: "", obj: Some(root) };
     let nested = root.contains_key("text_config");
-    let (text, text_scope) = if nested {
-        (top.object("text_config"), "text_config.")
-    } else {
-        (Some(root), "")
-    };
+    let (text, text_scope) = if nested { (top.object("text_config"), "text_config.") } else { (Some(root), "") };
     let mut text_c = Collector { problems: Vec::new(), scope: text_scope, obj: text };
     // The flat shape also allows linear_attn_config keys at the root.
     let (linear, linear_scope) = match text.and_then(|t| t.get("linear_attn_config")) {
@@ -464,12 +459,18 @@ fn find_scopes<'a>(root: &'a Map<String, Value>, problems: &mut Vec<String>) -> 
     };
     let quant_in_text = text.is_some_and(|t| t.contains_key("quantization_config"));
     let (quant, quant_scope) = if quant_in_text {
-        (text_c.object("quantization_config"), if nested { "text_config.quantization_config." } else { "quantization_config." })
+        (
+            text_c.object("quantization_config"),
+            if nested { "text_config.quantization_config." } else { "quantization_config." },
+        )
     } else if root.contains_key("quantization_config") {
         (top.object("quantization_config"), "quantization_config.")
     } else {
         // Report it under the scope the release uses.
-        (text_c.object("quantization_config"), if nested { "text_config.quantization_config." } else { "quantization_config." })
+        (
+            text_c.object("quantization_config"),
+            if nested { "text_config.quantization_config." } else { "quantization_config." },
+        )
     };
     problems.append(&mut top.problems);
     problems.append(&mut text_c.problems);
@@ -547,10 +548,9 @@ fn read_quant(q: &mut Collector<'_>) -> (String, usize) {
         let size = group.pointer("/weights/group_size").and_then(Value::as_u64);
         match size.and_then(|n| usize::try_from(n).ok()) {
             Some(n) => sizes.push(n),
-            None => q.problems.push(format!(
-                "{}config_groups.{name}.weights.group_size is missing or not an integer",
-                q.scope
-            )),
+            None => q
+                .problems
+                .push(format!("{}config_groups.{name}.weights.group_size is missing or not an integer", q.scope)),
         }
     }
     match sizes.first() {
@@ -632,9 +632,10 @@ fn check_dims(raw: &RawConfig) -> Result<(), String> {
     if raw.group_size != 32 {
         return Err(format!("MXFP4 group_size is {}; the format fixes it at 32", raw.group_size));
     }
-    for (name, width) in
-        [("routed_expert_hidden_size", raw.routed_expert_hidden_size), ("moe_intermediate_size", raw.moe_intermediate_size)]
-    {
+    for (name, width) in [
+        ("routed_expert_hidden_size", raw.routed_expert_hidden_size),
+        ("moe_intermediate_size", raw.moe_intermediate_size),
+    ] {
         if width % raw.group_size != 0 {
             return Err(format!(
                 "MXFP4 group_size {} does not divide the contraction width {name} = {width}",
@@ -668,22 +669,17 @@ fn check_dims(raw: &RawConfig) -> Result<(), String> {
 fn layer_plan(raw: &RawConfig) -> Result<Vec<LayerPlan>, String> {
     let n = raw.num_hidden_layers;
     let mut kind: Vec<Option<AttnKind>> = vec![None; n];
-    for (list, which, name) in [
-        (&raw.full_attn_layers, AttnKind::Mla, "full_attn_layers"),
-        (&raw.kda_layers, AttnKind::Kda, "kda_layers"),
-    ] {
+    for (list, which, name) in
+        [(&raw.full_attn_layers, AttnKind::Mla, "full_attn_layers"), (&raw.kda_layers, AttnKind::Kda, "kda_layers")]
+    {
         for &one_based in list {
             if one_based < 1 || one_based > n as i64 {
                 let hint = if one_based == 0 { " (the lists are 1-based)" } else { "" };
-                return Err(format!(
-                    "linear_attn_config.{name} holds {one_based}, outside 1..={n}{hint}"
-                ));
+                return Err(format!("linear_attn_config.{name} holds {one_based}, outside 1..={n}{hint}"));
             }
             let slot = &mut kind[(one_based - 1) as usize];
             if slot.is_some() {
-                return Err(format!(
-                    "layer {one_based} (1-based) appears twice in full_attn_layers/kda_layers"
-                ));
+                return Err(format!("layer {one_based} (1-based) appears twice in full_attn_layers/kda_layers"));
             }
             *slot = Some(which);
         }
@@ -691,10 +687,7 @@ fn layer_plan(raw: &RawConfig) -> Result<Vec<LayerPlan>, String> {
     let mut plan = Vec::with_capacity(n);
     for (i, k) in kind.into_iter().enumerate() {
         let Some(attn) = k else {
-            return Err(format!(
-                "layer {} (1-based) is in neither full_attn_layers nor kda_layers",
-                i + 1
-            ));
+            return Err(format!("layer {} (1-based) is in neither full_attn_layers nor kda_layers", i + 1));
         };
         let moe = i >= raw.first_k_dense_replace && i % raw.moe_layer_freq == 0;
         let ffn = if moe { FfnKind::Moe } else { FfnKind::Dense };

@@ -76,8 +76,7 @@ impl Tokenizer {
 
     /// Builds a tokenizer from rank bytes (index = rank) and added tokens.
     pub fn new(decoder: Vec<Vec<u8>>, added: Vec<(String, u32)>) -> Result<Tokenizer, TokenizerError> {
-        let ranks: FxHashMap<Vec<u8>, u32> =
-            decoder.iter().enumerate().map(|(r, b)| (b.clone(), r as u32)).collect();
+        let ranks: FxHashMap<Vec<u8>, u32> = decoder.iter().enumerate().map(|(r, b)| (b.clone(), r as u32)).collect();
         let regex = fancy_regex::Regex::new(K3_PATTERN)
             .map_err(|e| TokenizerError::Regex(format!("the K3 pattern does not compile: {e}")))?;
         let mut added_sorted = added.clone();
@@ -152,9 +151,10 @@ impl Tokenizer {
             }
             // Every single byte is a rank (checked at load), so a miss has length >= 2 here.
             for part in tiktoken_rs::byte_pair_split(piece, &self.ranks) {
-                let rank = self.ranks.get(part).ok_or_else(|| {
-                    TokenizerError::Regex(format!("BPE produced bytes {part:?} that have no rank"))
-                })?;
+                let rank = self
+                    .ranks
+                    .get(part)
+                    .ok_or_else(|| TokenizerError::Regex(format!("BPE produced bytes {part:?} that have no rank")))?;
                 out.push(*rank);
             }
         }
@@ -198,12 +198,9 @@ fn parse_vocab(text: &str, path: &Path) -> Result<Vec<Vec<u8>>, TokenizerError> 
         if line.trim().is_empty() {
             continue;
         }
-        let (b64, rank) = line
-            .split_once(' ')
-            .ok_or_else(|| bad(n, "expected `base64 rank`".to_owned()))?;
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(b64)
-            .map_err(|e| bad(n, format!("bad base64: {e}")))?;
+        let (b64, rank) = line.split_once(' ').ok_or_else(|| bad(n, "expected `base64 rank`".to_owned()))?;
+        let bytes =
+            base64::engine::general_purpose::STANDARD.decode(b64).map_err(|e| bad(n, format!("bad base64: {e}")))?;
         let rank: usize = rank.trim().parse().map_err(|_| bad(n, format!("bad rank {rank:?}")))?;
         if rank >= 1 << 24 {
             return Err(bad(n, format!("rank {rank} is implausibly large")));
@@ -232,8 +229,7 @@ fn parse_vocab(text: &str, path: &Path) -> Result<Vec<Vec<u8>>, TokenizerError> 
 /// Reads `added_tokens_decoder` ({"id": {"content": ...}}); added ids must not collide with ranks.
 fn parse_added(text: &str, path: &Path, n_ranks: usize) -> Result<Vec<(String, u32)>, TokenizerError> {
     let bad = |message: String| TokenizerError::Config { path: path.to_owned(), message };
-    let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
     let Some(map) = value.get("added_tokens_decoder").and_then(|v| v.as_object()) else {
         return Err(bad("added_tokens_decoder is missing or not an object".to_owned()));
     };

@@ -141,14 +141,7 @@ pub struct SpanArgs {
 
 impl SpanArgs {
     pub const fn new() -> Self {
-        SpanArgs {
-            layer: None,
-            expert: None,
-            bytes: None,
-            slot: None,
-            kind: None,
-            extra: None,
-        }
+        SpanArgs { layer: None, expert: None, bytes: None, slot: None, kind: None, extra: None }
     }
     pub const fn layer(mut self, layer: u32) -> Self {
         self.layer = Some(layer);
@@ -247,11 +240,7 @@ pub struct TracerOptions {
 
 impl TracerOptions {
     pub const fn new(detail: bool) -> Self {
-        TracerOptions {
-            detail,
-            fold_lag_us: FOLD_LAG_US_DEFAULT,
-            shard_intervals_max: SHARD_INTERVALS_MAX_DEFAULT,
-        }
+        TracerOptions { detail, fold_lag_us: FOLD_LAG_US_DEFAULT, shard_intervals_max: SHARD_INTERVALS_MAX_DEFAULT }
     }
 }
 
@@ -335,11 +324,7 @@ fn union(mut items: Vec<Interval>) -> Vec<Interval> {
 
 /// `items` (sorted, disjoint) restricted to `[lo, hi]`.
 fn clip(items: Vec<Interval>, lo: f64, hi: f64) -> Vec<Interval> {
-    items
-        .into_iter()
-        .map(|(s, e)| (s.max(lo), e.min(hi)))
-        .filter(|(s, e)| s < e)
-        .collect()
+    items.into_iter().map(|(s, e)| (s.max(lo), e.min(hi))).filter(|(s, e)| s < e).collect()
 }
 
 fn measure(items: &[Interval]) -> f64 {
@@ -369,14 +354,8 @@ fn intersect_measure(a: &[Interval], b: &[Interval]) -> f64 {
 
 #[derive(Clone, Copy, Debug)]
 enum EventKind {
-    Span {
-        stage: Stage,
-        thread_index: u32,
-        args: SpanArgs,
-    },
-    Counter {
-        value: f64,
-    },
+    Span { stage: Stage, thread_index: u32, args: SpanArgs },
+    Counter { value: f64 },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -576,10 +555,7 @@ pub struct SpanGuard<'a> {
 
 impl std::fmt::Debug for Tracer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tracer")
-            .field("id", &self.id)
-            .field("options", &self.options)
-            .finish_non_exhaustive()
+        f.debug_struct("Tracer").field("id", &self.id).field("options", &self.options).finish_non_exhaustive()
     }
 }
 
@@ -597,11 +573,9 @@ impl SpanGuard<'_> {
 
 impl Drop for SpanGuard<'_> {
     fn drop(&mut self) {
-        let stack = self.open.and_then(|(track, pos)| {
-            self.tracer
-                .open_stack(self.thread_index, track)
-                .map(|stack| (stack, pos))
-        });
+        let stack = self
+            .open
+            .and_then(|(track, pos)| self.tracer.open_stack(self.thread_index, track).map(|stack| (stack, pos)));
         if let Some((stack, pos)) = stack {
             stack.ends[pos].store(PENDING, Ordering::SeqCst);
         }
@@ -610,15 +584,7 @@ impl Drop for SpanGuard<'_> {
             stack.ends[pos].store(end_us.to_bits(), Ordering::SeqCst);
         }
         let t = self.tracer;
-        t.record_span(
-            self.thread_index,
-            self.stage,
-            self.name,
-            self.start_us,
-            end_us,
-            self.args,
-            false,
-        );
+        t.record_span(self.thread_index, self.stage, self.name, self.start_us, end_us, self.args, false);
         if let Some((stack, pos)) = stack {
             // Closed only after the interval is in its shard, so a fold that sees the entry
             // closed also sees the interval.
@@ -637,26 +603,15 @@ impl Tracer {
     /// # Panics
     /// If `fold_lag_us` is negative or not finite, or `shard_intervals_max` is 0.
     pub fn with_options(options: TracerOptions) -> Self {
-        assert!(
-            options.fold_lag_us.is_finite(),
-            "fold_lag_us must be finite"
-        );
-        assert!(
-            options.fold_lag_us >= 0.0,
-            "fold_lag_us must not be negative"
-        );
-        assert!(
-            options.shard_intervals_max > 0,
-            "shard_intervals_max must be positive"
-        );
+        assert!(options.fold_lag_us.is_finite(), "fold_lag_us must be finite");
+        assert!(options.fold_lag_us >= 0.0, "fold_lag_us must not be negative");
+        assert!(options.shard_intervals_max > 0, "shard_intervals_max must be positive");
         Tracer {
             id: NEXT_TRACER_ID.fetch_add(1, Ordering::Relaxed),
             origin: Instant::now(),
             options,
             keep_events: options.detail,
-            shards: (0..SHARD_COUNT)
-                .map(|_| Shard(Mutex::new(ShardState::new())))
-                .collect(),
+            shards: (0..SHARD_COUNT).map(|_| Shard(Mutex::new(ShardState::new()))).collect(),
             open_slots: (0..THREADS_MAX).map(|_| OnceLock::new()).collect(),
             threads: Mutex::new(ThreadRegistry::default()),
             fold: Mutex::new(FoldState::new()),
@@ -694,11 +649,7 @@ impl Tracer {
     /// [`SpanGuard::set_args`]).
     pub fn span_args(&self, stage: Stage, name: &'static str, args: SpanArgs) -> SpanGuard<'_> {
         let thread_index = self.thread_index();
-        let track = if self.options.detail {
-            None
-        } else {
-            track_of(stage, name)
-        };
+        let track = if self.options.detail { None } else { track_of(stage, name) };
         // The entry is published (as PENDING) before the clock is read; see `open_credits`.
         let open = track.and_then(|track| {
             let stack = self.open_stack(thread_index, track)?;
@@ -725,31 +676,10 @@ impl Tracer {
     ///
     /// # Panics
     /// If `start_us` is not finite or `end_us < start_us`.
-    pub fn complete(
-        &self,
-        stage: Stage,
-        name: &'static str,
-        start_us: f64,
-        end_us: f64,
-        args: SpanArgs,
-    ) {
-        assert!(
-            start_us.is_finite(),
-            "span {name}: start {start_us} is not finite"
-        );
-        assert!(
-            end_us >= start_us,
-            "span {name}: end {end_us} is before start {start_us}"
-        );
-        self.record_span(
-            self.thread_index(),
-            stage,
-            name,
-            start_us,
-            end_us,
-            args,
-            true,
-        );
+    pub fn complete(&self, stage: Stage, name: &'static str, start_us: f64, end_us: f64, args: SpanArgs) {
+        assert!(start_us.is_finite(), "span {name}: start {start_us} is not finite");
+        assert!(end_us >= start_us, "span {name}: end {end_us} is before start {start_us}");
+        self.record_span(self.thread_index(), stage, name, start_us, end_us, args, true);
     }
 
     /// Records a counter sample (bytes in flight, pool occupancy) at the current time.
@@ -760,12 +690,7 @@ impl Tracer {
         shard.see(ts_us, ts_us);
         if self.keep_events {
             let kind = EventKind::Counter { value };
-            shard.events.push(Event {
-                ts_us,
-                dur_us: 0.0,
-                name,
-                kind,
-            });
+            shard.events.push(Event { ts_us, dur_us: 0.0, name, kind });
         }
     }
 
@@ -777,10 +702,7 @@ impl Tracer {
 
     /// [`Tracer::mark_start`] at a given time.
     pub fn mark_start_at(&self, t_us: f64) {
-        assert!(
-            t_us.is_finite(),
-            "mark_start_at({t_us}): time is not finite"
-        );
+        assert!(t_us.is_finite(), "mark_start_at({t_us}): time is not finite");
         let mut fold = self.reset_locked();
         fold.window_start_us = Some(t_us);
     }
@@ -814,11 +736,8 @@ impl Tracer {
     /// are not counted, except (without `detail`) the part already folded.
     pub fn metrics(&self) -> Metrics {
         let fold = lock(&self.fold);
-        let (lists, first_us, last_us) = if self.options.detail {
-            self.lists_from_events()
-        } else {
-            self.lists_from_sets(fold.folded_until_us)
-        };
+        let (lists, first_us, last_us) =
+            if self.options.detail { self.lists_from_events() } else { self.lists_from_sets(fold.folded_until_us) };
         summarize(&fold, lists, first_us, last_us)
     }
 
@@ -826,14 +745,9 @@ impl Tracer {
     /// chrome://tracing). Needs `detail`.
     pub fn write_chrome_json(&self, path: &Path) -> Result<(), TraceError> {
         if !self.keep_events {
-            return Err(TraceError::DetailOff {
-                path: path.to_path_buf(),
-            });
+            return Err(TraceError::DetailOff { path: path.to_path_buf() });
         }
-        let err = |source| TraceError::Write {
-            path: path.to_path_buf(),
-            source,
-        };
+        let err = |source| TraceError::Write { path: path.to_path_buf(), source };
         let file = File::create(path).map_err(err)?;
         let mut out = BufWriter::new(file);
         self.write_chrome_events(&mut out).map_err(err)?;
@@ -874,11 +788,7 @@ impl Tracer {
         reg.index_by_serial.insert(serial, index);
         if !self.options.detail {
             let slot = &self.open_slots[index as usize];
-            slot.get_or_init(|| {
-                Box::new(OpenSlot {
-                    tracks: std::array::from_fn(|_| OpenStack::new()),
-                })
-            });
+            slot.get_or_init(|| Box::new(OpenSlot { tracks: std::array::from_fn(|_| OpenStack::new()) }));
         }
         assert!(reg.names.len() <= THREADS_MAX);
         index
@@ -908,17 +818,8 @@ impl Tracer {
         let mut shard = self.shard(thread_index);
         shard.see(start_us, end_us);
         if self.keep_events {
-            let kind = EventKind::Span {
-                stage,
-                thread_index,
-                args,
-            };
-            shard.events.push(Event {
-                ts_us: start_us,
-                dur_us: end_us - start_us,
-                name,
-                kind,
-            });
+            let kind = EventKind::Span { stage, thread_index, args };
+            shard.events.push(Event { ts_us: start_us, dur_us: end_us - start_us, name, kind });
         }
         if self.options.detail {
             return;
@@ -956,8 +857,7 @@ impl Tracer {
             Err(TryLockError::WouldBlock) => return,
         };
         let next_us = now_us + self.options.fold_lag_us * 0.25;
-        self.next_fold_bits
-            .store(next_us.to_bits(), Ordering::Relaxed);
+        self.next_fold_bits.store(next_us.to_bits(), Ordering::Relaxed);
         self.fold_locked(&mut fold, now_us);
     }
 
@@ -977,10 +877,7 @@ impl Tracer {
                 set.drain_before(horizon, out);
             }
         }
-        let lo = fold
-            .window_start_us
-            .unwrap_or(f64::NEG_INFINITY)
-            .max(fold.folded_until_us);
+        let lo = fold.window_start_us.unwrap_or(f64::NEG_INFINITY).max(fold.folded_until_us);
         let hi = fold.window_end_us.unwrap_or(f64::INFINITY).min(horizon);
         let unions = taken.map(|items| clip(union(items), lo, hi));
         for (busy, items) in fold.busy_us.iter_mut().zip(unions.iter()) {
@@ -989,8 +886,7 @@ impl Tracer {
         fold.overlap_us += intersect_measure(&unions[TRACK_IO], &unions[TRACK_COMPUTE]);
         fold.folded_until_us = horizon;
         fold.folds_count += 1;
-        self.folded_until_bits
-            .store(horizon.to_bits(), Ordering::SeqCst);
+        self.folded_until_bits.store(horizon.to_bits(), Ordering::SeqCst);
     }
 
     /// For every open guard, the part of `[start, horizon]` it is already known to cover; `None`
@@ -1029,8 +925,7 @@ impl Tracer {
     fn reset_locked(&self) -> MutexGuard<'_, FoldState> {
         let mut fold = lock(&self.fold);
         *fold = FoldState::new();
-        self.folded_until_bits
-            .store(f64::NEG_INFINITY.to_bits(), Ordering::SeqCst);
+        self.folded_until_bits.store(f64::NEG_INFINITY.to_bits(), Ordering::SeqCst);
         for shard in self.shards.iter() {
             lock(&shard.0).reset_metrics();
         }
@@ -1076,12 +971,7 @@ impl Tracer {
     }
 }
 
-fn summarize(
-    fold: &FoldState,
-    lists: [Vec<Interval>; TRACK_COUNT],
-    first_us: f64,
-    last_us: f64,
-) -> Metrics {
+fn summarize(fold: &FoldState, lists: [Vec<Interval>; TRACK_COUNT], first_us: f64, last_us: f64) -> Metrics {
     let lo = fold.window_start_us.unwrap_or(f64::NEG_INFINITY);
     let hi = fold.window_end_us.unwrap_or(f64::INFINITY);
     let unions = lists.map(|items| clip(union(items), lo, hi));
@@ -1089,11 +979,7 @@ fn summarize(
     let overlap_us = fold.overlap_us + intersect_measure(&unions[TRACK_IO], &unions[TRACK_COMPUTE]);
     let wall_start = fold.window_start_us.unwrap_or(first_us);
     let wall_end = fold.window_end_us.unwrap_or(last_us);
-    let wall_us = if wall_start.is_finite() && wall_end.is_finite() {
-        (wall_end - wall_start).max(0.0)
-    } else {
-        0.0
-    };
+    let wall_us = if wall_start.is_finite() && wall_end.is_finite() { (wall_end - wall_start).max(0.0) } else { 0.0 };
     let fraction = |x: f64| if wall_us > 0.0 { x / wall_us } else { 0.0 };
     Metrics {
         wall_us,
@@ -1166,11 +1052,7 @@ impl Tracer {
             events.extend_from_slice(&lock(&shard.0).events);
         }
         // Parents before children at equal start, so viewers nest them.
-        events.sort_by(|a, b| {
-            a.ts_us
-                .total_cmp(&b.ts_us)
-                .then(b.dur_us.total_cmp(&a.dur_us))
-        });
+        events.sort_by(|a, b| a.ts_us.total_cmp(&b.ts_us).then(b.dur_us.total_cmp(&a.dur_us)));
         let names = lock(&self.threads).names.clone();
         let tids = track_tids(&events);
         out.write_all(b"{\"traceEvents\":[")?;
@@ -1188,12 +1070,7 @@ impl Tracer {
 fn track_tids(events: &[Event]) -> BTreeMap<(usize, u32), u32> {
     let mut tids: BTreeMap<(usize, u32), u32> = BTreeMap::new();
     for ev in events {
-        if let EventKind::Span {
-            stage,
-            thread_index,
-            ..
-        } = ev.kind
-        {
+        if let EventKind::Span { stage, thread_index, .. } = ev.kind {
             tids.entry((stage.index(), thread_index)).or_insert(0);
         }
     }
@@ -1204,64 +1081,29 @@ fn track_tids(events: &[Event]) -> BTreeMap<(usize, u32), u32> {
 }
 
 /// The process name, then a name (`"<thread>/<stage>"`) and sort index for every track.
-fn write_metadata(
-    out: &mut dyn Write,
-    tids: &BTreeMap<(usize, u32), u32>,
-    names: &[String],
-) -> io::Result<()> {
+fn write_metadata(out: &mut dyn Write, tids: &BTreeMap<(usize, u32), u32>, names: &[String]) -> io::Result<()> {
     let args = NameArg { name: "k3ring" };
-    let process = ChromeMeta {
-        ph: "M",
-        name: "process_name",
-        pid: TRACE_PID,
-        tid: None,
-        args,
-    };
+    let process = ChromeMeta { ph: "M", name: "process_name", pid: TRACE_PID, tid: None, args };
     serde_json::to_writer(&mut *out, &process)?;
     for (&(stage_index, thread_index), &tid) in tids {
-        let thread = names
-            .get(thread_index as usize)
-            .map_or("other-threads", String::as_str);
+        let thread = names.get(thread_index as usize).map_or("other-threads", String::as_str);
         let track = format!("{thread}/{}", Stage::ALL[stage_index].as_str());
         let args = NameArg { name: &track };
-        let name = ChromeMeta {
-            ph: "M",
-            name: "thread_name",
-            pid: TRACE_PID,
-            tid: Some(tid),
-            args,
-        };
+        let name = ChromeMeta { ph: "M", name: "thread_name", pid: TRACE_PID, tid: Some(tid), args };
         out.write_all(b",\n")?;
         serde_json::to_writer(&mut *out, &name)?;
         let args = SortArg { sort_index: tid };
-        let sort = ChromeMeta {
-            ph: "M",
-            name: "thread_sort_index",
-            pid: TRACE_PID,
-            tid: Some(tid),
-            args,
-        };
+        let sort = ChromeMeta { ph: "M", name: "thread_sort_index", pid: TRACE_PID, tid: Some(tid), args };
         out.write_all(b",\n")?;
         serde_json::to_writer(&mut *out, &sort)?;
     }
     Ok(())
 }
 
-fn write_event(
-    out: &mut dyn Write,
-    ev: &Event,
-    tids: &BTreeMap<(usize, u32), u32>,
-) -> io::Result<()> {
+fn write_event(out: &mut dyn Write, ev: &Event, tids: &BTreeMap<(usize, u32), u32>) -> io::Result<()> {
     match ev.kind {
-        EventKind::Span {
-            stage,
-            thread_index,
-            ref args,
-        } => {
-            let tid = tids
-                .get(&(stage.index(), thread_index))
-                .copied()
-                .unwrap_or(0);
+        EventKind::Span { stage, thread_index, ref args } => {
+            let tid = tids.get(&(stage.index(), thread_index)).copied().unwrap_or(0);
             let span = ChromeSpan {
                 ph: "X",
                 name: ev.name,
@@ -1275,13 +1117,8 @@ fn write_event(
             serde_json::to_writer(out, &span)?;
         }
         EventKind::Counter { value } => {
-            let counter = ChromeCounter {
-                ph: "C",
-                name: ev.name,
-                ts: ev.ts_us,
-                pid: TRACE_PID,
-                args: CounterArgs { value },
-            };
+            let counter =
+                ChromeCounter { ph: "C", name: ev.name, ts: ev.ts_us, pid: TRACE_PID, args: CounterArgs { value } };
             serde_json::to_writer(out, &counter)?;
         }
     }
@@ -1309,11 +1146,7 @@ mod tests {
             ("compute_busy_us", a.compute_busy_us, b.compute_busy_us),
             ("overlap_us", a.overlap_us, b.overlap_us),
             ("io_busy_fraction", a.io_busy_fraction, b.io_busy_fraction),
-            (
-                "compute_busy_fraction",
-                a.compute_busy_fraction,
-                b.compute_busy_fraction,
-            ),
+            ("compute_busy_fraction", a.compute_busy_fraction, b.compute_busy_fraction),
             ("overlap_fraction", a.overlap_fraction, b.overlap_fraction),
             ("stall_us", a.stall_us, b.stall_us),
         ];
@@ -1328,20 +1161,13 @@ mod tests {
 
     /// Folds as eagerly as possible: lag 0, a fold per list longer than `max`; synthetic clock.
     fn folding(max: usize) -> Tracer {
-        let t = Tracer::with_options(TracerOptions {
-            detail: false,
-            fold_lag_us: 0.0,
-            shard_intervals_max: max,
-        });
+        let t = Tracer::with_options(TracerOptions { detail: false, fold_lag_us: 0.0, shard_intervals_max: max });
         set_now(&t, 0.0);
         t
     }
 
     fn interval_count(t: &Tracer) -> usize {
-        t.shards
-            .iter()
-            .map(|s| lock(&s.0).sets.iter().map(|x| x.items.len()).sum::<usize>())
-            .sum()
+        t.shards.iter().map(|s| lock(&s.0).sets.iter().map(|x| x.items.len()).sum::<usize>()).sum()
     }
 
     fn folds_count(t: &Tracer) -> u64 {
@@ -1353,11 +1179,8 @@ mod tests {
         assert!(t.keep_events);
         let (lists, first, last) = t.lists_from_events();
         let fold = lock(&t.fold);
-        let window = FoldState {
-            window_start_us: fold.window_start_us,
-            window_end_us: fold.window_end_us,
-            ..FoldState::new()
-        };
+        let window =
+            FoldState { window_start_us: fold.window_start_us, window_end_us: fold.window_end_us, ..FoldState::new() };
         summarize(&window, lists, first, last)
     }
 
@@ -1415,16 +1238,11 @@ mod tests {
         for detail in [true, false] {
             let t = Tracer::new(detail);
             std::thread::scope(|s| {
-                for (k, (start, end)) in [(0.0, 50.0), (40.0, 60.0), (70.0, 80.0)]
-                    .into_iter()
-                    .enumerate()
-                {
+                for (k, (start, end)) in [(0.0, 50.0), (40.0, 60.0), (70.0, 80.0)].into_iter().enumerate() {
                     let t = &t;
                     std::thread::Builder::new()
                         .name(format!("compute-{k}"))
-                        .spawn_scoped(s, move || {
-                            t.complete(Stage::Compute, "expert", start, end, SpanArgs::new())
-                        })
+                        .spawn_scoped(s, move || t.complete(Stage::Compute, "expert", start, end, SpanArgs::new()))
                         .unwrap();
                 }
             });
@@ -1480,14 +1298,7 @@ mod tests {
     #[test]
     fn trace_interval_set_merges() {
         let mut set = IntervalSet::default();
-        for (s, e) in [
-            (10.0, 20.0),
-            (30.0, 40.0),
-            (0.0, 5.0),
-            (20.0, 25.0),
-            (50.0, 60.0),
-            (4.0, 31.0),
-        ] {
+        for (s, e) in [(10.0, 20.0), (30.0, 40.0), (0.0, 5.0), (20.0, 25.0), (50.0, 60.0), (4.0, 31.0)] {
             set.insert(s, e);
         }
         assert_eq!(set.items, vec![(0.0, 40.0), (50.0, 60.0)]);
@@ -1523,29 +1334,11 @@ mod tests {
             let base = i as f64 * 10.0;
             set_now(t, base);
             let io_start = base + next() * 4.0;
-            t.complete(
-                Stage::Io,
-                "read",
-                io_start,
-                io_start + 1.0 + next() * 4.0,
-                SpanArgs::new(),
-            );
+            t.complete(Stage::Io, "read", io_start, io_start + 1.0 + next() * 4.0, SpanArgs::new());
             let c_start = base + next() * 5.0;
-            t.complete(
-                Stage::Compute,
-                "expert",
-                c_start,
-                c_start + next() * 4.0,
-                SpanArgs::new(),
-            );
+            t.complete(Stage::Compute, "expert", c_start, c_start + next() * 4.0, SpanArgs::new());
             if i % 7 == 0 {
-                t.complete(
-                    Stage::Scheduler,
-                    "wait",
-                    base + 9.0,
-                    base + 9.5,
-                    SpanArgs::new(),
-                );
+                t.complete(Stage::Scheduler, "wait", base + 9.0, base + 9.5, SpanArgs::new());
             }
         }
     }
@@ -1559,11 +1352,7 @@ mod tests {
         let exact_tracer = Tracer::new(true);
         synthetic(&exact_tracer, 0..STEPS_COUNT);
         // All spans come from one thread: one shard, three lists of at most `max + 1`.
-        assert!(
-            interval_count(&folded) <= TRACK_COUNT * (max + 1),
-            "{}",
-            interval_count(&folded)
-        );
+        assert!(interval_count(&folded) <= TRACK_COUNT * (max + 1), "{}", interval_count(&folded));
         // About one fold per `max + 1` steps.
         assert!(folds_count(&folded) > 500, "{}", folds_count(&folded));
         assert_eq!(folded.late_us(), 0.0);
@@ -1575,11 +1364,7 @@ mod tests {
         // The same run without folding keeps every gap-separated interval.
         let unbounded = Tracer::new(false);
         synthetic(&unbounded, 0..STEPS_COUNT);
-        assert!(
-            interval_count(&unbounded) > STEPS_COUNT,
-            "{}",
-            interval_count(&unbounded)
-        );
+        assert!(interval_count(&unbounded) > STEPS_COUNT, "{}", interval_count(&unbounded));
         assert_metrics_eq(&unbounded.metrics(), &b);
     }
 
@@ -1618,11 +1403,7 @@ mod tests {
     /// ones computed from the same events.
     #[test]
     fn trace_guards_with_folding_match_exact() {
-        let options = TracerOptions {
-            detail: false,
-            fold_lag_us: 200.0,
-            shard_intervals_max: 4,
-        };
+        let options = TracerOptions { detail: false, fold_lag_us: 200.0, shard_intervals_max: 4 };
         let mut t = Tracer::with_options(options);
         t.keep_events = true;
         let t = &t;
@@ -1635,8 +1416,7 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(move || {
                 for i in 0..300 {
-                    let _read =
-                        t.span_args(Stage::Io, "read", SpanArgs::new().expert(i).kind("demand"));
+                    let _read = t.span_args(Stage::Io, "read", SpanArgs::new().expert(i).kind("demand"));
                     spin(20.0);
                     drop(_read);
                     std::thread::sleep(Duration::from_micros(50));
@@ -1711,11 +1491,7 @@ mod tests {
                                 "sched" => Stage::Scheduler,
                                 _ => Stage::Compute,
                             };
-                            let args = SpanArgs::new()
-                                .layer(i)
-                                .expert(i * 3)
-                                .bytes(4096)
-                                .kind("speculative");
+                            let args = SpanArgs::new().layer(i).expert(i * 3).bytes(4096).kind("speculative");
                             let _g = t.span_args(stage, "work", args);
                             if name == "sched" {
                                 // A second stage on one thread gets its own track.
@@ -1738,10 +1514,7 @@ mod tests {
                 assert!(ev["ts"].is_f64() || ev["ts"].is_u64(), "{ev}");
                 assert!(ev["dur"].as_f64().unwrap() >= 0.0, "{ev}");
                 assert!(ev["tid"].as_u64().unwrap() >= 1, "{ev}");
-                assert!(
-                    ["io", "compute", "scheduler"].contains(&ev["cat"].as_str().unwrap()),
-                    "{ev}"
-                );
+                assert!(["io", "compute", "scheduler"].contains(&ev["cat"].as_str().unwrap()), "{ev}");
                 assert!(ev["args"].is_object(), "{ev}");
             }
             "C" => {
@@ -1750,10 +1523,7 @@ mod tests {
             }
             "M" => {
                 let name = ev["name"].as_str().unwrap();
-                assert!(
-                    ["process_name", "thread_name", "thread_sort_index"].contains(&name),
-                    "{ev}"
-                );
+                assert!(["process_name", "thread_name", "thread_sort_index"].contains(&name), "{ev}");
                 if name != "process_name" {
                     assert!(ev["tid"].as_u64().is_some(), "{ev}");
                 }
@@ -1772,24 +1542,11 @@ mod tests {
         // 4 threads x 50 spans, plus 50 Io submits, 200 counters, 1 + 2 x 5 metadata events.
         assert_eq!(events.len(), 200 + 50 + 200 + 11);
         events.iter().for_each(check_event_fields);
-        let timed: Vec<f64> = events
-            .iter()
-            .filter(|e| e["ph"] != "M")
-            .map(|e| e["ts"].as_f64().unwrap())
-            .collect();
-        assert!(
-            timed.windows(2).all(|w| w[0] <= w[1]),
-            "events not sorted by ts"
-        );
+        let timed: Vec<f64> = events.iter().filter(|e| e["ph"] != "M").map(|e| e["ts"].as_f64().unwrap()).collect();
+        assert!(timed.windows(2).all(|w| w[0] <= w[1]), "events not sorted by ts");
         let first_timed = events.iter().position(|e| e["ph"] != "M").unwrap();
-        assert!(
-            events[first_timed..].iter().all(|e| e["ph"] != "M"),
-            "metadata after events"
-        );
-        let span = events
-            .iter()
-            .find(|e| e["ph"] == "X" && e["cat"] == "io" && e["name"] == "work")
-            .unwrap();
+        assert!(events[first_timed..].iter().all(|e| e["ph"] != "M"), "metadata after events");
+        let span = events.iter().find(|e| e["ph"] == "X" && e["cat"] == "io" && e["name"] == "work").unwrap();
         assert_eq!(span["args"]["kind"], "speculative");
         assert_eq!(span["args"]["bytes"], 4096);
         assert!(span["args"].get("slot").is_none());
@@ -1802,28 +1559,13 @@ mod tests {
         let json = write_and_parse(&t);
         let events = json["traceEvents"].as_array().unwrap();
         let mut track_names: HashMap<u64, String> = HashMap::new();
-        for ev in events
-            .iter()
-            .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
-        {
-            let old = track_names.insert(
-                ev["tid"].as_u64().unwrap(),
-                ev["args"]["name"].as_str().unwrap().to_string(),
-            );
+        for ev in events.iter().filter(|e| e["ph"] == "M" && e["name"] == "thread_name") {
+            let old = track_names.insert(ev["tid"].as_u64().unwrap(), ev["args"]["name"].as_str().unwrap().to_string());
             assert!(old.is_none(), "tid named twice");
         }
         let mut names: Vec<&str> = track_names.values().map(String::as_str).collect();
         names.sort_unstable();
-        assert_eq!(
-            names,
-            [
-                "compute-0/compute",
-                "compute-1/compute",
-                "io-0/io",
-                "sched/io",
-                "sched/scheduler"
-            ]
-        );
+        assert_eq!(names, ["compute-0/compute", "compute-1/compute", "io-0/io", "sched/io", "sched/scheduler"]);
         for ev in events.iter().filter(|e| e["ph"] == "X") {
             let track = &track_names[&ev["tid"].as_u64().unwrap()];
             let cat = ev["cat"].as_str().unwrap();
@@ -1842,18 +1584,14 @@ mod tests {
     fn trace_write_without_detail_is_refused() {
         let t = Tracer::new(false);
         t.complete(Stage::Io, "read", 0.0, 1.0, SpanArgs::new());
-        let err = t
-            .write_chrome_json(Path::new("/nonexistent/trace.json"))
-            .unwrap_err();
+        let err = t.write_chrome_json(Path::new("/nonexistent/trace.json")).unwrap_err();
         assert_eq!(
             err.to_string(),
             "cannot write trace /nonexistent/trace.json: this tracer keeps no events (it was created \
              with detail off); pass --trace FILE at startup so events are kept"
         );
         let t = Tracer::new(true);
-        let err = t
-            .write_chrome_json(Path::new("/nonexistent/trace.json"))
-            .unwrap_err();
+        let err = t.write_chrome_json(Path::new("/nonexistent/trace.json")).unwrap_err();
         assert_eq!(
             err.to_string(),
             "cannot write trace /nonexistent/trace.json: check that its directory exists and is writable"
@@ -1863,10 +1601,7 @@ mod tests {
     #[test]
     fn trace_stage_serializes_lowercase() {
         assert_eq!(serde_json::to_string(&Stage::Io).unwrap(), "\"io\"");
-        assert_eq!(
-            serde_json::to_string(&Stage::Scheduler).unwrap(),
-            "\"scheduler\""
-        );
+        assert_eq!(serde_json::to_string(&Stage::Scheduler).unwrap(), "\"scheduler\"");
         let m = serde_json::to_value(Metrics::default()).unwrap();
         assert!(m["overlap_fraction"].is_f64());
     }
@@ -1884,13 +1619,8 @@ mod tests {
         let events = lock(&t.shards[0].0).events.clone();
         assert_eq!(events.len(), 1);
         assert!(events[0].dur_us >= 0.0);
-        let EventKind::Span { args, .. } = events[0].kind else {
-            panic!("not a span")
-        };
-        assert_eq!(
-            serde_json::to_string(&args).unwrap(),
-            r#"{"bytes":7,"queue_depth":3}"#
-        );
+        let EventKind::Span { args, .. } = events[0].kind else { panic!("not a span") };
+        assert_eq!(serde_json::to_string(&args).unwrap(), r#"{"bytes":7,"queue_depth":3}"#);
     }
 
     /// Many threads recording at once: every span kept, each thread on its own track.
@@ -1960,10 +1690,7 @@ mod tests {
         for detail in [false, true] {
             let mut ns: Vec<f64> = (0..RUNS_COUNT).map(|_| span_cost_ns(detail)).collect();
             ns.sort_by(f64::total_cmp);
-            eprintln!(
-                "trace span cost, 2 threads, detail={detail}: best {:.0} ns/span, runs {ns:.0?}",
-                ns[0]
-            );
+            eprintln!("trace span cost, 2 threads, detail={detail}: best {:.0} ns/span, runs {ns:.0?}", ns[0]);
             assert!(ns[0] < SPAN_NS_MAX, "{} ns per span", ns[0]);
         }
     }

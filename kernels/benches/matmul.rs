@@ -19,10 +19,7 @@ struct Lcg(u64);
 
 impl Lcg {
     fn next(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
         (self.0 >> 32) as u32
     }
 
@@ -31,9 +28,7 @@ impl Lcg {
     }
 
     fn bf16_bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n)
-            .flat_map(|_| ((self.f32().to_bits() >> 16) as u16).to_le_bytes())
-            .collect()
+        (0..n).flat_map(|_| ((self.f32().to_bits() >> 16) as u16).to_le_bytes()).collect()
     }
 
     fn bytes(&mut self, n: usize) -> Vec<u8> {
@@ -43,19 +38,14 @@ impl Lcg {
 
 fn kernels_under_test() -> Kernels {
     match std::env::var("K3_BENCH_ISA") {
-        Ok(name) => {
-            Kernels::with_isa(Isa::from_name(&name).expect("K3_BENCH_ISA: scalar|avx2")).unwrap()
-        }
+        Ok(name) => Kernels::with_isa(Isa::from_name(&name).expect("K3_BENCH_ISA: scalar|avx2")).unwrap(),
         Err(_) => Kernels::detect(),
     }
 }
 
 fn bench_bf16(c: &mut Criterion) {
     let k = kernels_under_test();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     let mut rng = Lcg(1);
     for (rows, cols) in [(7168usize, 12288usize), (12288, 7168)] {
         let w = rng.bf16_bytes(rows * cols);
@@ -69,11 +59,7 @@ fn bench_bf16(c: &mut Criterion) {
                 b.iter(|| k.matmul_bf16(black_box(&w), rows, cols, black_box(&x), t, &mut y));
             });
             group.bench_function(BenchmarkId::new("par2", format!("t{t}")), |b| {
-                b.iter(|| {
-                    pool.install(|| {
-                        k.par_matmul_bf16(black_box(&w), rows, cols, black_box(&x), t, &mut y)
-                    })
-                });
+                b.iter(|| pool.install(|| k.par_matmul_bf16(black_box(&w), rows, cols, black_box(&x), t, &mut y)));
             });
         }
         group.finish();
@@ -83,18 +69,13 @@ fn bench_bf16(c: &mut Criterion) {
 fn bench_mxfp4(c: &mut Criterion) {
     const COPIES: usize = 8;
     let k = kernels_under_test();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     let mut rng = Lcg(2);
     for (rows, cols) in [(3072usize, 3584usize), (3584, 3072)] {
         let experts: Vec<(Vec<u8>, Vec<u8>)> = (0..COPIES)
             .map(|_| {
                 let packed = rng.bytes(rows * cols / 2);
-                let scales = (0..rows * cols / 32)
-                    .map(|_| 120 + (rng.next() % 10) as u8)
-                    .collect();
+                let scales = (0..rows * cols / 32).map(|_| 120 + (rng.next() % 10) as u8).collect();
                 (packed, scales)
             })
             .collect();
@@ -109,16 +90,7 @@ fn bench_mxfp4(c: &mut Criterion) {
                 b.iter(|| {
                     let (p, s) = &experts[i % COPIES];
                     i += 1;
-                    k.matmul_mxfp4(
-                        black_box(p),
-                        black_box(s),
-                        rows,
-                        cols,
-                        black_box(&x),
-                        t,
-                        &mut y,
-                    )
-                    .unwrap();
+                    k.matmul_mxfp4(black_box(p), black_box(s), rows, cols, black_box(&x), t, &mut y).unwrap();
                 });
             });
             group.bench_function(BenchmarkId::new("par2", format!("t{t}")), |b| {
@@ -126,15 +98,7 @@ fn bench_mxfp4(c: &mut Criterion) {
                     let (p, s) = &experts[i % COPIES];
                     i += 1;
                     pool.install(|| {
-                        k.par_matmul_mxfp4(
-                            black_box(p),
-                            black_box(s),
-                            rows,
-                            cols,
-                            black_box(&x),
-                            t,
-                            &mut y,
-                        )
+                        k.par_matmul_mxfp4(black_box(p), black_box(s), rows, cols, black_box(&x), t, &mut y)
                     })
                     .unwrap();
                 });

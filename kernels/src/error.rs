@@ -47,10 +47,7 @@ mod tests {
     fn isa_message_lists_choices() {
         let e = KernelError::IsaUnavailable(Isa::Avx2);
         let text = e.to_string();
-        assert!(
-            text.starts_with("instruction set `avx2` is not available"),
-            "{text}"
-        );
+        assert!(text.starts_with("instruction set `avx2` is not available"), "{text}");
         assert!(text.ends_with(&available_names()), "{text}");
     }
 }

@@ -25,10 +25,7 @@ impl Isa {
 
     /// The ISAs this host can run, worst to best; always starts with [`Isa::Scalar`].
     pub fn available() -> Vec<Isa> {
-        Self::ALL
-            .into_iter()
-            .filter(|isa| isa.is_available())
-            .collect()
+        Self::ALL.into_iter().filter(|isa| isa.is_available()).collect()
     }
 
     /// The fastest ISA this host can run.

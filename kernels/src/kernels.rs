@@ -25,9 +25,7 @@ pub struct Kernels {
 
 impl fmt::Debug for Kernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Kernels")
-            .field("isa", &self.isa)
-            .finish_non_exhaustive()
+        f.debug_struct("Kernels").field("isa", &self.isa).finish_non_exhaustive()
     }
 }
 
@@ -80,29 +78,13 @@ impl Kernels {
     /// Float contract: f32 accumulators, canonical 16-lane FMA order and fixed tree (crate
     /// docs); a token's row does not depend on `t` or the other tokens. Runs on the calling
     /// thread. Panics if the slice lengths disagree with `rows`, `cols`, `t`.
-    pub fn matmul_bf16(
-        &self,
-        w: &[u8],
-        rows: usize,
-        cols: usize,
-        x: &[f32],
-        t: usize,
-        y: &mut [f32],
-    ) {
+    pub fn matmul_bf16(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
         self.bf16.matmul(w, rows, cols, x, t, y);
     }
 
     /// [`Kernels::matmul_bf16`] with output rows split in fixed blocks of 64 over the current
     /// rayon pool; the same bits for any thread count.
-    pub fn par_matmul_bf16(
-        &self,
-        w: &[u8],
-        rows: usize,
-        cols: usize,
-        x: &[f32],
-        t: usize,
-        y: &mut [f32],
-    ) {
+    pub fn par_matmul_bf16(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
         self.bf16.par_matmul(w, rows, cols, x, t, y);
     }
 
@@ -130,17 +112,7 @@ impl Kernels {
         t: usize,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        self.mxfp4.matmul(
-            &mxfp4::Args {
-                packed,
-                scales,
-                rows,
-                cols,
-                x,
-                t,
-            },
-            y,
-        )
+        self.mxfp4.matmul(&mxfp4::Args { packed, scales, rows, cols, x, t }, y)
     }
 
     /// [`Kernels::matmul_mxfp4`] with output rows split in fixed blocks of 64 over the current
@@ -159,17 +131,7 @@ impl Kernels {
         t: usize,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        self.mxfp4.par_matmul(
-            &mxfp4::Args {
-                packed,
-                scales,
-                rows,
-                cols,
-                x,
-                t,
-            },
-            y,
-        )
+        self.mxfp4.par_matmul(&mxfp4::Args { packed, scales, rows, cols, x, t }, y)
     }
 
     /// `out[c] = sum_r x[r] * W[r, c]` (W^T x) with `W` `[rows, cols]` bf16 bytes (spec §5:
@@ -270,15 +232,7 @@ impl Kernels {
         out: &mut [f32],
         scratch: &mut [f32],
     ) {
-        let step = kda::Step {
-            dk,
-            dv,
-            alpha,
-            beta,
-            k,
-            v,
-            q,
-        };
+        let step = kda::Step { dk, dv, alpha, beta, k, v, q };
         self.kda.step(&step, s, out, scratch);
     }
 }

@@ -32,11 +32,7 @@ impl<'a> RowsOut<'a> {
     /// Borrows all of `y`, which holds `t` tokens of `rows` outputs each.
     pub(crate) fn new(y: &'a mut [f32], t: usize, rows: usize) -> Self {
         let len = t.checked_mul(rows);
-        assert_eq!(
-            len,
-            Some(y.len()),
-            "y must hold t * rows = {t} * {rows} floats"
-        );
+        assert_eq!(len, Some(y.len()), "y must hold t * rows = {t} * {rows} floats");
         RowsOut {
             ptr: NonNull::from(y).cast::<f32>(),
             rows_total: rows,
@@ -59,20 +55,10 @@ impl<'a> RowsOut<'a> {
 
     /// Splits into rows `[0, mid)` and `[mid, rows)` of this piece.
     pub(crate) fn split_at(self, mid: usize) -> (RowsOut<'a>, RowsOut<'a>) {
-        assert!(
-            mid <= self.rows(),
-            "split point {mid} past {} rows",
-            self.rows()
-        );
+        assert!(mid <= self.rows(), "split point {mid} past {} rows", self.rows());
         let cut = self.row_begin + mid;
-        let left = RowsOut {
-            row_end: cut,
-            ..self
-        };
-        let right = RowsOut {
-            row_begin: cut,
-            ..self
-        };
+        let left = RowsOut { row_end: cut, ..self };
+        let right = RowsOut { row_begin: cut, ..self };
         (left, right)
     }
 
@@ -119,9 +105,7 @@ mod tests {
                 b.set(tok, r, (tok * 10 + r + 2) as f32);
             }
         }
-        let want: Vec<f32> = (0..3)
-            .flat_map(|tok| (0..5).map(move |r| (tok * 10 + r) as f32))
-            .collect();
+        let want: Vec<f32> = (0..3).flat_map(|tok| (0..5).map(move |r| (tok * 10 + r) as f32)).collect();
         assert_eq!(y, want);
     }
 

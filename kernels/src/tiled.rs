@@ -81,13 +81,7 @@ type Lanes = [[[[f32; LANES]; ROWS]; TOKENS]; GROUPS];
 /// contiguous stage that stays in L1 while each group of [`ROWS`] rows is decoded and run
 /// against every token. Columns are visited in increasing order for every lane.
 #[target_feature(enable = "avx2,fma")]
-pub(crate) fn multi_token(
-    src: &Source<'_>,
-    cols: usize,
-    x: &[f32],
-    t: usize,
-    out: &mut RowsOut<'_>,
-) {
+pub(crate) fn multi_token(src: &Source<'_>, cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
     let rows = out.rows();
     let mut tiles = Aligned([[[0.0f32; LANES]; TILE_COLS / LANES]; ROWS]);
     let mut stage = Aligned([[[0.0f32; LANES]; TILE_COLS / LANES]; TOKENS]);

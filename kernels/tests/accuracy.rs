@@ -11,9 +11,7 @@ use kernels::{bf16_to_f32, math, mxfp4_value};
 
 /// `n` evenly spaced points over [lo, hi].
 fn grid(lo: f32, hi: f32, n: usize) -> impl Iterator<Item = f32> {
-    (0..n).map(move |i| {
-        (f64::from(lo) + (f64::from(hi) - f64::from(lo)) * i as f64 / (n - 1) as f64) as f32
-    })
+    (0..n).map(move |i| (f64::from(lo) + (f64::from(hi) - f64::from(lo)) * i as f64 / (n - 1) as f64) as f32)
 }
 
 fn sigmoid64(x: f64) -> f64 {
@@ -41,10 +39,7 @@ fn exp_subnormal_results_rounded_once() {
     for x in grid(-103.9, -87.34, 200_001) {
         let want = f64::from(x).exp();
         let got = f64::from(math::exp(x));
-        assert!(
-            (got - want).abs() <= step + want * 2e-7,
-            "exp({x:e}) = {got:e}, want {want:e}"
-        );
+        assert!((got - want).abs() <= step + want * 2e-7, "exp({x:e}) = {got:e}, want {want:e}");
     }
     assert_eq!(math::exp(-103.98).to_bits(), 0);
     assert_eq!(math::exp(-1e30).to_bits(), 0);
@@ -133,10 +128,7 @@ fn situ_glu_accuracy() {
             };
             let want = gate * up;
             let tol = 1e-6 * (gate.abs() * up.abs()).max(1e-30);
-            assert!(
-                (f64::from(o) - want).abs() <= tol,
-                "situ_glu({av}, {bv}, {b2:?}) = {o}, want {want}"
-            );
+            assert!((f64::from(o) - want).abs() <= tol, "situ_glu({av}, {bv}, {b2:?}) = {o}, want {want}");
         }
     }
 }
@@ -152,17 +144,12 @@ fn softmax_accuracy() {
             let x = rng.normals(n, sd);
             let mut p = x.clone();
             k.softmax(&mut p);
-            let m = x
-                .iter()
-                .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+            let m = x.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
             let e: Vec<f64> = x.iter().map(|&v| (f64::from(v) - m).exp()).collect();
             let s: f64 = e.iter().sum();
             for (&pi, &ei) in p.iter().zip(&e) {
                 let want = ei / s;
-                assert!(
-                    (f64::from(pi) - want).abs() <= 4e-7 * want + 1e-9,
-                    "n={n} sd={sd}: {pi} vs {want}"
-                );
+                assert!((f64::from(pi) - want).abs() <= 4e-7 * want + 1e-9, "n={n} sd={sd}: {pi} vs {want}");
             }
             let total: f64 = p.iter().map(|&v| f64::from(v)).sum();
             assert!((total - 1.0).abs() <= 1e-6, "n={n} sd={sd}: sum {total}");
@@ -184,10 +171,7 @@ fn rmsnorm_accuracy() {
         let inv = 1.0 / (ms + 1e-5).sqrt();
         for ((&xi, &wi), &o) in x.iter().zip(&w).zip(&out) {
             let want = f64::from(xi) * inv * f64::from(wi);
-            assert!(
-                (f64::from(o) - want).abs() <= 1e-6 * want.abs() + 1e-12,
-                "n={n}: {o} vs {want}"
-            );
+            assert!((f64::from(o) - want).abs() <= 1e-6 * want.abs() + 1e-12, "n={n}: {o} vs {want}");
         }
     }
 }
@@ -205,27 +189,13 @@ fn dot_matches_f64() {
     for n in [0usize, 1, 5, 16, 17, 33, 100, 1000, 7168, 12288] {
         let a = rng.normals(n, 1.0);
         let b = rng.normals(n, 1.0);
-        let want: f64 = a
-            .iter()
-            .zip(&b)
-            .map(|(&x, &y)| f64::from(x) * f64::from(y))
-            .sum();
-        let abs: f64 = a
-            .iter()
-            .zip(&b)
-            .map(|(&x, &y)| (f64::from(x) * f64::from(y)).abs())
-            .sum();
+        let want: f64 = a.iter().zip(&b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
+        let abs: f64 = a.iter().zip(&b).map(|(&x, &y)| (f64::from(x) * f64::from(y)).abs()).sum();
         let got = f64::from(k.dot(&a, &b));
-        assert!(
-            (got - want).abs() <= dot_tolerance(n, abs),
-            "n={n}: {got} vs {want}"
-        );
+        assert!((got - want).abs() <= dot_tolerance(n, abs), "n={n}: {got} vs {want}");
         let ss: f64 = a.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
         let got = f64::from(k.sum_squares(&a));
-        assert!(
-            (got - ss).abs() <= dot_tolerance(n, ss),
-            "n={n}: {got} vs {ss}"
-        );
+        assert!((got - ss).abs() <= dot_tolerance(n, ss), "n={n}: {got} vs {ss}");
     }
 }
 
@@ -238,22 +208,14 @@ fn matmul_bf16_matches_f64() {
     let x = rng.normals(t * cols, 1.0);
     let mut y = vec![0.0f32; t * rows];
     k.matmul_bf16(&w, rows, cols, &x, t, &mut y);
-    let wf: Vec<f64> = w
-        .chunks(2)
-        .map(|b| f64::from(bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))))
-        .collect();
+    let wf: Vec<f64> = w.chunks(2).map(|b| f64::from(bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))).collect();
     for tok in 0..t {
         for r in 0..rows {
-            let terms: Vec<f64> = (0..cols)
-                .map(|c| wf[r * cols + c] * f64::from(x[tok * cols + c]))
-                .collect();
+            let terms: Vec<f64> = (0..cols).map(|c| wf[r * cols + c] * f64::from(x[tok * cols + c])).collect();
             let want: f64 = terms.iter().sum();
             let abs: f64 = terms.iter().map(|v| v.abs()).sum();
             let got = f64::from(y[tok * rows + r]);
-            assert!(
-                (got - want).abs() <= dot_tolerance(cols, abs),
-                "tok={tok} r={r}: {got} vs {want}"
-            );
+            assert!((got - want).abs() <= dot_tolerance(cols, abs), "tok={tok} r={r}: {got} vs {want}");
         }
     }
 }
@@ -264,13 +226,10 @@ fn matmul_mxfp4_matches_f64() {
     let k = scalar();
     let (rows, cols, t) = (7usize, 288usize, 3usize);
     let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.byte()).collect();
-    let scales: Vec<u8> = (0..rows * cols / 32)
-        .map(|_| 120 + rng.below(14) as u8)
-        .collect();
+    let scales: Vec<u8> = (0..rows * cols / 32).map(|_| 120 + rng.below(14) as u8).collect();
     let x = rng.normals(t * cols, 1.0);
     let mut y = vec![0.0f32; t * rows];
-    k.matmul_mxfp4(&packed, &scales, rows, cols, &x, t, &mut y)
-        .unwrap();
+    k.matmul_mxfp4(&packed, &scales, rows, cols, &x, t, &mut y).unwrap();
     for tok in 0..t {
         for r in 0..rows {
             let terms: Vec<f64> = (0..cols)
@@ -284,10 +243,7 @@ fn matmul_mxfp4_matches_f64() {
             let want: f64 = terms.iter().sum();
             let abs: f64 = terms.iter().map(|v| v.abs()).sum();
             let got = f64::from(y[tok * rows + r]);
-            assert!(
-                (got - want).abs() <= dot_tolerance(cols, abs),
-                "tok={tok} r={r}: {got} vs {want}"
-            );
+            assert!((got - want).abs() <= dot_tolerance(cols, abs), "tok={tok} r={r}: {got} vs {want}");
         }
     }
 }
@@ -301,20 +257,12 @@ fn matvec_t_bf16_matches_f64() {
     let x = rng.normals(rows, 1.0);
     let mut out = vec![0.0f32; cols];
     k.matvec_t_bf16(&w, rows, cols, &x, &mut out);
-    let wf: Vec<f64> = w
-        .chunks(2)
-        .map(|b| f64::from(bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))))
-        .collect();
+    let wf: Vec<f64> = w.chunks(2).map(|b| f64::from(bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))).collect();
     for (c, &o) in out.iter().enumerate() {
-        let terms: Vec<f64> = (0..rows)
-            .map(|r| f64::from(x[r]) * wf[r * cols + c])
-            .collect();
+        let terms: Vec<f64> = (0..rows).map(|r| f64::from(x[r]) * wf[r * cols + c]).collect();
         let want: f64 = terms.iter().sum();
         let abs: f64 = terms.iter().map(|v| v.abs()).sum();
-        assert!(
-            (f64::from(o) - want).abs() <= dot_tolerance(rows, abs),
-            "c={c}: {o} vs {want}"
-        );
+        assert!((f64::from(o) - want).abs() <= dot_tolerance(rows, abs), "c={c}: {o} vs {want}");
     }
 }
 
@@ -331,24 +279,9 @@ fn kda_step_matches_f64_spec_math() {
     for step in 0..3 {
         let alpha: Vec<f32> = (0..dk).map(|_| rng.range(0.0067, 1.0)).collect();
         let beta = rng.unit();
-        let (kv, v, q) = (
-            rng.normals(dk, 0.09),
-            rng.normals(dv, 1.0),
-            rng.normals(dk, 0.09),
-        );
+        let (kv, v, q) = (rng.normals(dk, 0.09), rng.normals(dv, 1.0), rng.normals(dk, 0.09));
         let mut o = vec![0.0f32; dv];
-        k.kda_step(
-            &mut s32,
-            dk,
-            dv,
-            &alpha,
-            beta,
-            &kv,
-            &v,
-            &q,
-            &mut o,
-            &mut scratch,
-        );
+        k.kda_step(&mut s32, dk, dv, &alpha, beta, &kv, &v, &q, &mut o, &mut scratch);
         for i in 0..dk {
             for c in 0..dv {
                 s64[i * dv + c] *= f64::from(alpha[i]);
@@ -363,14 +296,8 @@ fn kda_step_matches_f64_spec_math() {
         }
         for c in 0..dv {
             let want: f64 = (0..dk).map(|i| f64::from(q[i]) * s64[i * dv + c]).sum();
-            let abs: f64 = (0..dk)
-                .map(|i| (f64::from(q[i]) * s64[i * dv + c]).abs())
-                .sum();
-            assert!(
-                (f64::from(o[c]) - want).abs() <= 2e-6 * abs + 1e-12,
-                "step={step} c={c}: {} vs {want}",
-                o[c]
-            );
+            let abs: f64 = (0..dk).map(|i| (f64::from(q[i]) * s64[i * dv + c]).abs()).sum();
+            assert!((f64::from(o[c]) - want).abs() <= 2e-6 * abs + 1e-12, "step={step} c={c}: {} vs {want}", o[c]);
         }
         // Keep the f64 state on the f32 trajectory so errors do not compound across steps.
         s64 = s32.iter().map(|&v| f64::from(v)).collect();

@@ -68,13 +68,7 @@ fn dot_negative_zero_lanes_and_padding() {
     // Every product underflows to -0.0. With n = 16 there is no padding: all lanes are -0 and
     // the tree keeps -0. With n = 17 the padding turns lanes 1..16 into +0, so the sum is +0.
     for k in all_kernels() {
-        for (n, want) in [
-            (16usize, -0.0f32),
-            (32, -0.0),
-            (17, 0.0),
-            (1, 0.0),
-            (15, 0.0),
-        ] {
+        for (n, want) in [(16usize, -0.0f32), (32, -0.0), (17, 0.0), (1, 0.0), (15, 0.0)] {
             let a = vec![-1e-30f32; n];
             let b = vec![1e-30f32; n];
             assert_bits(&format!("{:?} n={n}", k.isa()), &[want], &[k.dot(&a, &b)]);
@@ -104,9 +98,7 @@ fn dot_lane_assignment_is_index_mod_16() {
 /// the 256-column tile.
 fn bf16_shapes() -> Vec<(usize, usize)> {
     let mut v = Vec::new();
-    for cols in [
-        1, 2, 7, 8, 15, 16, 17, 31, 33, 47, 64, 70, 255, 256, 257, 300, 513,
-    ] {
+    for cols in [1, 2, 7, 8, 15, 16, 17, 31, 33, 47, 64, 70, 255, 256, 257, 300, 513] {
         for rows in [1, 3, 4, 5, 9] {
             v.push((rows, cols));
         }
@@ -115,15 +107,7 @@ fn bf16_shapes() -> Vec<(usize, usize)> {
     v
 }
 
-fn run_bf16(
-    k: &Kernels,
-    par: bool,
-    w: &[u8],
-    rows: usize,
-    cols: usize,
-    x: &[f32],
-    t: usize,
-) -> Vec<f32> {
+fn run_bf16(k: &Kernels, par: bool, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize) -> Vec<f32> {
     let mut y = vec![f32::NAN; t * rows];
     if par {
         k.par_matmul_bf16(w, rows, cols, x, t, &mut y);
@@ -145,11 +129,7 @@ fn matmul_bf16_twins_unaligned() {
                 }
                 for specials in [false, true] {
                     let w = rng.bf16_bytes(rows * cols, specials);
-                    let x = if specials {
-                        rng.specials(t * cols)
-                    } else {
-                        rng.adversarials(t * cols)
-                    };
+                    let x = if specials { rng.specials(t * cols) } else { rng.adversarials(t * cols) };
                     let (buf, off) = unaligned(&w);
                     let w_odd = &buf[off..off + w.len()];
                     let want = run_bf16(&s, false, &w, rows, cols, &x, t);
@@ -185,23 +165,13 @@ fn matmul_bf16_thread_invariance() {
     let mut rng = Rng::new(4);
     let pools = [pool(1), pool(2), pool(3)];
     for k in all_kernels() {
-        for (rows, cols, t) in [
-            (200, 48, 1),
-            (200, 48, 3),
-            (129, 257, 1),
-            (64, 17, 2),
-            (3, 5, 1),
-        ] {
+        for (rows, cols, t) in [(200, 48, 1), (200, 48, 3), (129, 257, 1), (64, 17, 2), (3, 5, 1)] {
             let w = rng.bf16_bytes(rows * cols, false);
             let x = rng.adversarials(t * cols);
             let serial = run_bf16(&k, false, &w, rows, cols, &x, t);
             for p in &pools {
                 let par = p.install(|| run_bf16(&k, true, &w, rows, cols, &x, t));
-                let ctx = format!(
-                    "{:?} {rows}x{cols} t={t} threads={}",
-                    k.isa(),
-                    p.current_num_threads()
-                );
+                let ctx = format!("{:?} {rows}x{cols} t={t} threads={}", k.isa(), p.current_num_threads());
                 assert_bits_strict(&ctx, &serial, &par);
             }
         }
@@ -211,10 +181,7 @@ fn matmul_bf16_thread_invariance() {
 #[test]
 fn matmul_bf16_exact_small_case() {
     // W = [[1, 2, 3], [-0.5, 0, 256]] in bf16; x = [1, 10, 100].
-    let w: Vec<u8> = [0x3F80u16, 0x4000, 0x4040, 0xBF00, 0x0000, 0x4380]
-        .iter()
-        .flat_map(|b| b.to_le_bytes())
-        .collect();
+    let w: Vec<u8> = [0x3F80u16, 0x4000, 0x4040, 0xBF00, 0x0000, 0x4380].iter().flat_map(|b| b.to_le_bytes()).collect();
     for k in all_kernels() {
         let mut y = [0.0f32; 2];
         k.matmul_bf16(&w, 2, 3, &[1.0, 10.0, 100.0], 1, &mut y);
@@ -242,21 +209,13 @@ fn matvec_t_bf16_twins_unaligned() {
         for (rows, cols) in shapes {
             for specials in [false, true] {
                 let w = rng.bf16_bytes(rows * cols, specials);
-                let x = if specials {
-                    rng.specials(rows)
-                } else {
-                    rng.adversarials(rows)
-                };
+                let x = if specials { rng.specials(rows) } else { rng.adversarials(rows) };
                 let (buf, off) = unaligned(&w);
                 let mut want = vec![f32::NAN; cols];
                 let mut got = vec![f32::NAN; cols];
                 s.matvec_t_bf16(&w, rows, cols, &x, &mut want);
                 k.matvec_t_bf16(&buf[off..off + w.len()], rows, cols, &x, &mut got);
-                assert_bits(
-                    &format!("{:?} {rows}x{cols} specials={specials}", k.isa()),
-                    &want,
-                    &got,
-                );
+                assert_bits(&format!("{:?} {rows}x{cols} specials={specials}", k.isa()), &want, &got);
             }
         }
     }
@@ -310,23 +269,14 @@ fn matmul_mxfp4_twins_unaligned() {
                 for t in [1usize, 2, 5, 17] {
                     for edge in [false, true] {
                         let (packed, scales) = mxfp4_data(&mut rng, rows, cols, edge);
-                        let x = if edge {
-                            rng.specials(t * cols)
-                        } else {
-                            rng.adversarials(t * cols)
-                        };
+                        let x = if edge { rng.specials(t * cols) } else { rng.adversarials(t * cols) };
                         let (pbuf, poff) = unaligned(&packed);
                         let (sbuf, soff) = unaligned(&scales);
                         let p_odd = &pbuf[poff..poff + packed.len()];
                         let s_odd = &sbuf[soff..soff + scales.len()];
-                        let want =
-                            run_mxfp4(&s, false, &packed, &scales, rows, cols, &x, t).unwrap();
+                        let want = run_mxfp4(&s, false, &packed, &scales, rows, cols, &x, t).unwrap();
                         let got = run_mxfp4(&k, false, p_odd, s_odd, rows, cols, &x, t).unwrap();
-                        assert_bits(
-                            &format!("{:?} {rows}x{cols} t={t} edge={edge}", k.isa()),
-                            &want,
-                            &got,
-                        );
+                        assert_bits(&format!("{:?} {rows}x{cols} t={t} edge={edge}", k.isa()), &want, &got);
                     }
                 }
             }
@@ -336,10 +286,8 @@ fn matmul_mxfp4_twins_unaligned() {
         let (packed, scales) = mxfp4_data(&mut rng, rows, cols, false);
         let x = rng.normals(2 * cols, 1.0);
         for t in [1, 2] {
-            let want =
-                run_mxfp4(&s, false, &packed, &scales, rows, cols, &x[..t * cols], t).unwrap();
-            let got =
-                run_mxfp4(&k, false, &packed, &scales, rows, cols, &x[..t * cols], t).unwrap();
+            let want = run_mxfp4(&s, false, &packed, &scales, rows, cols, &x[..t * cols], t).unwrap();
+            let got = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x[..t * cols], t).unwrap();
             assert_bits(&format!("{:?} K3 block t={t}", k.isa()), &want, &got);
         }
     }
@@ -362,14 +310,8 @@ fn matmul_mxfp4_batch_and_thread_invariance() {
                     assert_bits_strict(&ctx, &single, &batched[tok * rows..][..rows]);
                 }
                 for p in &pools {
-                    let par = p
-                        .install(|| run_mxfp4(&k, true, &packed, &scales, rows, cols, &x, t))
-                        .unwrap();
-                    let ctx = format!(
-                        "{:?} {rows}x{cols} t={t} threads={}",
-                        k.isa(),
-                        p.current_num_threads()
-                    );
+                    let par = p.install(|| run_mxfp4(&k, true, &packed, &scales, rows, cols, &x, t)).unwrap();
+                    let ctx = format!("{:?} {rows}x{cols} t={t} threads={}", k.isa(), p.current_num_threads());
                     assert_bits_strict(&ctx, &batched, &par);
                 }
             }
@@ -380,11 +322,7 @@ fn matmul_mxfp4_batch_and_thread_invariance() {
 /// A row of `cols` zeros except `nibble` at element `pos`, scale `scale` everywhere.
 fn one_element_row(cols: usize, pos: usize, nibble: u8, scale: u8) -> (Vec<u8>, Vec<u8>) {
     let mut packed = vec![0u8; cols / 2];
-    packed[pos / 2] = if pos.is_multiple_of(2) {
-        nibble
-    } else {
-        nibble << 4
-    };
+    packed[pos / 2] = if pos.is_multiple_of(2) { nibble } else { nibble << 4 };
     (packed, vec![scale; cols / 32])
 }
 
@@ -405,8 +343,7 @@ fn mxfp4_every_nibble_at_every_position() {
                     let want = if value == 0.0 { 0.0 } else { value };
                     let ctx = format!("{:?} scale={scale} pos={pos} nibble={nibble:#x}", k.isa());
                     for t in [1usize, 2] {
-                        let y = run_mxfp4(&k, false, &packed, &scales, 1, cols, &x[..t * cols], t)
-                            .unwrap();
+                        let y = run_mxfp4(&k, false, &packed, &scales, 1, cols, &x[..t * cols], t).unwrap();
                         assert_bits_strict(&ctx, &vec![want; t], &y);
                     }
                 }
@@ -474,16 +411,8 @@ fn mxfp4_bad_scale_reports_first_in_row_major_order() {
                 let err = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x, t).unwrap_err();
                 assert_eq!(err, want, "{:?} serial t={t}", k.isa());
                 for p in &pools {
-                    let err = p
-                        .install(|| run_mxfp4(&k, true, &packed, &scales, rows, cols, &x, t))
-                        .unwrap_err();
-                    assert_eq!(
-                        err,
-                        want,
-                        "{:?} par threads={} t={t}",
-                        k.isa(),
-                        p.current_num_threads()
-                    );
+                    let err = p.install(|| run_mxfp4(&k, true, &packed, &scales, rows, cols, &x, t)).unwrap_err();
+                    assert_eq!(err, want, "{:?} par threads={} t={t}", k.isa(), p.current_num_threads());
                 }
             }
         }
@@ -621,15 +550,8 @@ fn situ_glu_twins() {
     let mut rng = Rng::new(10);
     let s = scalar();
     let a_all = elementwise_inputs(&mut rng);
-    let b_all: Vec<f32> = (0..a_all.len())
-        .map(|i| {
-            if i % 3 == 0 {
-                rng.special()
-            } else {
-                rng.range(-300.0, 300.0)
-            }
-        })
-        .collect();
+    let b_all: Vec<f32> =
+        (0..a_all.len()).map(|i| if i % 3 == 0 { rng.special() } else { rng.range(-300.0, 300.0) }).collect();
     for k in all_kernels() {
         for b2 in [Some(25.0f32), None, Some(1.0)] {
             for b1 in [4.0f32, 0.75] {
@@ -644,11 +566,7 @@ fn situ_glu_twins() {
                     let mut got = vec![0.0f32; n];
                     s.situ_glu(a, b, b1, b2, &mut want);
                     k.situ_glu(a, b, b1, b2, &mut got);
-                    assert_bits(
-                        &format!("{:?} n={n} b1={b1} b2={b2:?}", k.isa()),
-                        &want,
-                        &got,
-                    );
+                    assert_bits(&format!("{:?} n={n} b1={b1} b2={b2:?}", k.isa()), &want, &got);
                 }
             }
         }
@@ -669,15 +587,7 @@ fn softmax_twins() {
                     1 => (0..n).map(|_| rng.range(-100.0, 100.0)).collect(),
                     2 => rng.adversarials(n),
                     // Masked entries.
-                    3 => (0..n)
-                        .map(|i| {
-                            if i % 3 == 0 {
-                                f32::NEG_INFINITY
-                            } else {
-                                rng.normal(2.0)
-                            }
-                        })
-                        .collect(),
+                    3 => (0..n).map(|i| if i % 3 == 0 { f32::NEG_INFINITY } else { rng.normal(2.0) }).collect(),
                     _ => rng.specials(n),
                 };
                 let mut want = x.clone();
@@ -698,10 +608,7 @@ fn softmax_documented_edge_cases() {
         k.softmax(&mut empty);
         let mut with_nan = [1.0, f32::from_bits(0x7FC0_0042), 2.0];
         k.softmax(&mut with_nan);
-        assert!(
-            with_nan.iter().all(|v| v.to_bits() == f32::NAN.to_bits()),
-            "{isa:?} {with_nan:?}"
-        );
+        assert!(with_nan.iter().all(|v| v.to_bits() == f32::NAN.to_bits()), "{isa:?} {with_nan:?}");
         let mut all_masked = [f32::NEG_INFINITY; 5];
         k.softmax(&mut all_masked);
         assert!(all_masked.iter().all(|v| v.is_nan()), "{isa:?}");
@@ -760,10 +667,7 @@ fn rmsnorm_bf16w_equals_f32_weights() {
         let n = 77;
         let x = rng.normals(n, 2.0);
         let wb = rng.bf16_bytes(n, false);
-        let w: Vec<f32> = wb
-            .chunks(2)
-            .map(|b| kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-            .collect();
+        let w: Vec<f32> = wb.chunks(2).map(|b| kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
         let (mut a, mut b) = (vec![0.0f32; n], vec![0.0f32; n]);
         k.rmsnorm(&x, &w, 1e-5, &mut a);
         k.rmsnorm_bf16w(&x, &wb, 1e-5, &mut b);
@@ -800,51 +704,17 @@ fn kda_step_twins_over_several_steps() {
     let mut rng = Rng::new(15);
     let s = scalar();
     for k in all_kernels() {
-        for (dk, dv) in [
-            (1, 1),
-            (3, 5),
-            (16, 8),
-            (7, 37),
-            (128, 40),
-            (128, 128),
-            (5, 70),
-        ] {
+        for (dk, dv) in [(1, 1), (3, 5), (16, 8), (7, 37), (128, 40), (128, 128), (5, 70)] {
             let mut st_want = vec![0.0f32; dk * dv];
             let mut st_got = vec![0.0f32; dk * dv];
             for step in 0..4 {
                 let alpha: Vec<f32> = (0..dk).map(|_| rng.range(0.0067, 1.0)).collect();
                 let beta = rng.unit();
-                let (kv, v, q) = (
-                    rng.normals(dk, 0.1),
-                    rng.adversarials(dv),
-                    rng.normals(dk, 0.1),
-                );
+                let (kv, v, q) = (rng.normals(dk, 0.1), rng.adversarials(dv), rng.normals(dk, 0.1));
                 let (mut o_want, mut o_got) = (vec![0.0f32; dv], vec![0.0f32; dv]);
                 let mut scratch = vec![f32::NAN; dv + 3];
-                s.kda_step(
-                    &mut st_want,
-                    dk,
-                    dv,
-                    &alpha,
-                    beta,
-                    &kv,
-                    &v,
-                    &q,
-                    &mut o_want,
-                    &mut scratch,
-                );
-                k.kda_step(
-                    &mut st_got,
-                    dk,
-                    dv,
-                    &alpha,
-                    beta,
-                    &kv,
-                    &v,
-                    &q,
-                    &mut o_got,
-                    &mut scratch,
-                );
+                s.kda_step(&mut st_want, dk, dv, &alpha, beta, &kv, &v, &q, &mut o_want, &mut scratch);
+                k.kda_step(&mut st_got, dk, dv, &alpha, beta, &kv, &v, &q, &mut o_got, &mut scratch);
                 let ctx = format!("{:?} dk={dk} dv={dv} step={step}", k.isa());
                 assert_bits(&ctx, &o_want, &o_got);
                 assert_bits(&ctx, &st_want, &st_got);

@@ -72,9 +72,7 @@ impl ExpertRef {
     /// `align` (a power of two).
     pub fn aligned_window(&self, align: u64) -> Option<(usize, u64, u64)> {
         debug_assert!(align.is_power_of_two());
-        self.contiguous.map(|(shard, start, end)| {
-            (shard, start & !(align - 1), end.div_ceil(align) * align)
-        })
+        self.contiguous.map(|(shard, start, end)| (shard, start & !(align - 1), end.div_ceil(align) * align))
     }
 }
 

@@ -297,8 +297,8 @@ fn read_weight_map(path: &Path) -> Result<WeightMap, CheckpointError> {
         }
     }
     let invalid = |message: String| CheckpointError::IndexInvalid { path: path.to_owned(), message };
-    let text = std::fs::read(path)
-        .map_err(|source| CheckpointError::Io { path: path.to_owned(), op: "read", source })?;
+    let text =
+        std::fs::read(path).map_err(|source| CheckpointError::Io { path: path.to_owned(), op: "read", source })?;
     let mut de = serde_json::Deserializer::from_slice(&text);
     let parsed = serde::Deserializer::deserialize_map(&mut de, IndexVisitor).and_then(|m| de.end().map(|()| m));
     let map = parsed
@@ -307,7 +307,9 @@ fn read_weight_map(path: &Path) -> Result<WeightMap, CheckpointError> {
     for shard in &map.shards {
         let plain = !shard.is_empty() && !shard.contains('/') && !shard.contains('\\') && shard != "." && shard != "..";
         if !plain {
-            return Err(invalid(format!("it maps tensors to {shard:?}, which is not a file name in the model directory")));
+            return Err(invalid(format!(
+                "it maps tensors to {shard:?}, which is not a file name in the model directory"
+            )));
         }
     }
     Ok(map)
@@ -329,11 +331,7 @@ fn list_shards(dir: &Path) -> Result<Vec<String>, CheckpointError> {
 }
 
 /// Converts one header's entries into absolute, validated tensor records.
-fn shard_tensors(
-    shard: usize,
-    path: &Path,
-    header: safetensors::Header,
-) -> Result<Vec<TensorInfo>, CheckpointError> {
+fn shard_tensors(shard: usize, path: &Path, header: safetensors::Header) -> Result<Vec<TensorInfo>, CheckpointError> {
     let bad = |tensor: &str, message: String| CheckpointError::Tensor {
         shard: path.to_owned(),
         tensor: tensor.to_owned(),
@@ -455,11 +453,7 @@ fn name_table(tensors: &[TensorInfo], shards: &[Shard]) -> Result<NameTable, Che
 }
 
 /// The index file and the shard headers must agree tensor for tensor.
-fn check_weight_map(
-    path: &Path,
-    map: &WeightMap,
-    index: &CheckpointIndex,
-) -> Result<(), CheckpointError> {
+fn check_weight_map(path: &Path, map: &WeightMap, index: &CheckpointIndex) -> Result<(), CheckpointError> {
     let invalid = |message: String| CheckpointError::IndexInvalid { path: path.to_owned(), message };
     let names: Vec<&str> =
         index.shards.iter().map(|s| s.path.file_name().and_then(|n| n.to_str()).unwrap_or("")).collect();

@@ -92,8 +92,8 @@ pub fn read_header(path: &Path) -> Result<Header, CheckpointError> {
     // The bound above makes the cast lossless: header_len <= 100 MB.
     let mut json = vec![0u8; header_len as usize];
     file.read_exact(&mut json).map_err(io)?;
-    let entries = parse_header_json(&json)
-        .map_err(|source| CheckpointError::HeaderJson { shard: path.to_owned(), source })?;
+    let entries =
+        parse_header_json(&json).map_err(|source| CheckpointError::HeaderJson { shard: path.to_owned(), source })?;
     Ok(Header { file_len, data_start: 8 + header_len, entries })
 }
 

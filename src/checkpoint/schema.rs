@@ -21,13 +21,7 @@ pub struct ExpectedTensor {
 }
 
 fn t(name: String, dtype: Dtype, shape: &[usize], layer: Option<usize>) -> ExpectedTensor {
-    ExpectedTensor {
-        name,
-        dtype,
-        shapes: vec![shape.iter().map(|&d| d as u64).collect()],
-        layer,
-        expert: None,
-    }
+    ExpectedTensor { name, dtype, shapes: vec![shape.iter().map(|&d| d as u64).collect()], layer, expert: None }
 }
 
 /// Every tensor the forward pass reads, with dtype and shape, in forward order per layer.

@@ -15,7 +15,9 @@ use serde::Serialize;
 use super::svg::{line_chart, Series};
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
-use crate::engine::measure::{drop_page_cache, measure_resident, measure_streaming, triad_bandwidth, warm_page_cache, MeasureSpec, Measurement};
+use crate::engine::measure::{
+    drop_page_cache, measure_resident, measure_streaming, triad_bandwidth, warm_page_cache, MeasureSpec, Measurement,
+};
 use crate::engine::StreamingRun;
 use crate::error::UsageError;
 use crate::storage::io::probe::random_read_rate;
@@ -101,14 +103,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         return Err(UsageError("--prompt encodes to zero tokens".into()).into());
     }
     let spec = MeasureSpec { prompt, warmup: args.warmup, tokens: args.tokens, prefill_chunk: 32 };
-    let threads = if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
+    let threads =
+        if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
     let cells_total = args.budgets.len() * args.modes.len() * args.repeats.max(1);
     let bar = ProgressBar::new((cells_total + 3) as u64);
-    bar.set_style(ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
 
     bar.set_message("device: random reads of one expert");
     let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
-    let ranges: Vec<(usize, u64, u64)> = index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
+    let ranges: Vec<(usize, u64, u64)> =
+        index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
     let probe_device = |pass: u64| -> anyhow::Result<Vec<(u32, f64)>> {
         let mut rates = Vec::new();
         for qd in [1u32, 4, 16, 32] {
@@ -137,31 +144,31 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     for &budget in &args.budgets {
         for rep in 0..repeats {
             for mode in &args.modes {
-            bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
-            dropped &= drop_page_cache();
-            let serial = mode == "serial";
-            let run = StreamingRun {
-                budget_bytes: (budget * GB) as u64,
-                context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
-                chunk: spec.prefill_chunk,
-                threads: args.threads,
-                stream: StreamOptions {
-                    io: IoKind::Uring,
-                    queue_depth: args.queue_depth,
-                    serial,
-                    readahead: if serial { 0 } else { 1 },
-                    ..StreamOptions::default()
-                },
-                prefetch_window: None,
-                speculation: crate::model::Speculation { enabled: mode == "speculative", margin: 0 },
-                placement: None,
-                trace_detail: false,
-                trunk_share: None,
-            };
-            let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
-                .with_context(|| format!("budget {budget} GB, mode {mode}"))?;
-            samples.push((budget, mode.clone(), m));
-            bar.inc(1);
+                bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
+                dropped &= drop_page_cache();
+                let serial = mode == "serial";
+                let run = StreamingRun {
+                    budget_bytes: (budget * GB) as u64,
+                    context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
+                    chunk: spec.prefill_chunk,
+                    threads: args.threads,
+                    stream: StreamOptions {
+                        io: IoKind::Uring,
+                        queue_depth: args.queue_depth,
+                        serial,
+                        readahead: if serial { 0 } else { 1 },
+                        ..StreamOptions::default()
+                    },
+                    prefetch_window: None,
+                    speculation: crate::model::Speculation { enabled: mode == "speculative", margin: 0 },
+                    placement: None,
+                    trace_detail: false,
+                    trunk_share: None,
+                };
+                let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
+                    .with_context(|| format!("budget {budget} GB, mode {mode}"))?;
+                samples.push((budget, mode.clone(), m));
+                bar.inc(1);
             }
         }
     }
@@ -203,7 +210,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         .budgets
         .iter()
         .filter_map(|&b| {
-            let get = |mode: &str| cells.iter().find(|c| c.budget_gb == b && c.mode == mode).map(|c| c.m.seconds_per_token);
+            let get =
+                |mode: &str| cells.iter().find(|c| c.budget_gb == b && c.mode == mode).map(|c| c.m.seconds_per_token);
             Some((b, get("serial")? / get("pipelined")?))
         })
         .collect();
@@ -220,7 +228,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     };
     print_report(&report, &cfg, args);
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n").with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(path) = &args.svg {
         let series: Vec<Series> = args
@@ -228,7 +237,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             .iter()
             .map(|mode| Series {
                 name: mode.clone(),
-                points: report.cells.iter().filter(|c| &c.mode == mode).map(|c| (c.budget_gb, c.m.seconds_per_token)).collect(),
+                points: report
+                    .cells
+                    .iter()
+                    .filter(|c| &c.mode == mode)
+                    .map(|c| (c.budget_gb, c.m.seconds_per_token))
+                    .collect(),
             })
             .collect();
         std::fs::write(path, line_chart("k3ring bench: s/token by memory budget", "budget (GB)", "s/token", &series))
@@ -241,7 +255,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 }
 
 fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
-    let rates = |v: &[(u32, f64)]| v.iter().map(|(q, v)| format!("QD{q} {:.2}", v / 1e9)).collect::<Vec<_>>().join(", ");
+    let rates =
+        |v: &[(u32, f64)]| v.iter().map(|(q, v)| format!("QD{q} {:.2}", v / 1e9)).collect::<Vec<_>>().join(", ");
     println!(
         "device (random O_DIRECT reads of {:.1} MB): {} GB/s (before the cells {}, after {})",
         cfg.expert_bytes() as f64 / 1e6,

@@ -125,7 +125,9 @@ fn resolve_capacities(given: Option<&[usize]>, trace: &Trace) -> anyhow::Result<
         .into());
     }
     if capacities.len() > CAPACITIES_MAX {
-        return Err(UsageError(format!("--capacities lists {} sizes; at most {CAPACITIES_MAX}", capacities.len())).into());
+        return Err(
+            UsageError(format!("--capacities lists {} sizes; at most {CAPACITIES_MAX}", capacities.len())).into()
+        );
     }
     assert!(!capacities.is_empty());
     Ok(capacities)
@@ -155,7 +157,8 @@ fn simulate_all(trace: &Trace, capacities: &[usize]) -> anyhow::Result<Vec<SimRe
         .par_iter()
         .map(|&(capacity, p)| match POLICY_NAMES.get(p) {
             Some(name) => {
-                let mut policy = policy_by_name(name, capacity).ok_or_else(|| anyhow::anyhow!("no policy named {name}"))?;
+                let mut policy =
+                    policy_by_name(name, capacity).ok_or_else(|| anyhow::anyhow!("no policy named {name}"))?;
                 Ok(simulate_with_progress(trace, capacity, policy.as_mut(), &progress)?)
             }
             None => Ok(belady_with_progress(trace, capacity, &progress)?),
@@ -207,8 +210,11 @@ fn conclude(rows: &[Row]) -> Conclusion {
     assert!(!rows.is_empty());
     let n = rows.len() as f64;
     let mean = |p: usize| rows.iter().map(|r| r.results[p].hit_rate).sum::<f64>() / n;
-    let means: Vec<MeanRate> =
-        POLICY_NAMES.iter().enumerate().map(|(p, name)| MeanRate { policy: (*name).to_owned(), hit_rate: mean(p) }).collect();
+    let means: Vec<MeanRate> = POLICY_NAMES
+        .iter()
+        .enumerate()
+        .map(|(p, name)| MeanRate { policy: (*name).to_owned(), hit_rate: mean(p) })
+        .collect();
     let mut best = 0;
     for (p, m) in means.iter().enumerate() {
         if m.hit_rate > means[best].hit_rate {
@@ -216,14 +222,21 @@ fn conclude(rows: &[Row]) -> Conclusion {
         }
     }
     let belady_column = POLICY_NAMES.len();
-    let gaps: Vec<(f64, usize)> =
-        rows.iter().map(|r| (100.0 * (r.results[belady_column].hit_rate - r.results[best].hit_rate), r.capacity)).collect();
+    let gaps: Vec<(f64, usize)> = rows
+        .iter()
+        .map(|r| (100.0 * (r.results[belady_column].hit_rate - r.results[best].hit_rate), r.capacity))
+        .collect();
     let gap_mean = gaps.iter().map(|g| g.0).sum::<f64>() / n;
     let (gap_max, gap_max_capacity) = gaps.iter().copied().fold((f64::MIN, 0), |a, g| if g.0 > a.0 { g } else { a });
     let spread = 100.0
-        * (means.iter().map(|m| m.hit_rate).fold(f64::MIN, f64::max) - means.iter().map(|m| m.hit_rate).fold(f64::MAX, f64::min));
-    let others: Vec<String> =
-        means.iter().enumerate().filter(|&(p, _)| p != best).map(|(_, m)| format!("{} {:.2}%", m.policy, 100.0 * m.hit_rate)).collect();
+        * (means.iter().map(|m| m.hit_rate).fold(f64::MIN, f64::max)
+            - means.iter().map(|m| m.hit_rate).fold(f64::MAX, f64::min));
+    let others: Vec<String> = means
+        .iter()
+        .enumerate()
+        .filter(|&(p, _)| p != best)
+        .map(|(_, m)| format!("{} {:.2}%", m.policy, 100.0 * m.hit_rate))
+        .collect();
     let mut text = format!(
         "{} is best (mean hit rate {:.2}%; {}); Belady is {gap_mean:.2} points higher on average, {gap_max:.2} at most (capacity {gap_max_capacity})",
         means[best].policy,

@@ -31,9 +31,11 @@ pub struct DemoArgs {
 fn bar(what: &'static str) -> ProgressBar {
     let b = ProgressBar::new(0);
     b.set_style(
-        ProgressStyle::with_template(&format!("{{spinner}} {what} [{{bar:40}}] {{decimal_bytes}}/{{decimal_total_bytes}} {{decimal_bytes_per_sec}}"))
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
+        ProgressStyle::with_template(&format!(
+            "{{spinner}} {what} [{{bar:40}}] {{decimal_bytes}}/{{decimal_total_bytes}} {{decimal_bytes_per_sec}}"
+        ))
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
     );
     b
 }
@@ -65,8 +67,10 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     })?;
     b.finish_and_clear();
     let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
-    let ranges: Vec<(usize, u64, u64)> = index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
-    let device = random_read_rate(&files, &ranges, cfg.expert_bytes() as usize, 32, 64, 7).context("measuring the device")?;
+    let ranges: Vec<(usize, u64, u64)> =
+        index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
+    let device =
+        random_read_rate(&files, &ranges, cfg.expert_bytes() as usize, 32, 64, 7).context("measuring the device")?;
     let model_bytes = index.total_bytes();
     let budget_gb = (model_bytes as f64 * args.budget_share / 1e9 * 1000.0).round() / 1000.0;
     eprintln!(
@@ -79,9 +83,23 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let trace = dir.join("demo-trace.json");
     let json = dir.join("demo-run.json");
     let argv: Vec<String> = [
-        "k3ring", "run", "--model", &model.display().to_string(), "--trunk", &trunk.display().to_string(),
-        "--mem-gb", &budget_gb.to_string(), "--prompt", "Once upon a time", "--gen", &args.gen.to_string(), "--ignore-eos",
-        "--trace", &trace.display().to_string(), "--json", &json.display().to_string(),
+        "k3ring",
+        "run",
+        "--model",
+        &model.display().to_string(),
+        "--trunk",
+        &trunk.display().to_string(),
+        "--mem-gb",
+        &budget_gb.to_string(),
+        "--prompt",
+        "Once upon a time",
+        "--gen",
+        &args.gen.to_string(),
+        "--ignore-eos",
+        "--trace",
+        &trace.display().to_string(),
+        "--json",
+        &json.display().to_string(),
     ]
     .iter()
     .map(|s| s.to_string())

@@ -20,8 +20,7 @@ struct Report<'a> {
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let cfg = Config::from_model_dir(&args.model)?;
-    let index = CheckpointIndex::open(&args.model)
-        .with_context(|| format!("indexing {}", args.model.display()))?;
+    let index = CheckpointIndex::open(&args.model).with_context(|| format!("indexing {}", args.model.display()))?;
     let validation = index.validate(&cfg)?;
     let report = Report {
         model: args.model.display().to_string(),

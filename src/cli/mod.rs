@@ -13,8 +13,8 @@ mod pack;
 pub mod pipeline_flags;
 mod run;
 mod svg;
-mod tune;
 mod synth;
+mod tune;
 
 use std::path::PathBuf;
 

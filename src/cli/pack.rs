@@ -14,9 +14,11 @@ pub fn run(args: &PackArgs) -> anyhow::Result<()> {
     index.validate(&cfg)?;
     let bar = ProgressBar::new(0);
     bar.set_style(
-        ProgressStyle::with_template("{spinner} packing trunk [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "{spinner} packing trunk [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
     );
     let report = write_pack(&args.model, &cfg, &index, &args.out, |done, total| {
         bar.set_length(total);
@@ -24,7 +26,12 @@ pub fn run(args: &PackArgs) -> anyhow::Result<()> {
     })?;
     bar.finish_and_clear();
     if report.up_to_date {
-        println!("trunk pack in {} is up to date ({} units, {:.1} MiB); nothing to do", args.out.display(), report.units, report.bytes as f64 / 1048576.0);
+        println!(
+            "trunk pack in {} is up to date ({} units, {:.1} MiB); nothing to do",
+            args.out.display(),
+            report.units,
+            report.bytes as f64 / 1048576.0
+        );
     } else {
         println!(
             "packed {} tensors in {} units into {} ({:.1} MiB, units aligned to {} bytes) in {:.2} s ({:.0} MiB/s)",

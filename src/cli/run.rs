@@ -58,8 +58,9 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let prompt = prompt_ids(args, &tokenizer)?;
     let mut run = streaming_run(args, &args.storage, prompt.len() + args.gen.max(1))?;
     run.placement = Some(placement);
-    let (opened, plan) = open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
-        .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))?;
+    let (opened, plan) =
+        open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
+            .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))?;
     let s = opened.engine.src.stats();
     eprintln!("k3ring: reads: {} | buffers: {}", s.backend_info, s.buffers);
     generate(args, &model_dir, &opened, &prompt, Some(&plan), |src| Some(src.stats()))
@@ -225,7 +226,9 @@ fn prompt_ids(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
     } else {
         let text = match (&args.prompt, &args.prompt_file) {
             (Some(t), _) => t.clone(),
-            (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading --prompt-file {}", f.display()))?,
+            (None, Some(f)) => {
+                std::fs::read_to_string(f).with_context(|| format!("reading --prompt-file {}", f.display()))?
+            }
             (None, None) => return Err(UsageError("give --prompt, --prompt-file or --ids".into()).into()),
         };
         ids.extend(tok.encode_with_added(&text)?);

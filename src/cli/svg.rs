@@ -30,19 +30,53 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) 
     let px = |x: f64| left + (x - x0) / (x1 - x0) * (w - left - right);
     let py = |y: f64| h - bottom - y / y1 * (h - top - bottom);
     let mut s = String::new();
-    let _ = writeln!(s, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#);
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+    );
     let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-    let _ = writeln!(s, r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#, (w - right + left) / 2.0, escape(title));
-    let _ = writeln!(s, r#"<line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#, h - bottom, w - right, h - bottom);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
+        (w - right + left) / 2.0,
+        escape(title)
+    );
+    let _ =
+        writeln!(s, r#"<line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#, h - bottom, w - right, h - bottom);
     let _ = writeln!(s, r#"<line x1="{left}" y1="{top}" x2="{left}" y2="{}" stroke="black"/>"#, h - bottom);
     for i in 0..=5 {
         let (xv, yv) = (x0 + (x1 - x0) * f64::from(i) / 5.0, y1 * f64::from(i) / 5.0);
-        let _ = writeln!(s, r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#, px(xv), h - bottom + 16.0, tick(xv));
-        let _ = writeln!(s, r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#, left - 6.0, py(yv) + 4.0, tick(yv));
-        let _ = writeln!(s, r##"<line x1="{left}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>"##, py(yv), w - right, py(yv));
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
+            px(xv),
+            h - bottom + 16.0,
+            tick(xv)
+        );
+        let _ =
+            writeln!(s, r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#, left - 6.0, py(yv) + 4.0, tick(yv));
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>"##,
+            py(yv),
+            w - right,
+            py(yv)
+        );
     }
-    let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#, (w - right + left) / 2.0, h - 12.0, escape(x_label));
-    let _ = writeln!(s, r#"<text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">{}</text>"#, h / 2.0, h / 2.0, escape(y_label));
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+        (w - right + left) / 2.0,
+        h - 12.0,
+        escape(x_label)
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">{}</text>"#,
+        h / 2.0,
+        h / 2.0,
+        escape(y_label)
+    );
     for (i, ser) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         let path: Vec<String> = ser.points.iter().map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y))).collect();
@@ -51,7 +85,8 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) 
             let _ = writeln!(s, r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#, px(x), py(y));
         }
         let ly = top + 10.0 + 18.0 * i as f64;
-        let _ = writeln!(s, r#"<rect x="{}" y="{}" width="12" height="12" fill="{color}"/>"#, w - right + 12.0, ly - 10.0);
+        let _ =
+            writeln!(s, r#"<rect x="{}" y="{}" width="12" height="12" fill="{color}"/>"#, w - right + 12.0, ly - 10.0);
         let _ = writeln!(s, r#"<text x="{}" y="{ly}">{}</text>"#, w - right + 30.0, escape(&ser.name));
     }
     s.push_str("</svg>\n");
@@ -78,7 +113,15 @@ mod tests {
 
     #[test]
     fn chart_has_a_line_per_series() {
-        let svg = line_chart("t", "x", "y", &[Series { name: "a<b".into(), points: vec![(1.0, 2.0), (2.0, 3.0)] }, Series { name: "c".into(), points: vec![(1.0, 1.0)] }]);
+        let svg = line_chart(
+            "t",
+            "x",
+            "y",
+            &[
+                Series { name: "a<b".into(), points: vec![(1.0, 2.0), (2.0, 3.0)] },
+                Series { name: "c".into(), points: vec![(1.0, 1.0)] },
+            ],
+        );
         assert_eq!(svg.matches("<polyline").count(), 2);
         assert!(svg.contains("a&lt;b") && svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
     }

@@ -45,13 +45,23 @@ fn classified(e: SynthError) -> anyhow::Error {
 }
 
 pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
-    let opts = SynthOptions::from_flags(args.out.clone(), &args.dims, args.layers, args.experts, args.topk, args.vocab, args.seed)
-        .map_err(classified)?;
+    let opts = SynthOptions::from_flags(
+        args.out.clone(),
+        &args.dims,
+        args.layers,
+        args.experts,
+        args.topk,
+        args.vocab,
+        args.seed,
+    )
+    .map_err(classified)?;
     let bar = ProgressBar::new(0);
     bar.set_style(
-        ProgressStyle::with_template("{spinner} synth [{bar:40}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "{spinner} synth [{bar:40}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
     );
     let report = synth(&opts, &|done, total| {
         if bar.length() != Some(total) {

@@ -109,15 +109,23 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
         queue_depth: args.queue_depth.last().copied().unwrap_or(32),
         io: args.io.first().cloned().unwrap_or_else(|| "uring".into()),
     };
-    let total = args.splits.len() * args.readahead.len() + args.spec_margin.len() + args.queue_depth.len() + args.io.len();
+    let total =
+        args.splits.len() * args.readahead.len() + args.spec_margin.len() + args.queue_depth.len() + args.io.len();
     let bar = ProgressBar::new(total as u64);
-    bar.set_style(ProgressStyle::with_template("{spinner} tune [{bar:30}] {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} tune [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     let mut points: Vec<Point> = Vec::new();
     let mut reference: Option<Vec<u32>> = None;
     let mut measure = |k: Knobs, points: &mut Vec<Point>| -> anyhow::Result<()> {
-        bar.set_message(format!("split {} readahead {} margin {} qd {} {}", k.split, k.readahead, k.spec_margin, k.queue_depth, k.io));
+        bar.set_message(format!(
+            "split {} readahead {} margin {} qd {} {}",
+            k.split, k.readahead, k.spec_margin, k.queue_depth, k.io
+        ));
         let run = streaming_run(args, &k, &spec);
-        let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec).with_context(|| format!("tuning point {k:?}"))?;
+        let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
+            .with_context(|| format!("tuning point {k:?}"))?;
         let same_ids = reference.get_or_insert_with(|| m.ids.clone()) == &m.ids;
         points.push(Point {
             knobs: k,
@@ -184,7 +192,10 @@ fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&serde_json::json!({"points": points, "best": b}))?);
     } else {
-        println!("{:>6} {:>9} {:>6} {:>5} {:>6} {:>9} {:>10} {:>8} {:>7} {:>5}", "split", "readahead", "margin", "qd", "io", "s/token", "GB/token", "overlap", "recall", "ids");
+        println!(
+            "{:>6} {:>9} {:>6} {:>5} {:>6} {:>9} {:>10} {:>8} {:>7} {:>5}",
+            "split", "readahead", "margin", "qd", "io", "s/token", "GB/token", "overlap", "recall", "ids"
+        );
         for p in points {
             let k = &p.knobs;
             println!(
@@ -203,7 +214,10 @@ fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
         }
     }
     let k = &b.knobs;
-    let mut flags = format!("--mem-gb {} --readahead {} --spec-margin {} --queue-depth {} --io {}", args.mem_gb, k.readahead, k.spec_margin, k.queue_depth, k.io);
+    let mut flags = format!(
+        "--mem-gb {} --readahead {} --spec-margin {} --queue-depth {} --io {}",
+        args.mem_gb, k.readahead, k.spec_margin, k.queue_depth, k.io
+    );
     if k.split < 1.0 {
         let _ = write!(flags, " --trunk-share {}", k.split);
     }
@@ -215,7 +229,16 @@ fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
             let _ = writeln!(
                 csv,
                 "{},{},{},{},{},{:.6},{:.0},{:.4},{:.4},{}",
-                k.split, k.readahead, k.spec_margin, k.queue_depth, k.io, p.seconds_per_token, p.bytes_per_token, p.overlap_fraction, p.recall, p.same_ids
+                k.split,
+                k.readahead,
+                k.spec_margin,
+                k.queue_depth,
+                k.io,
+                p.seconds_per_token,
+                p.bytes_per_token,
+                p.overlap_fraction,
+                p.recall,
+                p.same_ids
             );
         }
         std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;

@@ -118,7 +118,9 @@ pub fn open_streaming(
         expert_slot_bytes: expert_slot_bytes(&c.cfg, align),
         experts_total: c.index.experts.len(),
         top_k: c.cfg.moe.top_k,
-        prefetch_window: run.prefetch_window.unwrap_or(c.cfg.moe.top_k + if run.speculation.enabled { run.speculation.margin } else { 0 }),
+        prefetch_window: run
+            .prefetch_window
+            .unwrap_or(c.cfg.moe.top_k + if run.speculation.enabled { run.speculation.margin } else { 0 }),
         readahead: run.stream.readahead,
         states_bytes: ModelState::bytes(&c.cfg, run.context),
         scratch_bytes: Scratch::bytes(&c.cfg, chunk, run.context) + logits + embed_buffer_bytes(&c.cfg, chunk, align),

@@ -181,7 +181,12 @@ impl<S: WeightSource> Engine<S> {
 
     /// Prefill (or decode) `tokens`, handing the routing to the log when there is one. The log
     /// gets one chunk at a time, so its token numbers follow each chunk's start.
-    fn prefill_logged(&self, sess: &mut Session, tokens: &[u32], log: &mut Option<RouteLog>) -> Result<(), EngineError> {
+    fn prefill_logged(
+        &self,
+        sess: &mut Session,
+        tokens: &[u32],
+        log: &mut Option<RouteLog>,
+    ) -> Result<(), EngineError> {
         let Some(log) = log else {
             self.prefill(sess, tokens, LogitRows::Last, None)?;
             return Ok(());
@@ -213,7 +218,12 @@ impl<S: WeightSource> Engine<S> {
         let cfg = &self.model.cfg;
         let mut log = match &opts.route_log {
             Some(path) => Some(RouteLog {
-                writer: crate::storage::stream::cache_sim::TraceWriter::create(path, cfg.n_layers, cfg.moe.n_experts, cfg.moe.top_k)?,
+                writer: crate::storage::stream::cache_sim::TraceWriter::create(
+                    path,
+                    cfg.n_layers,
+                    cfg.moe.n_experts,
+                    cfg.moe.top_k,
+                )?,
                 base: 0,
                 error: None,
             }),
@@ -300,4 +310,3 @@ fn meminfo_field(text: &str, key: &str) -> Option<u64> {
     let kib: u64 = line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
     Some(kib * 1024)
 }
-

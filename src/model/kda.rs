@@ -47,16 +47,16 @@ impl KdaState {
 
 /// Buffers for a chunk of up to `chunk` tokens.
 pub struct KdaScratch {
-    raw: [Vec<f32>; 3],   // [T, W] q, k, v projections before the conv
-    conv: [Vec<f32>; 3],  // [T, W] after conv + SiLU (q, k normalised in place)
-    za: Vec<f32>,         // [T, head_dim]
-    gate: Vec<f32>,       // [T, W]: z, then alpha
-    beta: Vec<f32>,       // [T, heads]
-    out_gate: Vec<f32>,   // [T, W]: sigmoid(g_proj x)
-    heads_out: Vec<f32>,  // [heads, T, V]
-    step: Vec<f32>,       // [heads, V] kda_step scratch
-    o: Vec<f32>,          // [T, W] gated, normalised output
-    o_norm: Vec<f32>,     // [head_dim]
+    raw: [Vec<f32>; 3],  // [T, W] q, k, v projections before the conv
+    conv: [Vec<f32>; 3], // [T, W] after conv + SiLU (q, k normalised in place)
+    za: Vec<f32>,        // [T, head_dim]
+    gate: Vec<f32>,      // [T, W]: z, then alpha
+    beta: Vec<f32>,      // [T, heads]
+    out_gate: Vec<f32>,  // [T, W]: sigmoid(g_proj x)
+    heads_out: Vec<f32>, // [heads, T, V]
+    step: Vec<f32>,      // [heads, V] kda_step scratch
+    o: Vec<f32>,         // [T, W] gated, normalised output
+    o_norm: Vec<f32>,    // [head_dim]
 }
 
 impl KdaScratch {

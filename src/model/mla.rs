@@ -51,15 +51,15 @@ impl MlaCache {
 
 /// Buffers for a chunk of up to `chunk` tokens and a context of up to `capacity` positions.
 pub struct MlaScratch {
-    cq: Vec<f32>,     // [T, q_lora]
-    cqn: Vec<f32>,    // [T, q_lora]
-    q: Vec<f32>,      // [T, heads * (nope + rope)]
-    ckv: Vec<f32>,    // [T, kv_lora + rope]
-    gate: Vec<f32>,   // [T, heads * v]
+    cq: Vec<f32>,        // [T, q_lora]
+    cqn: Vec<f32>,       // [T, q_lora]
+    q: Vec<f32>,         // [T, heads * (nope + rope)]
+    ckv: Vec<f32>,       // [T, kv_lora + rope]
+    gate: Vec<f32>,      // [T, heads * v]
     heads_out: Vec<f32>, // [heads, T, v]
     per_head: Vec<f32>,  // [heads, 2 * kv_lora + capacity]
-    o: Vec<f32>,      // [T, heads * v]
-    norm_w: Vec<f32>, // [max(q_lora, kv_lora)]
+    o: Vec<f32>,         // [T, heads * v]
+    norm_w: Vec<f32>,    // [max(q_lora, kv_lora)]
 }
 
 impl MlaScratch {

@@ -286,7 +286,17 @@ impl Model {
         if n_snap == 0 {
             sc.x[..td].copy_from_slice(&sc.partial[..td]);
         } else {
-            attn_res::forward(k, &view, &lw.attn_res, &sc.snapshots[..n_snap], &sc.partial, t, d, &mut sc.res, &mut sc.x);
+            attn_res::forward(
+                k,
+                &view,
+                &lw.attn_res,
+                &sc.snapshots[..n_snap],
+                &sc.partial,
+                t,
+                d,
+                &mut sc.res,
+                &mut sc.x,
+            );
         }
         report(probe, l, "attn_input", t, &sc.x[..td]);
         // 2. At a block start, snapshot p_in and restart the partial sum.
@@ -297,7 +307,8 @@ impl Model {
             sc.partial[..td].fill(0.0);
         }
         // 3. a = Attention(RMSNorm(x)); p += a.
-        let attn_span = self.tracer.as_ref().map(|t| t.span_args(Stage::Compute, "attention", SpanArgs::new().layer(l as u32)));
+        let attn_span =
+            self.tracer.as_ref().map(|t| t.span_args(Stage::Compute, "attention", SpanArgs::new().layer(l as u32)));
         norm_rows(k, view.bytes(lw.input_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match (&lw.attn, &mut st.layers[l]) {
             (AttnWeights::Kda(w), LayerState::Kda(s)) => {
@@ -320,7 +331,10 @@ impl Model {
         norm_rows(k, view.bytes(lw.post_attention_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match &lw.ffn {
             FfnWeights::Dense(w) => {
-                let _s = self.tracer.as_ref().map(|t| t.span_args(Stage::Compute, "dense ffn", SpanArgs::new().layer(l as u32)));
+                let _s = self
+                    .tracer
+                    .as_ref()
+                    .map(|t| t.span_args(Stage::Compute, "dense ffn", SpanArgs::new().layer(l as u32)));
                 dense::glu_mlp(k, &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a)
             }
             FfnWeights::Moe(w) => {
@@ -348,7 +362,10 @@ impl Model {
     fn speculate<S: WeightSource>(&self, src: &S, sc: &mut Scratch, next: usize, t: usize) {
         let Some(FfnWeights::Moe(w)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = src.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
-        let _s = self.tracer.as_ref().map(|t| t.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32)));
+        let _s = self
+            .tracer
+            .as_ref()
+            .map(|t| t.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32)));
         let d = self.cfg.hidden_size;
         let norm = view.bytes(self.weights.layers[next].post_attention_layernorm.id);
         norm_rows(&self.kernels, norm, self.cfg.rms_norm_eps, &sc.x[..t * d], &mut sc.spec_xn[..t * d], d);

@@ -27,25 +27,25 @@ pub struct Route {
 
 /// Buffers for a chunk of up to `chunk` tokens.
 pub struct MoeScratch {
-    scores: Vec<f32>,  // [T, E] sigmoid router scores
-    biased: Vec<f32>,  // [E]
-    bias: Vec<f32>,    // [E]
-    pub routes: Vec<Route>, // [T]
-    u: Vec<f32>,       // [T, LAT]
-    slot_out: Vec<f32>, // [T, k, LAT] expert outputs per (token, slot)
-    gathered: Vec<f32>, // [T, LAT] inputs of the tokens that chose one expert
-    h1: Vec<f32>,      // [T, F]
-    h3: Vec<f32>,      // [T, F]
-    act: Vec<f32>,     // [T, F]
-    eo: Vec<f32>,      // [T, LAT]
+    scores: Vec<f32>,           // [T, E] sigmoid router scores
+    biased: Vec<f32>,           // [E]
+    bias: Vec<f32>,             // [E]
+    pub routes: Vec<Route>,     // [T]
+    u: Vec<f32>,                // [T, LAT]
+    slot_out: Vec<f32>,         // [T, k, LAT] expert outputs per (token, slot)
+    gathered: Vec<f32>,         // [T, LAT] inputs of the tokens that chose one expert
+    h1: Vec<f32>,               // [T, F]
+    h3: Vec<f32>,               // [T, F]
+    act: Vec<f32>,              // [T, F]
+    eo: Vec<f32>,               // [T, LAT]
     users: Vec<(usize, usize)>, // (token, slot) pairs for one expert
     distinct: Vec<usize>,
     /// Experts predicted for the next layer (speculation), distinct, by token then rank.
     pub predicted: Vec<usize>,
-    y: Vec<f32>,       // [T, LAT]
-    yn: Vec<f32>,      // [T, LAT]
-    norm_w: Vec<f32>,  // [LAT]
-    up: Vec<f32>,      // [T, D]
+    y: Vec<f32>,      // [T, LAT]
+    yn: Vec<f32>,     // [T, LAT]
+    norm_w: Vec<f32>, // [LAT]
+    up: Vec<f32>,     // [T, D]
     glu: GluScratch,
 }
 
@@ -112,7 +112,8 @@ pub fn forward<S: WeightSource>(
     // Start the expert reads first, then do the work that does not need them (the shared
     // experts and the latent down projection) while they are in flight.
     src.will_need_experts(layer, &mut s.distinct);
-    let shared_span = tracer.map(|t| t.span_args(Stage::Compute, "shared experts, latent down", SpanArgs::new().layer(layer as u32)));
+    let shared_span =
+        tracer.map(|t| t.span_args(Stage::Compute, "shared experts, latent down", SpanArgs::new().layer(layer as u32)));
     if let Some(shared) = &w.shared {
         dense::glu_mlp(k, view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
     }
@@ -122,7 +123,8 @@ pub fn forward<S: WeightSource>(
     for i in 0..s.distinct.len() {
         run_expert(k, cfg, src, layer, s.distinct[i], t, s, tracer)?;
     }
-    let _latent_span = tracer.map(|t| t.span_args(Stage::Compute, "latent norm, up", SpanArgs::new().layer(layer as u32)));
+    let _latent_span =
+        tracer.map(|t| t.span_args(Stage::Compute, "latent norm, up", SpanArgs::new().layer(layer as u32)));
     // y_t = sum_i w_i E_i(u_t) in the token's own top-k order.
     for tok in 0..t {
         let y = &mut s.y[tok * lat..(tok + 1) * lat];
@@ -259,7 +261,8 @@ fn run_expert<S: WeightSource>(
         s.gathered[i * lat..(i + 1) * lat].copy_from_slice(&s.u[tok * lat..(tok + 1) * lat]);
     }
     let guard = src.expert(layer, expert)?;
-    let _span = tracer.map(|t| t.span_args(Stage::Compute, "expert", SpanArgs::new().layer(layer as u32).expert(expert as u32)));
+    let _span = tracer
+        .map(|t| t.span_args(Stage::Compute, "expert", SpanArgs::new().layer(layer as u32).expert(expert as u32)));
     let b = guard.parts();
     let bad = |source| ModelError::Expert { layer, expert, source };
     k.par_matmul_mxfp4(b.w1_packed, b.w1_scale, f, lat, &s.gathered[..n * lat], n, &mut s.h1[..n * f]).map_err(bad)?;

@@ -31,51 +31,51 @@ pub struct Vector {
 /// KDA weights of one layer (`layers.{l}.self_attn.`).
 #[derive(Clone, Debug)]
 pub struct KdaWeights {
-    pub q_proj: Mat, // [W, D]
-    pub k_proj: Mat, // [W, D]
-    pub v_proj: Mat, // [W, D]
+    pub q_proj: Mat,      // [W, D]
+    pub k_proj: Mat,      // [W, D]
+    pub v_proj: Mat,      // [W, D]
     pub q_conv1d: Vector, // [W, 1, conv] f32
     pub k_conv1d: Vector, // [W, 1, conv] f32
     pub v_conv1d: Vector, // [W, 1, conv] f32
-    pub f_a_proj: Mat, // [head_dim, D]
-    pub f_b_proj: Mat, // [W, head_dim]
-    pub a_log: Vector, // [>= heads] f32, one per HEAD
-    pub dt_bias: Vector, // [W] f32
-    pub b_proj: Mat, // [heads, D]
-    pub g_proj: Mat, // [W, D]
-    pub o_norm: Vector, // [head_dim] f32
-    pub o_proj: Mat, // [D, W]
+    pub f_a_proj: Mat,    // [head_dim, D]
+    pub f_b_proj: Mat,    // [W, head_dim]
+    pub a_log: Vector,    // [>= heads] f32, one per HEAD
+    pub dt_bias: Vector,  // [W] f32
+    pub b_proj: Mat,      // [heads, D]
+    pub g_proj: Mat,      // [W, D]
+    pub o_norm: Vector,   // [head_dim] f32
+    pub o_proj: Mat,      // [D, W]
 }
 
 /// Gated MLA weights of one layer.
 #[derive(Clone, Debug)]
 pub struct MlaWeights {
-    pub q_a_proj: Mat, // [q_lora, D]
-    pub q_a_layernorm: Vector, // [q_lora]
-    pub q_b_proj: Mat, // [heads * (nope + rope), q_lora]
+    pub q_a_proj: Mat,           // [q_lora, D]
+    pub q_a_layernorm: Vector,   // [q_lora]
+    pub q_b_proj: Mat,           // [heads * (nope + rope), q_lora]
     pub kv_a_proj_with_mqa: Mat, // [kv_lora + rope, D]
-    pub kv_a_layernorm: Vector, // [kv_lora]
-    pub kv_b_proj: Mat, // [heads * (nope + v), kv_lora]
-    pub g_proj: Mat, // [heads * v, D]
-    pub o_proj: Mat, // [D, heads * v]
+    pub kv_a_layernorm: Vector,  // [kv_lora]
+    pub kv_b_proj: Mat,          // [heads * (nope + v), kv_lora]
+    pub g_proj: Mat,             // [heads * v, D]
+    pub o_proj: Mat,             // [D, heads * v]
 }
 
 /// Dense SiTU-GLU MLP (layer 0).
 #[derive(Clone, Debug)]
 pub struct DenseWeights {
     pub gate_proj: Mat, // [I, D]
-    pub up_proj: Mat, // [I, D]
+    pub up_proj: Mat,   // [I, D]
     pub down_proj: Mat, // [D, I]
 }
 
 /// Latent MoE weights of one layer, without the routed experts (they come from the store).
 #[derive(Clone, Debug)]
 pub struct MoeWeights {
-    pub gate: Mat, // [E, D] router
+    pub gate: Mat,                       // [E, D] router
     pub e_score_correction_bias: Vector, // [E] f32, selection only
-    pub routed_expert_down_proj: Mat, // [LAT, D]
-    pub routed_expert_norm: Vector, // [LAT]
-    pub routed_expert_up_proj: Mat, // [D, LAT]
+    pub routed_expert_down_proj: Mat,    // [LAT, D]
+    pub routed_expert_norm: Vector,      // [LAT]
+    pub routed_expert_up_proj: Mat,      // [D, LAT]
     /// Fused shared experts (gate, up, down), absent when the config has none.
     pub shared: Option<DenseWeights>,
 }
@@ -309,11 +309,7 @@ impl Resolver<'_> {
             routed_expert_down_proj: self.mat(&format!("{b}routed_expert_down_proj.weight"))?,
             routed_expert_norm: self.vector(&format!("{b}routed_expert_norm.weight"))?,
             routed_expert_up_proj: self.mat(&format!("{b}routed_expert_up_proj.weight"))?,
-            shared: if cfg.moe.shared_hidden() > 0 {
-                Some(self.dense(&format!("{b}shared_experts."))?)
-            } else {
-                None
-            },
+            shared: if cfg.moe.shared_hidden() > 0 { Some(self.dense(&format!("{b}shared_experts."))?) } else { None },
         })
     }
 

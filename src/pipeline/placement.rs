@@ -50,7 +50,11 @@ impl Placement {
     pub fn resolve(topo: &Topology, req: &PlacementRequest) -> Result<Placement, PlacementError> {
         let nodes: Vec<u32> = topo.nodes.iter().map(|n| n.id).collect();
         let node = match req.numa_node {
-            Some(id) => topo.nodes.iter().find(|n| n.id == id).ok_or(PlacementError::NoNode { node: id, nodes: nodes.clone() })?,
+            Some(id) => topo
+                .nodes
+                .iter()
+                .find(|n| n.id == id)
+                .ok_or(PlacementError::NoNode { node: id, nodes: nodes.clone() })?,
             None => topo
                 .nodes
                 .iter()
@@ -82,17 +86,16 @@ impl Placement {
                 check("--compute-cores", c)?;
                 c.clone()
             }
-            None if shared_io || req.io_cores.is_some() => cpus.iter().copied().filter(|c| shared_io || !io_cores.contains(c)).collect(),
+            None if shared_io || req.io_cores.is_some() => {
+                cpus.iter().copied().filter(|c| shared_io || !io_cores.contains(c)).collect()
+            }
             None => cpus[..cpus.len() - 1].to_vec(),
         };
         if req.threads > 0 && req.compute_cores.is_none() {
             compute_cores.truncate(req.threads);
         }
-        let mut nodes_used: Vec<u32> = compute_cores
-            .iter()
-            .chain(&io_cores)
-            .filter_map(|&c| topo.node_of_cpu(c))
-            .collect();
+        let mut nodes_used: Vec<u32> =
+            compute_cores.iter().chain(&io_cores).filter_map(|&c| topo.node_of_cpu(c)).collect();
         nodes_used.sort_unstable();
         nodes_used.dedup();
         Ok(Placement { numa_node: node.id, compute_cores, io_cores, nodes_used })
@@ -108,7 +111,10 @@ impl Placement {
             cpulist(&self.io_cores)
         );
         if self.nodes_used.len() > 1 {
-            s.push_str(&format!(" | warning: cores span nodes {:?}, buffers are on node {}", self.nodes_used, self.numa_node));
+            s.push_str(&format!(
+                " | warning: cores span nodes {:?}, buffers are on node {}",
+                self.nodes_used, self.numa_node
+            ));
         }
         s
     }
@@ -146,7 +152,12 @@ mod tests {
     use crate::storage::io::NumaNode;
 
     fn topo(nodes: &[(u32, std::ops::Range<usize>)]) -> Topology {
-        Topology { nodes: nodes.iter().map(|(id, r)| NumaNode { id: *id, cpus: r.clone().collect(), mem_bytes: None }).collect() }
+        Topology {
+            nodes: nodes
+                .iter()
+                .map(|(id, r)| NumaNode { id: *id, cpus: r.clone().collect(), mem_bytes: None })
+                .collect(),
+        }
     }
 
     #[test]
@@ -163,7 +174,8 @@ mod tests {
     #[test]
     fn a_requested_node_keeps_every_stage_on_it() {
         let t = topo(&[(0, 0..64), (1, 64..128)]);
-        let p = Placement::resolve(&t, &PlacementRequest { numa_node: Some(1), threads: 8, ..Default::default() }).unwrap();
+        let p =
+            Placement::resolve(&t, &PlacementRequest { numa_node: Some(1), threads: 8, ..Default::default() }).unwrap();
         assert_eq!(p.compute_cores, (64..72).collect::<Vec<_>>());
         assert_eq!(p.io_cores, vec![127]);
         assert_eq!(p.nodes_used, vec![1]);
@@ -186,14 +198,17 @@ mod tests {
     #[test]
     fn explicit_cores_are_checked_and_cross_node_use_is_reported() {
         let t = topo(&[(0, 0..4), (1, 4..8)]);
-        let req = PlacementRequest { compute_cores: Some(vec![0, 1, 4]), io_cores: Some(vec![7]), ..Default::default() };
+        let req =
+            PlacementRequest { compute_cores: Some(vec![0, 1, 4]), io_cores: Some(vec![7]), ..Default::default() };
         let p = Placement::resolve(&t, &req).unwrap();
         assert_eq!(p.nodes_used, vec![0, 1]);
         assert!(p.describe().contains("warning: cores span nodes [0, 1]"));
         let bad = PlacementRequest { compute_cores: Some(vec![9]), ..Default::default() };
         let e = Placement::resolve(&t, &bad).unwrap_err().to_string();
         assert_eq!(e, "--compute-cores: CPU 9 is not online; online CPUs: 0-7");
-        let e = Placement::resolve(&t, &PlacementRequest { numa_node: Some(3), ..Default::default() }).unwrap_err().to_string();
+        let e = Placement::resolve(&t, &PlacementRequest { numa_node: Some(3), ..Default::default() })
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "--numa-node 3 does not exist; nodes: [0, 1]");
     }
 

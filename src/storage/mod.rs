@@ -7,5 +7,5 @@
 pub mod io;
 pub mod mmap;
 pub mod pack;
-pub mod stream;
 pub mod plan;
+pub mod stream;

@@ -249,10 +249,11 @@ pub fn write_pack(
         unit.row_checksums = rows;
         Ok(unit)
     };
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(COPY_THREADS)
-        .build()
-        .map_err(|e| PackError::Io { op: "start copy threads for", path: partial.clone(), source: std::io::Error::other(e) })?;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(COPY_THREADS).build().map_err(|e| PackError::Io {
+        op: "start copy threads for",
+        path: partial.clone(),
+        source: std::io::Error::other(e),
+    })?;
     let units_out: Vec<UnitEntry> = pool.install(|| {
         use rayon::prelude::*;
         units.into_par_iter().map(copy).collect::<Result<_, _>>()
@@ -306,7 +307,14 @@ fn layout(cfg: &Config, index: &CheckpointIndex, alignment: u64) -> Result<(Vec<
             in_unit += info.len;
         }
         let len = align_up(in_unit.max(1), alignment);
-        out.push(UnitEntry { unit: unit.name(), offset: pos, len, checksum: String::new(), tensors: packed, row_checksums: Vec::new() });
+        out.push(UnitEntry {
+            unit: unit.name(),
+            offset: pos,
+            len,
+            checksum: String::new(),
+            tensors: packed,
+            row_checksums: Vec::new(),
+        });
         pos += len;
     }
     Ok((out, pos))
@@ -331,8 +339,11 @@ fn copy_unit(
     // Windows start on the alignment and on row boundaries, so no row spans two windows.
     let grain = row_len.map_or(alignment, |r| lcm(r as u64, alignment)) as usize;
     let window = (COPY_CHUNK / grain).max(1) * grain;
-    let mut buf = super::io::AlignedBuf::new(window, &super::io::BufOptions::default())
-        .map_err(|e| PackError::Io { op: "allocate a copy buffer for", path: out_path.to_owned(), source: std::io::Error::other(e) })?;
+    let mut buf = super::io::AlignedBuf::new(window, &super::io::BufOptions::default()).map_err(|e| PackError::Io {
+        op: "allocate a copy buffer for",
+        path: out_path.to_owned(),
+        source: std::io::Error::other(e),
+    })?;
     let mut sources: Vec<(usize, File)> = Vec::new();
     let mut at = 0u64;
     while at < unit.len {
@@ -348,10 +359,11 @@ fn copy_unit(
             if !sources.iter().any(|(s, _)| *s == info.shard) {
                 sources.push((info.shard, File::open(path).map_err(io_err("open", path))?));
             }
-            let src = sources.iter().find(|(s, _)| *s == info.shard).map(|(_, f)| f).ok_or_else(|| PackError::Corrupt {
-                path: path.clone(),
-                message: "source file vanished".to_owned(),
-            })?;
+            let src = sources
+                .iter()
+                .find(|(s, _)| *s == info.shard)
+                .map(|(_, f)| f)
+                .ok_or_else(|| PackError::Corrupt { path: path.clone(), message: "source file vanished".to_owned() })?;
             let from = t.offset.max(at);
             let to = (t.offset + t.len).min(at + n as u64);
             let dst = &mut chunk[(from - at) as usize..(to - at) as usize];
@@ -381,7 +393,8 @@ fn lcm(a: u64, b: u64) -> u64 {
 /// are aligned), buffered otherwise (tmpfs).
 fn create_pack_file(path: &Path) -> Result<File, PackError> {
     use std::os::unix::fs::OpenOptionsExt;
-    let direct = std::fs::OpenOptions::new().write(true).create(true).truncate(true).custom_flags(libc::O_DIRECT).open(path);
+    let direct =
+        std::fs::OpenOptions::new().write(true).create(true).truncate(true).custom_flags(libc::O_DIRECT).open(path);
     match direct {
         Ok(f) => Ok(f),
         Err(_) => File::create(path).map_err(io_err("create", path)),
@@ -414,7 +427,10 @@ impl Manifest {
         let corrupt = |message: String| PackError::Corrupt { path: path.clone(), message };
         let m: Manifest = serde_json::from_slice(&text).map_err(|e| corrupt(format!("not a trunk manifest: {e}")))?;
         if m.format != FORMAT || m.version != VERSION {
-            return Err(corrupt(format!("format {} v{} is not {FORMAT} v{VERSION}: run `k3ring pack` again", m.format, m.version)));
+            return Err(corrupt(format!(
+                "format {} v{} is not {FORMAT} v{VERSION}: run `k3ring pack` again",
+                m.format, m.version
+            )));
         }
         if !m.complete {
             return Err(corrupt("the pack is incomplete (an interrupted `k3ring pack`)".to_owned()));
@@ -442,7 +458,10 @@ impl Manifest {
             if u.unit == "embed" {
                 let rows = u.tensors.first().map_or(0, |t| t.shape.first().copied().unwrap_or(0));
                 if u.row_checksums.len() as u64 != rows {
-                    return Err(corrupt(format!("the embedding has {rows} rows but {} row checksums", u.row_checksums.len())));
+                    return Err(corrupt(format!(
+                        "the embedding has {rows} rows but {} row checksums",
+                        u.row_checksums.len()
+                    )));
                 }
             }
             for t in &u.tensors {
@@ -485,7 +504,12 @@ impl Manifest {
     pub fn verify_unit(&self, path: &Path, u: &UnitEntry, bytes: &[u8]) -> Result<(), PackError> {
         let got = checksum(bytes);
         if got != u.checksum {
-            return Err(PackError::Checksum { path: path.to_owned(), unit: u.unit.clone(), want: u.checksum.clone(), got });
+            return Err(PackError::Checksum {
+                path: path.to_owned(),
+                unit: u.unit.clone(),
+                want: u.checksum.clone(),
+                got,
+            });
         }
         Ok(())
     }

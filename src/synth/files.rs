@@ -117,7 +117,11 @@ pub fn is_output_name(name: &str) -> bool {
 }
 
 /// (file name, contents) of every file besides the shards.
-pub fn small_files(opts: &SynthOptions, config: &Value, shards: &[ShardPlan]) -> Result<Vec<(String, Vec<u8>)>, SynthError> {
+pub fn small_files(
+    opts: &SynthOptions,
+    config: &Value,
+    shards: &[ShardPlan],
+) -> Result<Vec<(String, Vec<u8>)>, SynthError> {
     let pretty = |v: &Value| -> Result<Vec<u8>, SynthError> {
         let mut text = serde_json::to_vec_pretty(v).map_err(|e| SynthError::Internal(e.to_string()))?;
         text.push(b'\n');

@@ -114,18 +114,18 @@ impl DimsPreset {
 /// Widths of the model (spec 2 names in comments). Public so benches can build other shapes.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct SynthDims {
-    pub hidden_size: usize,        // D
-    pub intermediate_size: usize,  // dense FFN width of layer 0
+    pub hidden_size: usize,       // D
+    pub intermediate_size: usize, // dense FFN width of layer 0
     pub kda_heads: usize,
-    pub kda_head_dim: usize,       // K = V
+    pub kda_head_dim: usize, // K = V
     pub mla_heads: usize,
     pub q_lora_rank: usize,
     pub kv_lora_rank: usize,
     pub qk_nope_head_dim: usize,
     pub qk_rope_head_dim: usize,
     pub v_head_dim: usize,
-    pub moe_intermediate_size: usize,      // F, MXFP4 contraction width of w2
-    pub routed_expert_hidden_size: usize,  // LAT, MXFP4 contraction width of w1/w3
+    pub moe_intermediate_size: usize,     // F, MXFP4 contraction width of w2
+    pub routed_expert_hidden_size: usize, // LAT, MXFP4 contraction width of w1/w3
     pub n_shared_experts: usize,
 }
 
@@ -256,7 +256,10 @@ impl SynthOptions {
     /// Refuses options that cannot make a valid checkpoint, naming the flag.
     pub fn validate(&self) -> Result<(), SynthError> {
         if !(2..=LAYERS_MAX).contains(&self.layers) {
-            return Err(bad("--layers", format!("{} is outside 2..={LAYERS_MAX} (layer 0 is dense; MoE needs a second)", self.layers)));
+            return Err(bad(
+                "--layers",
+                format!("{} is outside 2..={LAYERS_MAX} (layer 0 is dense; MoE needs a second)", self.layers),
+            ));
         }
         if !(2..=EXPERTS_MAX).contains(&self.experts) {
             return Err(bad("--experts", format!("{} is outside 2..={EXPERTS_MAX}", self.experts)));
@@ -273,7 +276,11 @@ impl SynthOptions {
         if !(2 * ADDED_TOKENS..=VOCAB_MAX).contains(&self.vocab) {
             return Err(bad(
                 "--vocab",
-                format!("{} is outside {}..={VOCAB_MAX} (256 byte ranks plus 256 added tokens at least)", self.vocab, 2 * ADDED_TOKENS),
+                format!(
+                    "{} is outside {}..={VOCAB_MAX} (256 byte ranks plus 256 added tokens at least)",
+                    self.vocab,
+                    2 * ADDED_TOKENS
+                ),
             ));
         }
         if self.attn_res_block_size == 0 {
@@ -289,12 +296,22 @@ impl SynthOptions {
             ("routed_expert_hidden_size (LAT)", d.routed_expert_hidden_size),
         ] {
             if width == 0 || width % MXFP4_GROUP != 0 {
-                return Err(bad("--dims", format!("{name} = {width} is not a positive multiple of the MXFP4 group {MXFP4_GROUP}")));
+                return Err(bad(
+                    "--dims",
+                    format!("{name} = {width} is not a positive multiple of the MXFP4 group {MXFP4_GROUP}"),
+                ));
             }
         }
         let positive = [
-            d.hidden_size, d.intermediate_size, d.kda_heads, d.kda_head_dim, d.mla_heads, d.q_lora_rank,
-            d.kv_lora_rank, d.qk_nope_head_dim, d.v_head_dim,
+            d.hidden_size,
+            d.intermediate_size,
+            d.kda_heads,
+            d.kda_head_dim,
+            d.mla_heads,
+            d.q_lora_rank,
+            d.kv_lora_rank,
+            d.qk_nope_head_dim,
+            d.v_head_dim,
         ];
         if positive.contains(&0) {
             return Err(bad("--dims", format!("every width must be positive: {d:?}")));
@@ -381,7 +398,13 @@ pub fn synth(opts: &SynthOptions, progress: &(dyn Fn(u64, u64) + Sync)) -> Resul
     if prepare_dir(&opts.out, &options, &listed)? {
         return Ok(report(true, start.elapsed().as_secs_f64()));
     }
-    let mut marker = Marker { format: MARKER_FORMAT.to_owned(), version: GENERATOR_VERSION, complete: false, options, files: listed };
+    let mut marker = Marker {
+        format: MARKER_FORMAT.to_owned(),
+        version: GENERATOR_VERSION,
+        complete: false,
+        options,
+        files: listed,
+    };
     write_marker(&opts.out, &marker)?;
     for (name, content) in &small {
         write::write_small(&opts.out.join(name), content)?;

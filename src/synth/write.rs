@@ -260,6 +260,8 @@ pub fn write_shards(dir: &Path, shards: &[ShardPlan], progress: &(dyn Fn(u64, u6
         let handles: Vec<_> = (0..workers).map(|_| scope.spawn(|| worker(&sh, progress))).collect();
         // Join every worker before reporting, so none is still writing when we return.
         let results: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
-        results.into_iter().try_for_each(|r| r.map_err(|_| SynthError::Internal("a writer thread panicked".to_owned()))?)
+        results
+            .into_iter()
+            .try_for_each(|r| r.map_err(|_| SynthError::Internal("a writer thread panicked".to_owned()))?)
     })
 }

@@ -46,11 +46,13 @@ fn main() {
         let mut next = k3ring::engine::sampling::argmax(logits) as u32;
         // Warm-up steps (first-touch growth of any lazily sized structure).
         for _ in 0..3 {
-            next = k3ring::engine::sampling::argmax(e.prefill(&mut sess, &[next], LogitRows::Last, None).unwrap()) as u32;
+            next =
+                k3ring::engine::sampling::argmax(e.prefill(&mut sess, &[next], LogitRows::Last, None).unwrap()) as u32;
         }
         let before = ALLOCS.load(Ordering::Relaxed);
         for _ in 0..20 {
-            next = k3ring::engine::sampling::argmax(e.prefill(&mut sess, &[next], LogitRows::Last, None).unwrap()) as u32;
+            next =
+                k3ring::engine::sampling::argmax(e.prefill(&mut sess, &[next], LogitRows::Last, None).unwrap()) as u32;
         }
         let per_step = (ALLOCS.load(Ordering::Relaxed) - before) as f64 / 20.0;
         println!("{isa:?}: {per_step} allocations per decode step");

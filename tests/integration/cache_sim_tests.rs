@@ -102,7 +102,8 @@ fn cache_sim_default_capacities_double_from_top_k_to_the_distinct_experts() {
         let report = run_json(&[path.to_str().unwrap()]);
         let distinct = report["distinct_experts"].as_u64().unwrap();
         let capacities: Vec<u64> = rates(&report, "lru").iter().map(|r| r.0).collect();
-        let mut want: Vec<u64> = std::iter::successors(Some(TOP_K as u64), |c| Some(c * 2)).take_while(|&c| c < distinct).collect();
+        let mut want: Vec<u64> =
+            std::iter::successors(Some(TOP_K as u64), |c| Some(c * 2)).take_while(|&c| c < distinct).collect();
         want.push(distinct);
         assert_eq!(capacities, want, "{name}");
         assert_eq!(report["requests"].as_u64(), Some(TOKENS * (LAYERS * TOP_K) as u64));
@@ -114,7 +115,8 @@ fn cache_sim_default_capacities_double_from_top_k_to_the_distinct_experts() {
 fn cache_sim_belady_bounds_every_policy_and_rates_grow_with_capacity() {
     let dir = tempfile::tempdir().unwrap();
     for (name, path) in traces(dir.path()) {
-        let report = run_json(&[path.to_str().unwrap(), "--capacities", "4,5,6,8,12,16,24,32,48,64,96,128,192,256,384,512"]);
+        let report =
+            run_json(&[path.to_str().unwrap(), "--capacities", "4,5,6,8,12,16,24,32,48,64,96,128,192,256,384,512"]);
         let best = rates(&report, "belady");
         for policy in ["lru", "s3fifo", "lfu"] {
             for (b, p) in best.iter().zip(rates(&report, policy)) {
@@ -124,7 +126,14 @@ fn cache_sim_belady_bounds_every_policy_and_rates_grow_with_capacity() {
         for policy in ["belady", "lru"] {
             let r = rates(&report, policy);
             for w in r.windows(2) {
-                assert!(w[1].1 >= w[0].1, "{name}: {policy} drops from {} at {} to {} at {}", w[0].1, w[0].0, w[1].1, w[1].0);
+                assert!(
+                    w[1].1 >= w[0].1,
+                    "{name}: {policy} drops from {} at {} to {} at {}",
+                    w[0].1,
+                    w[0].0,
+                    w[1].1,
+                    w[1].0
+                );
             }
         }
     }

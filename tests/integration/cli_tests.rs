@@ -11,8 +11,16 @@ fn run_reproduces_the_greedy_reference_and_writes_json() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("out.json");
     let (code, out, err) = k3ring(&[
-        "run", "--model", dir.to_str().unwrap(), "--ids", &prompt.join(","), "--gen", "24", "--ignore-eos",
-        "--json", json.to_str().unwrap(),
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--ids",
+        &prompt.join(","),
+        "--gen",
+        "24",
+        "--ignore-eos",
+        "--json",
+        json.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("24 generated tokens") && err.contains("s/token") && err.contains("peak RSS"), "{err}");
@@ -46,8 +54,22 @@ fn sampling_is_reproducible_for_a_seed() {
     let ids_for = |seed: &str| {
         let path = tmp.path().join(format!("{seed}.json"));
         let (code, _, err) = k3ring(&[
-            "run", "--model", dir.to_str().unwrap(), "--prompt", "Hello", "--gen", "12", "--ignore-eos",
-            "--temperature", "0.9", "--top-k", "40", "--seed", seed, "--json", path.to_str().unwrap(),
+            "run",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "Hello",
+            "--gen",
+            "12",
+            "--ignore-eos",
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "40",
+            "--seed",
+            seed,
+            "--json",
+            path.to_str().unwrap(),
         ]);
         assert_eq!(code, 0, "{err}");
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();

@@ -70,8 +70,15 @@ impl Probe for Recorder {
 /// (tests/oracle/README.md), so a correct f32 engine cannot be held tighter.
 const INTERMEDIATE_REL_TOL: f64 = 3e-3;
 
-fn run_greedy(o: &k3ring::engine::Opened, prompt: &[u32], n: usize, full: bool, chunk: usize) -> k3ring::engine::Generation {
-    let opts = GenerateOptions { gen: n, full_recompute: full, prefill_chunk: chunk, keep_logits: true, ..Default::default() };
+fn run_greedy(
+    o: &k3ring::engine::Opened,
+    prompt: &[u32],
+    n: usize,
+    full: bool,
+    chunk: usize,
+) -> k3ring::engine::Generation {
+    let opts =
+        GenerateOptions { gen: n, full_recompute: full, prefill_chunk: chunk, keep_logits: true, ..Default::default() };
     o.engine.generate(prompt, &opts, |_| {}).unwrap()
 }
 
@@ -220,17 +227,14 @@ pub fn make_tiny(out: &Path, args: &[&str]) -> Option<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/make_tiny.py");
     let probe = std::process::Command::new("python3").args(["-c", "import numpy, tiktoken"]).output();
     if !probe.is_ok_and(|o| o.status.success()) {
-        assert!(std::env::var_os("CI").is_none(), "CI must have python3 with numpy and tiktoken (.ci/run installs them)");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must have python3 with numpy and tiktoken (.ci/run installs them)"
+        );
         println!("SKIPPED: python3 with numpy and tiktoken is not available");
         return None;
     }
-    let status = std::process::Command::new("python3")
-        .arg(&script)
-        .arg("--out")
-        .arg(out)
-        .args(args)
-        .status()
-        .unwrap();
+    let status = std::process::Command::new("python3").arg(&script).arg("--out").arg(out).args(args).status().unwrap();
     assert!(status.success(), "make_tiny.py {args:?} failed");
     Some(())
 }
@@ -239,7 +243,22 @@ pub fn make_tiny(out: &Path, args: &[&str]) -> Option<()> {
 fn a_model_with_other_seed_and_dims_matches_its_own_reference() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let args = ["--seed", "7", "--layers", "14", "--hidden", "96", "--experts", "20", "--topk", "3", "--attn-res-block", "4", "--shards", "4"];
+    let args = [
+        "--seed",
+        "7",
+        "--layers",
+        "14",
+        "--hidden",
+        "96",
+        "--experts",
+        "20",
+        "--topk",
+        "3",
+        "--attn-res-block",
+        "4",
+        "--shards",
+        "4",
+    ];
     if make_tiny(dir, &args).is_none() {
         return;
     }
@@ -267,16 +286,15 @@ fn the_oracle_reproduces_the_committed_fixture_byte_for_byte() {
         return;
     }
     let fixture = tiny_dir();
-    let mut names: Vec<String> = std::fs::read_dir(tmp.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
+    let mut names: Vec<String> =
+        std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     for name in &names {
         let fresh = std::fs::read(tmp.path().join(name)).unwrap();
         let committed = std::fs::read(fixture.join(name)).unwrap_or_default();
         assert!(fresh == committed, "{name} differs from tests/fixtures/tiny-k3/{name}");
     }
-    let committed = std::fs::read_dir(&fixture).unwrap().filter(|e| e.as_ref().unwrap().file_name() != "README.md").count();
+    let committed =
+        std::fs::read_dir(&fixture).unwrap().filter(|e| e.as_ref().unwrap().file_name() != "README.md").count();
     assert_eq!(committed, names.len(), "the fixture holds files the generator does not write");
 }

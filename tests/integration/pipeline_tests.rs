@@ -14,7 +14,6 @@ use crate::common::*;
 
 const GEN: usize = 10;
 
-
 /// A budget that streams most trunk units and keeps the expert pool small.
 const BUDGET: u64 = 1_400_000;
 
@@ -105,8 +104,21 @@ fn the_trace_is_valid_chrome_json_with_overlapping_reads_and_compute() {
     let tmp = tempfile::tempdir().unwrap();
     let trace = tmp.path().join("trace.json");
     let (code, _, err) = k3ring(&[
-        "run", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--mem-gb", "0.0014",
-        "--prompt", "Once upon a time", "--gen", "8", "--ignore-eos", "--spec", "--trace", trace.to_str().unwrap(),
+        "run",
+        "--model",
+        tiny_dir().to_str().unwrap(),
+        "--trunk",
+        trunk.path().to_str().unwrap(),
+        "--mem-gb",
+        "0.0014",
+        "--prompt",
+        "Once upon a time",
+        "--gen",
+        "8",
+        "--ignore-eos",
+        "--spec",
+        "--trace",
+        trace.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("overlap") && err.contains("recall"), "{err}");
@@ -127,8 +139,12 @@ fn the_trace_is_valid_chrome_json_with_overlapping_reads_and_compute() {
         }
     }
     let reads: Vec<&serde_json::Value> = events.iter().filter(|e| e["name"] == "expert read").collect();
-    assert!(reads.iter().any(|e| e["args"]["kind"] == "speculative") && reads.iter().any(|e| e["args"]["kind"] == "demand"));
-    assert!(reads.iter().all(|e| e["args"]["layer"].is_u64() && e["args"]["expert"].is_u64() && e["args"]["bytes"].is_u64()));
+    assert!(
+        reads.iter().any(|e| e["args"]["kind"] == "speculative") && reads.iter().any(|e| e["args"]["kind"] == "demand")
+    );
+    assert!(reads
+        .iter()
+        .all(|e| e["args"]["layer"].is_u64() && e["args"]["expert"].is_u64() && e["args"]["bytes"].is_u64()));
     let overlaps = io.iter().any(|a| compute.iter().any(|b| a.0 < b.1 && b.0 < a.1));
     assert!(overlaps, "no I/O span overlaps a compute span");
     assert!(events.iter().any(|e| e["ph"] == "C" && e["name"] == "bytes in flight"));
@@ -141,8 +157,20 @@ fn the_routing_dump_replays_in_cache_sim() {
     let tmp = tempfile::tempdir().unwrap();
     let dump = tmp.path().join("routes.txt");
     let (code, _, err) = k3ring(&[
-        "run", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--mem-gb", "0.01",
-        "--prompt", "Once upon a time", "--gen", "6", "--ignore-eos", "--dump-trace", dump.to_str().unwrap(),
+        "run",
+        "--model",
+        tiny_dir().to_str().unwrap(),
+        "--trunk",
+        trunk.path().to_str().unwrap(),
+        "--mem-gb",
+        "0.01",
+        "--prompt",
+        "Once upon a time",
+        "--gen",
+        "6",
+        "--ignore-eos",
+        "--dump-trace",
+        dump.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     let text = std::fs::read_to_string(&dump).unwrap();
@@ -172,9 +200,31 @@ fn tune_sweeps_reports_and_recommends_with_identical_ids() {
     let tmp = tempfile::tempdir().unwrap();
     let (csv, svg) = (tmp.path().join("t.csv"), tmp.path().join("t.svg"));
     let (code, out, err) = k3ring(&[
-        "tune", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--mem-gb", "0.0015",
-        "--splits", "0.5,1", "--readahead", "0,1", "--spec-margin", "0,2", "--queue-depth", "4,32", "--io", "uring,pread",
-        "--tokens", "2", "--warmup", "1", "--csv", csv.to_str().unwrap(), "--svg", svg.to_str().unwrap(),
+        "tune",
+        "--model",
+        tiny_dir().to_str().unwrap(),
+        "--trunk",
+        trunk.path().to_str().unwrap(),
+        "--mem-gb",
+        "0.0015",
+        "--splits",
+        "0.5,1",
+        "--readahead",
+        "0,1",
+        "--spec-margin",
+        "0,2",
+        "--queue-depth",
+        "4,32",
+        "--io",
+        "uring,pread",
+        "--tokens",
+        "2",
+        "--warmup",
+        "1",
+        "--csv",
+        csv.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("recommended: k3ring run") && err.contains("--readahead"), "{err}");
@@ -192,8 +242,21 @@ fn bench_reports_every_cell_with_identical_ids() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("b.json");
     let (code, out, err) = k3ring(&[
-        "bench", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--budgets", "0.0015,0.004",
-        "--tokens", "2", "--warmup", "1", "--device-reads", "8", "--json", json.to_str().unwrap(),
+        "bench",
+        "--model",
+        tiny_dir().to_str().unwrap(),
+        "--trunk",
+        trunk.path().to_str().unwrap(),
+        "--budgets",
+        "0.0015,0.004",
+        "--tokens",
+        "2",
+        "--warmup",
+        "1",
+        "--device-reads",
+        "8",
+        "--json",
+        json.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("ids identical in every cell and resident: yes"), "{out}");
@@ -201,7 +264,15 @@ fn bench_reports_every_cell_with_identical_ids() {
     assert_eq!(v["cells"].as_array().unwrap().len(), 4);
     assert_eq!(v["device_read_rate"].as_array().unwrap().len(), 4);
     for c in v["cells"].as_array().unwrap() {
-        for key in ["seconds_per_token", "trunk_bytes_per_token", "expert_bytes_per_token", "read_rate_busy", "overlap_fraction", "floor_seconds_per_token", "efficiency"] {
+        for key in [
+            "seconds_per_token",
+            "trunk_bytes_per_token",
+            "expert_bytes_per_token",
+            "read_rate_busy",
+            "overlap_fraction",
+            "floor_seconds_per_token",
+            "efficiency",
+        ] {
             assert!(c[key].as_f64().is_some(), "{key} missing in {c}");
         }
     }
@@ -214,7 +285,8 @@ fn bookkeeping_does_not_grow_with_the_run() {
     let mut run = base_run();
     run.context = prompt().len() + 60;
     run.stream.spec_prev_token = true;
-    let (o, plan) = open_streaming(&tiny_dir(), trunk.path(), &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).unwrap();
+    let (o, plan) =
+        open_streaming(&tiny_dir(), trunk.path(), &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).unwrap();
     let bound = plan.expert_slots + plan.ring_slots + 4;
     for gen in [10, 50] {
         let opts = GenerateOptions { gen, prefill_chunk: run.chunk, ..Default::default() };

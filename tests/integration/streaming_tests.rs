@@ -16,7 +16,6 @@ use crate::common::*;
 
 const GEN: usize = 12;
 
-
 fn run_options(budget: u64, stream: StreamOptions) -> StreamingRun {
     StreamingRun {
         budget_bytes: budget,
@@ -33,9 +32,13 @@ fn run_options(budget: u64, stream: StreamOptions) -> StreamingRun {
 }
 
 fn streamed_with(model: &Path, trunk: &Path, run: &StreamingRun) -> Result<(Generation, Plan, StreamStats), String> {
-    let (o, plan) = open_streaming(model, trunk, run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).map_err(|e| e.to_string())?;
+    let (o, plan) = open_streaming(model, trunk, run, Kernels::with_isa(Isa::best()).unwrap(), |_| {})
+        .map_err(|e| e.to_string())?;
     let opts = GenerateOptions { gen: GEN, keep_logits: true, prefill_chunk: 8, ..Default::default() };
-    let g = o.engine.generate(&prompt(), &opts, |_| {}).map_err(|e| format!("{e}: {:?}", std::error::Error::source(&e).map(|s| s.to_string())))?;
+    let g = o
+        .engine
+        .generate(&prompt(), &opts, |_| {})
+        .map_err(|e| format!("{e}: {:?}", std::error::Error::source(&e).map(|s| s.to_string())))?;
     Ok((g, plan, o.engine.src.stats()))
 }
 
@@ -64,7 +67,8 @@ fn streamed_output_is_bit_identical_at_every_budget() {
     let min = minimum_budget(&model, trunk.path());
     let mut pinned_counts = Vec::new();
     for budget in [min, min + min / 5, min + min / 2, 2 * min, 3 * min, 64_000_000] {
-        let (g, plan, stats) = streamed_with(&model, trunk.path(), &run_options(budget, StreamOptions::default())).unwrap();
+        let (g, plan, stats) =
+            streamed_with(&model, trunk.path(), &run_options(budget, StreamOptions::default())).unwrap();
         assert!(same(&g, &base), "budget {budget}: output differs from the resident run ({})", plan.describe());
         assert!(plan.planned_bytes <= budget);
         assert_eq!(stats.trunk_streamed_units, plan.streamed.len());
@@ -134,9 +138,16 @@ fn injected_eio_fails_the_run_naming_file_and_offset() {
     let model = tiny_dir();
     let trunk = pack(&model);
     let min = minimum_budget(&model, trunk.path());
-    let stream = StreamOptions { io: IoKind::Uring, inject: Some(FaultPlan { short_every: None, eio_every: Some(7) }), ..StreamOptions::default() };
+    let stream = StreamOptions {
+        io: IoKind::Uring,
+        inject: Some(FaultPlan { short_every: None, eio_every: Some(7) }),
+        ..StreamOptions::default()
+    };
     let err = streamed_with(&model, trunk.path(), &run_options(min, stream)).unwrap_err();
-    assert!(err.contains("failed") && err.contains("offset") && err.contains(".safetensors") || err.contains("trunk.pack"), "{err}");
+    assert!(
+        err.contains("failed") && err.contains("offset") && err.contains(".safetensors") || err.contains("trunk.pack"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -166,14 +177,21 @@ fn sim_every_seed_reproduces_the_output_or_fails_with_a_named_error() {
             sim.corrupt_ppm = 3_000;
         }
         sim.corruptible_files = vec![n_shards]; // the trunk pack, which is checksummed
-        let stream = StreamOptions { io: IoKind::Sim, sim: Some(sim), verify_every_read: true, ..StreamOptions::default() };
+        let stream =
+            StreamOptions { io: IoKind::Sim, sim: Some(sim), verify_every_read: true, ..StreamOptions::default() };
         match streamed_with(&model, trunk.path(), &run_options(min, stream)) {
             Ok((g, _, _)) => {
-                assert!(same(&g, &base), "seed {seed}: a run that succeeded produced different output (replay: K3_SIM_SEED={seed})");
+                assert!(
+                    same(&g, &base),
+                    "seed {seed}: a run that succeeded produced different output (replay: K3_SIM_SEED={seed})"
+                );
                 clean += 1;
             }
             Err(e) => {
-                assert!(seed % 2 == 0, "seed {seed} had only benign faults but failed: {e} (replay: K3_SIM_SEED={seed})");
+                assert!(
+                    seed % 2 == 0,
+                    "seed {seed} had only benign faults but failed: {e} (replay: K3_SIM_SEED={seed})"
+                );
                 let named = e.contains("offset") || e.contains("checksum");
                 assert!(named, "seed {seed}: unnamed failure {e} (replay: K3_SIM_SEED={seed})");
                 failed += 1;
@@ -185,7 +203,19 @@ fn sim_every_seed_reproduces_the_output_or_fails_with_a_named_error() {
 }
 
 fn streamed_cli(model: &Path, trunk: &Path, extra: &[&str]) -> (i32, String, String) {
-    let mut args = vec!["run", "--model", model.to_str().unwrap(), "--trunk", trunk.to_str().unwrap(), "--mem-gb", "0.01", "--prompt", "Once upon a time", "--gen", "4"];
+    let mut args = vec![
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--trunk",
+        trunk.to_str().unwrap(),
+        "--mem-gb",
+        "0.01",
+        "--prompt",
+        "Once upon a time",
+        "--gen",
+        "4",
+    ];
     args.extend_from_slice(extra);
     k3ring(&args)
 }
@@ -221,8 +251,17 @@ fn checksum_mismatch_of_a_packed_layer_is_a_data_error_naming_the_unit() {
     std::fs::write(&path, bytes).unwrap();
     for budget in ["0.01", "0.003"] {
         let (code, _, err) = k3ring(&[
-            "run", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--mem-gb", budget,
-            "--prompt", "Once", "--gen", "2",
+            "run",
+            "--model",
+            tiny_dir().to_str().unwrap(),
+            "--trunk",
+            trunk.path().to_str().unwrap(),
+            "--mem-gb",
+            budget,
+            "--prompt",
+            "Once",
+            "--gen",
+            "2",
         ]);
         assert_eq!(code, 3, "{err}");
         assert!(err.contains("layer.5") && err.contains("checksum"), "{err}");
@@ -240,8 +279,17 @@ fn a_damaged_embedding_row_is_a_data_error() {
     bytes[(unit.offset + 512 * 128 + 7) as usize] ^= 0x01;
     std::fs::write(&path, bytes).unwrap();
     let (code, _, err) = k3ring(&[
-        "run", "--model", tiny_dir().to_str().unwrap(), "--trunk", trunk.path().to_str().unwrap(), "--mem-gb", "0.01",
-        "--ids", "512,5", "--gen", "2",
+        "run",
+        "--model",
+        tiny_dir().to_str().unwrap(),
+        "--trunk",
+        trunk.path().to_str().unwrap(),
+        "--mem-gb",
+        "0.01",
+        "--ids",
+        "512,5",
+        "--gen",
+        "2",
     ]);
     assert_eq!(code, 3, "{err}");
     assert!(err.contains("embedding row 512") && err.contains("checksum"), "{err}");
@@ -322,14 +370,24 @@ fn streaming_run_reports_plan_and_storage_in_json() {
     let trunk = pack(&tiny_dir());
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("r.json");
-    let (code, _, err) = streamed_cli(&tiny_dir(), trunk.path(), &["--mem-gb", "0.003", "--json", json.to_str().unwrap()]);
+    let (code, _, err) =
+        streamed_cli(&tiny_dir(), trunk.path(), &["--mem-gb", "0.003", "--json", json.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("plan: budget") && err.contains("storage uring"), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     for key in ["budget_bytes", "pinned", "streamed", "ring_slots", "expert_slots", "planned_bytes", "minimum_bytes"] {
         assert!(v["plan"].get(key).is_some(), "plan.{key} missing");
     }
-    for key in ["trunk_bytes_read", "expert_bytes_read", "read_busy_seconds", "read_bytes_per_second", "trunk_pinned_units", "trunk_streamed_units", "expert_hits", "expert_evictions"] {
+    for key in [
+        "trunk_bytes_read",
+        "expert_bytes_read",
+        "read_busy_seconds",
+        "read_bytes_per_second",
+        "trunk_pinned_units",
+        "trunk_streamed_units",
+        "expert_hits",
+        "expert_evictions",
+    ] {
         assert!(v["storage"].get(key).is_some(), "storage.{key} missing");
     }
 }

@@ -78,7 +78,8 @@ fn tiny_synth_validates_runs_and_is_a_function_of_the_seed() {
 
 #[test]
 fn tiny_dims_are_the_fixture_dims() {
-    let synth_cfg = Config::from_json_str(&synth_config(&tiny_opts(PathBuf::new(), 0)).to_string(), Path::new("synth")).unwrap();
+    let synth_cfg =
+        Config::from_json_str(&synth_config(&tiny_opts(PathBuf::new(), 0)).to_string(), Path::new("synth")).unwrap();
     let fixture = Config::from_model_dir(&tiny_dir()).unwrap();
     assert_eq!(synth_cfg, fixture);
 }
@@ -97,9 +98,10 @@ fn key_paths(v: &Value, prefix: &str, out: &mut Vec<String>) {
 
 #[test]
 fn k3_dims_config_is_the_release_config() {
-    let fixture: Value =
-        serde_json::from_slice(&std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3-config.json")).unwrap())
-            .unwrap();
+    let fixture: Value = serde_json::from_slice(
+        &std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3-config.json")).unwrap(),
+    )
+    .unwrap();
     let opts = SynthOptions::preset(PathBuf::new(), DimsPreset::K3);
     let value = synth_config(&opts);
     let (mut want, mut got) = (Vec::new(), Vec::new());
@@ -134,7 +136,10 @@ fn bad_options_exit_2_naming_the_flag() {
         assert!(err.contains(flag), "{args:?}: {err}");
     }
     let (_, _, err) = k3ring(&["synth", "--out", s(&out), "--dims", "tiny", "--experts", "2", "--topk", "4"]);
-    assert!(err.contains("k3ring: error: --experts: 2 is fewer than --topk 4: raise --experts or lower --topk"), "{err}");
+    assert!(
+        err.contains("k3ring: error: --experts: 2 is fewer than --topk 4: raise --experts or lower --topk"),
+        "{err}"
+    );
     assert!(!out.exists(), "refused options write nothing");
 }
 
@@ -162,7 +167,10 @@ fn foreign_directories_are_refused_and_reruns_are_no_ops() {
     let fewer = SynthOptions { layers: 3, ..tiny_opts(dir.clone(), 0) };
     let second = synth_lib(&fewer);
     assert!(!second.up_to_date && second.shards < first.shards);
-    let shards = std::fs::read_dir(&dir).unwrap().filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "safetensors")).count();
+    let shards = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "safetensors"))
+        .count();
     assert_eq!(shards, second.shards, "shards of the earlier output are removed");
     let (code, _, err) = k3ring(&["inspect", "--model", s(&dir)]);
     assert_eq!(code, 0, "{err}");
@@ -205,8 +213,11 @@ fn check_flat_routing(dir: &Path) {
     assert_eq!(h.len(), ROUTING_TOKENS * d);
     let rms = (h.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / h.len() as f64).sqrt();
     assert!(h.iter().all(|v| v.is_finite()) && rms > 1e-2 && rms < 1e2, "final hidden RMS {rms}");
-    let mean: Vec<f64> = (0..d).map(|j| (0..ROUTING_TOKENS).map(|t| f64::from(h[t * d + j])).sum::<f64>() / ROUTING_TOKENS as f64).collect();
-    let spread = (h.iter().enumerate().map(|(i, v)| (f64::from(*v) - mean[i % d]).powi(2)).sum::<f64>() / h.len() as f64).sqrt();
+    let mean: Vec<f64> = (0..d)
+        .map(|j| (0..ROUTING_TOKENS).map(|t| f64::from(h[t * d + j])).sum::<f64>() / ROUTING_TOKENS as f64)
+        .collect();
+    let spread =
+        (h.iter().enumerate().map(|(i, v)| (f64::from(*v) - mean[i % d]).powi(2)).sum::<f64>() / h.len() as f64).sqrt();
     assert!(spread > 0.1 * rms, "tokens must give different hidden states: spread {spread}, RMS {rms}");
     let (e, k) = (cfg.moe.n_experts, cfg.moe.top_k);
     let fair = (ROUTING_TOKENS * k) as f64 / e as f64;
@@ -281,7 +292,8 @@ fn small_synth_validates_runs_and_has_the_release_layout() {
         let p = format!("{MODEL_PREFIX}layers.{l}.");
         let mine: Vec<_> = index.tensors.iter().filter(|t| t.name.starts_with(&p)).collect();
         assert!(mine.iter().all(|t| t.shard == mine[0].shard), "layer {l} spans shards");
-        let (lo, hi) = (mine.iter().map(|t| t.offset).min().unwrap(), mine.iter().map(|t| t.offset + t.len).max().unwrap());
+        let (lo, hi) =
+            (mine.iter().map(|t| t.offset).min().unwrap(), mine.iter().map(|t| t.offset + t.len).max().unwrap());
         assert_eq!(hi - lo, mine.iter().map(|t| t.len).sum::<u64>(), "layer {l} is not contiguous");
         // Experts stored out of id order.
         let mut by_offset: Vec<(u64, usize)> = (0..cfg.moe.n_experts)

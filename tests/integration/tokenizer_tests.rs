@@ -8,7 +8,8 @@ use crate::common::*;
 fn encodes_every_corpus_case_like_python_tiktoken_and_round_trips() {
     let dir = tiny_dir();
     let tok = Tokenizer::from_model_dir(&dir).unwrap();
-    let cases: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("tokenizer_cases.json")).unwrap()).unwrap();
+    let cases: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("tokenizer_cases.json")).unwrap()).unwrap();
     assert_eq!(cases["pattern"], k3ring::tokenizer::K3_PATTERN, "the oracle used another regex");
     let cases = cases["cases"].as_array().unwrap();
     assert!(cases.len() >= 40);

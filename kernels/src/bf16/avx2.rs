@@ -7,9 +7,8 @@
 //! per 16 tokens.
 
 use std::arch::x86_64::{
-    __m128i, __m256, _mm256_broadcast_ss, _mm256_castsi256_ps, _mm256_cvtepu16_epi32,
-    _mm256_fmadd_ps, _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps, _mm_loadu_si128,
-    _mm_prefetch, _MM_HINT_T0,
+    __m128i, __m256, _mm256_broadcast_ss, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_fmadd_ps,
+    _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps, _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0,
 };
 
 use crate::dot::avx2::{load16, reduce16, store16};
@@ -78,24 +77,14 @@ fn single_token(w: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     let x_tail = pad16(x_tail);
     let mut r = 0;
     while r + R <= rows {
-        let sums = rows_dot::<R>(
-            &w[r * row_bytes..(r + R) * row_bytes],
-            cols,
-            x_chunks,
-            &x_tail,
-        );
+        let sums = rows_dot::<R>(&w[r * row_bytes..(r + R) * row_bytes], cols, x_chunks, &x_tail);
         for (i, s) in sums.into_iter().enumerate() {
             out.set(0, r + i, s);
         }
         r += R;
     }
     while r < rows {
-        let [s] = rows_dot::<1>(
-            &w[r * row_bytes..(r + 1) * row_bytes],
-            cols,
-            x_chunks,
-            &x_tail,
-        );
+        let [s] = rows_dot::<1>(&w[r * row_bytes..(r + 1) * row_bytes], cols, x_chunks, &x_tail);
         out.set(0, r, s);
         r += 1;
     }
@@ -104,12 +93,7 @@ fn single_token(w: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
 /// Canonical dots of `R` consecutive rows (`w` holds exactly them) with one token.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn rows_dot<const R: usize>(
-    w: &[u8],
-    cols: usize,
-    x_chunks: &[[f32; LANES]],
-    x_tail: &[f32; LANES],
-) -> [f32; R] {
+fn rows_dot<const R: usize>(w: &[u8], cols: usize, x_chunks: &[[f32; LANES]], x_tail: &[f32; LANES]) -> [f32; R] {
     let row_bytes = 2 * cols;
     let mut chunks: [&[[u8; 32]]; R] = [&[]; R];
     let mut tails: [&[u8]; R] = [&[]; R];

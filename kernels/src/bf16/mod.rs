@@ -51,16 +51,8 @@ fn check_matmul_shapes(w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, 
         rows.checked_mul(cols).and_then(|n| n.checked_mul(2)),
         "matmul_bf16: w must hold rows * cols * 2 = {rows} * {cols} * 2 bytes"
     );
-    assert_eq!(
-        Some(x.len()),
-        t.checked_mul(cols),
-        "matmul_bf16: x must hold t * cols = {t} * {cols} floats"
-    );
-    assert_eq!(
-        Some(y.len()),
-        t.checked_mul(rows),
-        "matmul_bf16: y must hold t * rows = {t} * {rows} floats"
-    );
+    assert_eq!(Some(x.len()), t.checked_mul(cols), "matmul_bf16: x must hold t * cols = {t} * {cols} floats");
+    assert_eq!(Some(y.len()), t.checked_mul(rows), "matmul_bf16: y must hold t * rows = {t} * {rows} floats");
 }
 
 impl Fns {
@@ -69,14 +61,8 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns {
-                matmul: avx2::matmul,
-                matvec_t: avx2::matvec_t,
-            },
-            _ => Fns {
-                matmul: scalar::matmul,
-                matvec_t: scalar::matvec_t,
-            },
+            Isa::Avx2 => Fns { matmul: avx2::matmul, matvec_t: avx2::matvec_t },
+            _ => Fns { matmul: scalar::matmul, matvec_t: scalar::matvec_t },
         }
     }
 
@@ -89,28 +75,12 @@ impl Fns {
         unsafe { (self.matmul)(&w[begin..end], cols, x, t, &mut out) }
     }
 
-    pub(crate) fn matmul(
-        &self,
-        w: &[u8],
-        rows: usize,
-        cols: usize,
-        x: &[f32],
-        t: usize,
-        y: &mut [f32],
-    ) {
+    pub(crate) fn matmul(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
         check_matmul_shapes(w, rows, cols, x, t, y);
         self.block(w, cols, x, t, RowsOut::new(y, t, rows));
     }
 
-    pub(crate) fn par_matmul(
-        &self,
-        w: &[u8],
-        rows: usize,
-        cols: usize,
-        x: &[f32],
-        t: usize,
-        y: &mut [f32],
-    ) {
+    pub(crate) fn par_matmul(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
         check_matmul_shapes(w, rows, cols, x, t, y);
         let run = |out: RowsOut<'_>| {
             self.block(w, cols, x, t, out);
@@ -126,16 +96,8 @@ impl Fns {
             rows.checked_mul(cols).and_then(|n| n.checked_mul(2)),
             "matvec_t_bf16: w must hold rows * cols * 2 = {rows} * {cols} * 2 bytes"
         );
-        assert_eq!(
-            x.len(),
-            rows,
-            "matvec_t_bf16: x must hold rows = {rows} floats"
-        );
-        assert_eq!(
-            out.len(),
-            cols,
-            "matvec_t_bf16: out must hold cols = {cols} floats"
-        );
+        assert_eq!(x.len(), rows, "matvec_t_bf16: x must hold rows = {rows} floats");
+        assert_eq!(out.len(), cols, "matvec_t_bf16: out must hold cols = {cols} floats");
         // SAFETY: `self` was built by `for_isa`, whose caller guaranteed the ISA's features.
         unsafe { (self.matvec_t)(w, rows, cols, x, out) }
     }

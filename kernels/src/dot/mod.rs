@@ -30,14 +30,8 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns {
-                dot: avx2::dot,
-                sum_squares: avx2::sum_squares,
-            },
-            _ => Fns {
-                dot: scalar::dot,
-                sum_squares: scalar::sum_squares,
-            },
+            Isa::Avx2 => Fns { dot: avx2::dot, sum_squares: avx2::sum_squares },
+            _ => Fns { dot: scalar::dot, sum_squares: scalar::sum_squares },
         }
     }
 

@@ -99,11 +99,7 @@ mod tests {
     fn matches_f64_sum_on_integers() {
         let a: Vec<f32> = (0..70).map(|i| (i % 7) as f32 - 3.0).collect();
         let b: Vec<f32> = (0..70).map(|i| (i % 5) as f32).collect();
-        let want: f64 = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| f64::from(*x) * f64::from(*y))
-            .sum();
+        let want: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
         assert_eq!(f64::from(dot(&a, &b)), want);
     }
 }

@@ -4,8 +4,8 @@
 //! over (dv % 8) use the same scalar operations.
 
 use std::arch::x86_64::{
-    __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_setzero_ps,
-    _mm256_storeu_ps, _mm256_sub_ps,
+    __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    _mm256_sub_ps,
 };
 
 use super::Step;
@@ -32,15 +32,7 @@ fn st(s: &mut [f32], at: usize, v: __m256) {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 fn block<const B: usize>(p: &Step<'_>, s: &mut [f32], out: &mut [f32], u: &mut [f32], c0: usize) {
-    let Step {
-        dk,
-        dv,
-        alpha,
-        beta,
-        k,
-        v,
-        q,
-    } = *p;
+    let Step { dk, dv, alpha, beta, k, v, q } = *p;
     let mut acc = [_mm256_setzero_ps(); B];
     for i in 0..dk {
         let (a, ki) = (_mm256_set1_ps(alpha[i]), _mm256_set1_ps(k[i]));
@@ -74,15 +66,7 @@ fn block<const B: usize>(p: &Step<'_>, s: &mut [f32], out: &mut [f32], u: &mut [
 
 /// The whole step for one column `c` with scalar operations (the tail).
 fn column(p: &Step<'_>, s: &mut [f32], out: &mut [f32], u: &mut [f32], c: usize) {
-    let Step {
-        dk,
-        dv,
-        alpha,
-        beta,
-        k,
-        v,
-        q,
-    } = *p;
+    let Step { dk, dv, alpha, beta, k, v, q } = *p;
     let mut ks = 0.0f32;
     for i in 0..dk {
         let sv = &mut s[i * dv + c];

@@ -53,33 +53,14 @@ impl Fns {
     }
 
     pub(crate) fn step(&self, st: &Step<'_>, s: &mut [f32], out: &mut [f32], scratch: &mut [f32]) {
-        let Step {
-            dk,
-            dv,
-            alpha,
-            k,
-            v,
-            q,
-            ..
-        } = *st;
-        assert_eq!(
-            Some(s.len()),
-            dk.checked_mul(dv),
-            "kda_step: s must hold dk * dv = {dk} * {dv} floats"
-        );
-        assert_eq!(
-            alpha.len(),
-            dk,
-            "kda_step: alpha must hold dk = {dk} floats"
-        );
+        let Step { dk, dv, alpha, k, v, q, .. } = *st;
+        assert_eq!(Some(s.len()), dk.checked_mul(dv), "kda_step: s must hold dk * dv = {dk} * {dv} floats");
+        assert_eq!(alpha.len(), dk, "kda_step: alpha must hold dk = {dk} floats");
         assert_eq!(k.len(), dk, "kda_step: k must hold dk = {dk} floats");
         assert_eq!(q.len(), dk, "kda_step: q must hold dk = {dk} floats");
         assert_eq!(v.len(), dv, "kda_step: v must hold dv = {dv} floats");
         assert_eq!(out.len(), dv, "kda_step: out must hold dv = {dv} floats");
-        assert!(
-            scratch.len() >= dv,
-            "kda_step: scratch must hold at least dv = {dv} floats"
-        );
+        assert!(scratch.len() >= dv, "kda_step: scratch must hold at least dv = {dv} floats");
         // SAFETY: `self` was built by `for_isa`, whose caller guaranteed the ISA's features.
         unsafe { (self.step)(st, s, out, &mut scratch[..dv]) }
     }

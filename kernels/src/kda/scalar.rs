@@ -4,15 +4,7 @@ use super::Step;
 
 /// `u` is the caller's scratch, `dv` floats.
 pub(crate) fn step(st: &Step<'_>, s: &mut [f32], out: &mut [f32], u: &mut [f32]) {
-    let Step {
-        dv,
-        alpha,
-        beta,
-        k,
-        v,
-        q,
-        ..
-    } = *st;
+    let Step { dv, alpha, beta, k, v, q, .. } = *st;
     // 1. Decay each key row.
     for (row, &a) in s.chunks_exact_mut(dv).zip(alpha) {
         for sv in row {

@@ -3,26 +3,20 @@
 //! the scalar early return does. Tails are zero-padded to 8 lanes and run through the same code.
 
 use std::arch::x86_64::{
-    __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_ps, _mm256_blendv_ps,
-    _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtps_epi32, _mm256_div_ps, _mm256_fmadd_ps,
-    _mm256_fnmadd_ps, _mm256_loadu_ps, _mm256_max_ps, _mm256_min_ps, _mm256_mul_ps, _mm256_or_ps,
-    _mm256_round_ps, _mm256_set1_epi32, _mm256_set1_ps, _mm256_slli_epi32, _mm256_srai_epi32,
-    _mm256_storeu_ps, _mm256_sub_epi32, _mm256_sub_ps, _mm256_xor_ps, _CMP_LT_OQ, _CMP_UNORD_Q,
-    _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT,
+    __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_ps, _mm256_blendv_ps, _mm256_castsi256_ps,
+    _mm256_cmp_ps, _mm256_cvtps_epi32, _mm256_div_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
+    _mm256_max_ps, _mm256_min_ps, _mm256_mul_ps, _mm256_or_ps, _mm256_round_ps, _mm256_set1_epi32, _mm256_set1_ps,
+    _mm256_slli_epi32, _mm256_srai_epi32, _mm256_storeu_ps, _mm256_sub_epi32, _mm256_sub_ps, _mm256_xor_ps, _CMP_LT_OQ,
+    _CMP_UNORD_Q, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT,
 };
 
-use super::scalar::{
-    EXP_P, EXP_X_MAX, EXP_X_MIN, LN2_HI, LN2_LO, LOG2E, SIGN_BIT, TANH_P, TANH_SMALL,
-};
+use super::scalar::{EXP_P, EXP_X_MAX, EXP_X_MIN, LN2_HI, LN2_LO, LOG2E, SIGN_BIT, TANH_P, TANH_SMALL};
 
 /// 2^k per lane for k in [-126, 127].
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 fn pow2i(k: __m256i) -> __m256 {
-    _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-        k,
-        _mm256_set1_epi32(127),
-    )))
+    _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(k, _mm256_set1_epi32(127))))
 }
 
 /// Lanes of `x` that are NaN replace the lanes of `y`.
@@ -42,14 +36,9 @@ fn sign_mask() -> __m256 {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn exp8(x: __m256) -> __m256 {
-    let xc = _mm256_min_ps(
-        _mm256_max_ps(x, _mm256_set1_ps(EXP_X_MIN)),
-        _mm256_set1_ps(EXP_X_MAX),
-    );
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        xc,
-        _mm256_set1_ps(LOG2E),
-    ));
+    let xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_X_MIN)), _mm256_set1_ps(EXP_X_MAX));
+    let n =
+        _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)));
     // fnmadd(n, c, x) = -(n * c) + x with one rounding, which is fma(-n, c, x).
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
@@ -57,10 +46,7 @@ pub(crate) fn exp8(x: __m256) -> __m256 {
     for c in &EXP_P[1..] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
     }
-    let y = _mm256_add_ps(
-        _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-        _mm256_set1_ps(1.0),
-    );
+    let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
     let k = _mm256_cvtps_epi32(n);
     let k_lo = _mm256_srai_epi32::<1>(k);
     let k_hi = _mm256_sub_epi32(k, k_lo);
@@ -91,10 +77,7 @@ pub(crate) fn tanh8(x: __m256) -> __m256 {
     let small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), a, a);
     let one = _mm256_set1_ps(1.0);
     let e = exp8(_mm256_add_ps(a, a));
-    let large = _mm256_sub_ps(
-        one,
-        _mm256_div_ps(_mm256_set1_ps(2.0), _mm256_add_ps(e, one)),
-    );
+    let large = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0), _mm256_add_ps(e, one)));
     let is_small = _mm256_cmp_ps::<_CMP_LT_OQ>(a, _mm256_set1_ps(TANH_SMALL));
     let y = _mm256_blendv_ps(large, small, is_small);
     keep_nan(x, _mm256_or_ps(y, _mm256_and_ps(x, sign)))
@@ -165,10 +148,7 @@ pub(crate) fn tanh_slice(x: &mut [f32]) {
 #[target_feature(enable = "avx2,fma")]
 fn situ8(a: __m256, b: __m256, b1: f32, b2: Option<f32>) -> __m256 {
     let b1v = _mm256_set1_ps(b1);
-    let gate = _mm256_mul_ps(
-        _mm256_mul_ps(b1v, tanh8(_mm256_div_ps(a, b1v))),
-        sigmoid8(a),
-    );
+    let gate = _mm256_mul_ps(_mm256_mul_ps(b1v, tanh8(_mm256_div_ps(a, b1v))), sigmoid8(a));
     let up = match b2 {
         Some(b2) => {
             let b2v = _mm256_set1_ps(b2);

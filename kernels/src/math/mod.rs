@@ -89,15 +89,9 @@ impl Fns {
     pub(crate) fn situ_glu(&self, a: &[f32], b: &[f32], b1: f32, b2: Option<f32>, out: &mut [f32]) {
         assert_eq!(a.len(), b.len(), "situ_glu: a and b differ in length");
         assert_eq!(a.len(), out.len(), "situ_glu: out and a differ in length");
-        assert!(
-            b1.is_finite() && b1 > 0.0,
-            "situ_glu: b1 = {b1} must be finite and positive"
-        );
+        assert!(b1.is_finite() && b1 > 0.0, "situ_glu: b1 = {b1} must be finite and positive");
         if let Some(b2) = b2 {
-            assert!(
-                b2.is_finite() && b2 > 0.0,
-                "situ_glu: b2 = {b2} must be finite and positive"
-            );
+            assert!(b2.is_finite() && b2 > 0.0, "situ_glu: b2 = {b2} must be finite and positive");
         }
         // SAFETY: `self` was built by `for_isa`, whose caller guaranteed the ISA's features.
         unsafe { (self.situ_glu)(a, b, b1, b2, out) }

@@ -11,24 +11,11 @@ pub(crate) const LN2_HI: f32 = 0.693_359_4;
 /// ln 2 - LN2_HI.
 pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
 /// Cephes `expf` polynomial, highest degree first.
-pub(crate) const EXP_P: [f32; 6] = [
-    1.987_569_1e-4,
-    1.398_199_9e-3,
-    8.333_452e-3,
-    4.166_579_6e-2,
-    1.666_666_5e-1,
-    0.5,
-];
+pub(crate) const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
 /// Below this |x|, tanh uses the odd polynomial.
 pub(crate) const TANH_SMALL: f32 = 0.625;
 /// Cephes `tanhf` polynomial in z = x^2, highest degree first.
-pub(crate) const TANH_P: [f32; 5] = [
-    -5.704_988_7e-3,
-    2.063_909e-2,
-    -5.373_971_6e-2,
-    1.333_144_2e-1,
-    -3.333_328e-1,
-];
+pub(crate) const TANH_P: [f32; 5] = [-5.704_988_7e-3, 2.063_909e-2, -5.373_971_6e-2, 1.333_144_2e-1, -3.333_328e-1];
 /// The f32 sign bit.
 pub(crate) const SIGN_BIT: u32 = 0x8000_0000;
 
@@ -139,11 +126,7 @@ mod tests {
     #[test]
     fn constants_are_what_they_claim() {
         assert_eq!(f64::from(LN2_HI), 0.693_359_375_f64);
-        assert_eq!(
-            LN2_HI.to_bits() & 0x7FFF,
-            0,
-            "LN2_HI needs its low mantissa bits clear"
-        );
+        assert_eq!(LN2_HI.to_bits() & 0x7FFF, 0, "LN2_HI needs its low mantissa bits clear");
         let ln2 = f64::from(LN2_HI) + f64::from(LN2_LO);
         assert!((ln2 - std::f64::consts::LN_2).abs() < 1e-11, "{ln2}");
     }

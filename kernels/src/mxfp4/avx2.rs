@@ -8,11 +8,10 @@
 //! [`crate::tiled`].
 
 use std::arch::x86_64::{
-    __m256, __m256i, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_castsi256_ps,
-    _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setr_epi8,
-    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_shuffle_epi8, _mm256_srli_epi16,
-    _mm256_unpackhi_epi16, _mm256_unpackhi_epi8, _mm256_unpacklo_epi16, _mm256_unpacklo_epi8,
-    _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0,
+    __m256, __m256i, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_castsi256_ps, _mm256_fmadd_ps,
+    _mm256_mul_ps, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setr_epi8, _mm256_setzero_ps, _mm256_setzero_si256,
+    _mm256_shuffle_epi8, _mm256_srli_epi16, _mm256_unpackhi_epi16, _mm256_unpackhi_epi8, _mm256_unpacklo_epi16,
+    _mm256_unpacklo_epi8, _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0,
 };
 
 use super::{e8m0_pow2, GROUP};
@@ -26,12 +25,10 @@ const GROUP_BYTES: usize = GROUP / 2;
 
 /// bf16 bit patterns of the signed E2M1 values, nibble 0..=15 (`e2m1_signed` as bf16; every
 /// value has at most 2 significant bits, so bf16 is exact): low bytes and high bytes.
-const E2M1_BF16_LO: [u8; 16] = [
-    0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
-];
-const E2M1_BF16_HI: [u8; 16] = [
-    0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0,
-];
+const E2M1_BF16_LO: [u8; 16] =
+    [0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0];
+const E2M1_BF16_HI: [u8; 16] =
+    [0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0];
 
 /// A 16-byte table in both 128-bit lanes, for `vpshufb`.
 #[inline]
@@ -102,14 +99,7 @@ fn group_pow2(scale: u8) -> __m256 {
 }
 
 #[target_feature(enable = "avx2,fma")]
-pub(crate) fn matmul(
-    packed: &[u8],
-    scales: &[u8],
-    cols: usize,
-    x: &[f32],
-    t: usize,
-    out: &mut RowsOut<'_>,
-) {
+pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
     if t == 1 {
         single_token(packed, scales, cols, x, out);
     } else {
@@ -125,24 +115,14 @@ fn single_token(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut 
     let (x_chunks, _) = x.as_chunks::<LANES>();
     let mut r = 0;
     while r + R <= rows {
-        let sums = rows_dot::<R>(
-            &packed[r * pb..(r + R) * pb],
-            &scales[r * groups..(r + R) * groups],
-            cols,
-            x_chunks,
-        );
+        let sums = rows_dot::<R>(&packed[r * pb..(r + R) * pb], &scales[r * groups..(r + R) * groups], cols, x_chunks);
         for (i, s) in sums.into_iter().enumerate() {
             out.set(0, r + i, s);
         }
         r += R;
     }
     while r < rows {
-        let [s] = rows_dot::<1>(
-            &packed[r * pb..(r + 1) * pb],
-            &scales[r * groups..(r + 1) * groups],
-            cols,
-            x_chunks,
-        );
+        let [s] = rows_dot::<1>(&packed[r * pb..(r + 1) * pb], &scales[r * groups..(r + 1) * groups], cols, x_chunks);
         out.set(0, r, s);
         r += 1;
     }
@@ -151,12 +131,7 @@ fn single_token(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut 
 /// Canonical dots of `R` consecutive rows with one token.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn rows_dot<const R: usize>(
-    packed: &[u8],
-    scales: &[u8],
-    cols: usize,
-    x_chunks: &[[f32; LANES]],
-) -> [f32; R] {
+fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks: &[[f32; LANES]]) -> [f32; R] {
     let (pb, groups) = (cols / 2, cols / GROUP);
     let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
     let mut srows: [&[u8]; R] = [&[]; R];
@@ -196,16 +171,9 @@ fn rows_dot<const R: usize>(
 /// `cn <= TILE_COLS`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-pub(crate) fn decode_segment(
-    packed_row: &[u8],
-    scale_row: &[u8],
-    c0: usize,
-    cn: usize,
-    dst: &mut Tile,
-) {
+pub(crate) fn decode_segment(packed_row: &[u8], scale_row: &[u8], c0: usize, cn: usize, dst: &mut Tile) {
     let (g0, gn) = (c0 / GROUP, cn / GROUP);
-    let (groups, _) =
-        packed_row[g0 * GROUP_BYTES..(g0 + gn) * GROUP_BYTES].as_chunks::<GROUP_BYTES>();
+    let (groups, _) = packed_row[g0 * GROUP_BYTES..(g0 + gn) * GROUP_BYTES].as_chunks::<GROUP_BYTES>();
     for (k, (group, &scale)) in groups.iter().zip(&scale_row[g0..g0 + gn]).enumerate() {
         let [w0, w1, w2, w3] = decode32(group, group_pow2(scale));
         store16(&mut dst[2 * k], w0, w1);

@@ -86,19 +86,8 @@ pub(crate) struct Args<'a> {
 
 impl Args<'_> {
     fn check_shapes(&self, y: &[f32]) {
-        let Args {
-            packed,
-            scales,
-            rows,
-            cols,
-            x,
-            t,
-        } = *self;
-        assert_eq!(
-            cols % GROUP,
-            0,
-            "matmul_mxfp4: cols = {cols} is not a multiple of {GROUP}"
-        );
+        let Args { packed, scales, rows, cols, x, t } = *self;
+        assert_eq!(cols % GROUP, 0, "matmul_mxfp4: cols = {cols} is not a multiple of {GROUP}");
         assert_eq!(
             Some(packed.len()),
             rows.checked_mul(cols / 2),
@@ -109,34 +98,19 @@ impl Args<'_> {
             rows.checked_mul(cols / GROUP),
             "matmul_mxfp4: scales must hold rows * cols / 32 = {rows} * {cols} / 32 bytes"
         );
-        assert_eq!(
-            Some(x.len()),
-            t.checked_mul(cols),
-            "matmul_mxfp4: x must hold t * cols = {t} * {cols} floats"
-        );
-        assert_eq!(
-            Some(y.len()),
-            t.checked_mul(rows),
-            "matmul_mxfp4: y must hold t * rows = {t} * {rows} floats"
-        );
+        assert_eq!(Some(x.len()), t.checked_mul(cols), "matmul_mxfp4: x must hold t * cols = {t} * {cols} floats");
+        assert_eq!(Some(y.len()), t.checked_mul(rows), "matmul_mxfp4: y must hold t * rows = {t} * {rows} floats");
     }
 }
 
 /// The first 0xFF scale among `scales` (whole rows starting at `row_begin`), as an error.
-pub(crate) fn check_scales(
-    scales: &[u8],
-    groups: usize,
-    row_begin: usize,
-) -> Result<(), KernelError> {
+pub(crate) fn check_scales(scales: &[u8], groups: usize, row_begin: usize) -> Result<(), KernelError> {
     // `contains` on bytes is memchr; the position is only searched once something was found.
     if !scales.contains(&BAD_SCALE) {
         return Ok(());
     }
     let pos = scales.iter().position(|&s| s == BAD_SCALE).unwrap_or(0);
-    Err(KernelError::BadScale {
-        row: row_begin + pos / groups,
-        group: pos % groups,
-    })
+    Err(KernelError::BadScale { row: row_begin + pos / groups, group: pos % groups })
 }
 
 impl Fns {
@@ -145,12 +119,8 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns {
-                matmul: avx2::matmul,
-            },
-            _ => Fns {
-                matmul: scalar::matmul,
-            },
+            Isa::Avx2 => Fns { matmul: avx2::matmul },
+            _ => Fns { matmul: scalar::matmul },
         }
     }
 
@@ -196,10 +166,7 @@ mod tests {
         assert_eq!(mxfp4_value(0x1, 127), Some(0.5));
         assert_eq!(mxfp4_value(0x7, 128), Some(12.0));
         assert_eq!(mxfp4_value(0xF, 127), Some(-6.0));
-        assert_eq!(
-            mxfp4_value(0x8, 127).map(f32::to_bits),
-            Some((-0.0f32).to_bits())
-        );
+        assert_eq!(mxfp4_value(0x8, 127).map(f32::to_bits), Some((-0.0f32).to_bits()));
         assert_eq!(mxfp4_value(0x0, 127).map(f32::to_bits), Some(0));
         assert_eq!(mxfp4_value(0x7, 254), Some(f32::INFINITY));
         assert_eq!(mxfp4_value(0x1, 0).map(f64::from), Some(2f64.powi(-128)));
@@ -211,10 +178,7 @@ mod tests {
         let mut s = vec![127u8; 4 * 3];
         s[2 * 3 + 1] = BAD_SCALE;
         s[3 * 3] = BAD_SCALE;
-        assert_eq!(
-            check_scales(&s, 3, 10),
-            Err(KernelError::BadScale { row: 12, group: 1 })
-        );
+        assert_eq!(check_scales(&s, 3, 10), Err(KernelError::BadScale { row: 12, group: 1 }));
         assert_eq!(check_scales(&s[..6], 3, 0), Ok(()));
     }
 }

@@ -31,14 +31,7 @@ pub(crate) fn row_dot(packed_row: &[u8], scale_row: &[u8], x: &[f32]) -> f32 {
 
 /// `y[tok, r] = row_dot(W[r], x[tok])` for the rows of `out`; `packed`/`scales` hold exactly
 /// those rows.
-pub(crate) fn matmul(
-    packed: &[u8],
-    scales: &[u8],
-    cols: usize,
-    x: &[f32],
-    t: usize,
-    out: &mut RowsOut<'_>,
-) {
+pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
     let (row_bytes, groups) = (cols / 2, cols / GROUP);
     for tok in 0..t {
         let xt = &x[tok * cols..][..cols];

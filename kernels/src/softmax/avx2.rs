@@ -1,10 +1,9 @@
 //! AVX2+FMA softmax; same steps and bits as `scalar.rs`.
 
 use std::arch::x86_64::{
-    _mm256_add_ps, _mm256_castps256_ps128, _mm256_cmp_ps, _mm256_div_ps, _mm256_extractf128_ps,
-    _mm256_max_ps, _mm256_movemask_ps, _mm256_or_ps, _mm256_set1_ps, _mm256_setzero_ps,
-    _mm256_sub_ps, _mm_cvtss_f32, _mm_max_ps, _mm_max_ss, _mm_movehl_ps, _mm_shuffle_ps,
-    _CMP_UNORD_Q,
+    _mm256_add_ps, _mm256_castps256_ps128, _mm256_cmp_ps, _mm256_div_ps, _mm256_extractf128_ps, _mm256_max_ps,
+    _mm256_movemask_ps, _mm256_or_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_sub_ps, _mm_cvtss_f32, _mm_max_ps,
+    _mm_max_ss, _mm_movehl_ps, _mm_shuffle_ps, _CMP_UNORD_Q,
 };
 
 use crate::dot::avx2::{load16, reduce16, store16};
@@ -57,11 +56,7 @@ pub(crate) fn softmax(x: &mut [f32]) {
     if !tail.is_empty() {
         let mut padded = pad16(tail);
         let (lo, hi) = load16(&padded);
-        store16(
-            &mut padded,
-            exp8(_mm256_sub_ps(lo, mv)),
-            exp8(_mm256_sub_ps(hi, mv)),
-        );
+        store16(&mut padded, exp8(_mm256_sub_ps(lo, mv)), exp8(_mm256_sub_ps(hi, mv)));
         tail.copy_from_slice(&padded[..tail.len()]);
         // Padding lanes must add +0.0, not exp(0 - m).
         let (e_lo, e_hi) = load16(&pad16(tail));

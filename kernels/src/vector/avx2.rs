@@ -39,11 +39,7 @@ pub(crate) fn norm_f32(x: &[f32], inv: f32, w: &[f32], out: &mut [f32]) {
     for ((o, xc), wc) in o_chunks.iter_mut().zip(x_chunks).zip(w_chunks) {
         let (xl, xh) = load16(xc);
         let (wl, wh) = load16(wc);
-        store16(
-            o,
-            _mm256_mul_ps(_mm256_mul_ps(xl, iv), wl),
-            _mm256_mul_ps(_mm256_mul_ps(xh, iv), wh),
-        );
+        store16(o, _mm256_mul_ps(_mm256_mul_ps(xl, iv), wl), _mm256_mul_ps(_mm256_mul_ps(xh, iv), wh));
     }
     super::scalar::norm_f32(x_tail, inv, w_tail, o_tail);
 }
@@ -57,11 +53,7 @@ pub(crate) fn norm_bf16(x: &[f32], inv: f32, w: &[u8], out: &mut [f32]) {
     for ((o, xc), wc) in o_chunks.iter_mut().zip(x_chunks).zip(w_chunks) {
         let (xl, xh) = load16(xc);
         let (wl, wh) = bf16x16(wc);
-        store16(
-            o,
-            _mm256_mul_ps(_mm256_mul_ps(xl, iv), wl),
-            _mm256_mul_ps(_mm256_mul_ps(xh, iv), wh),
-        );
+        store16(o, _mm256_mul_ps(_mm256_mul_ps(xl, iv), wl), _mm256_mul_ps(_mm256_mul_ps(xh, iv), wh));
     }
     super::scalar::norm_bf16(x_tail, inv, w_tail, o_tail);
 }

@@ -46,12 +46,9 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns {
-                axpy: avx2::axpy,
-                scale: avx2::scale,
-                norm_f32: avx2::norm_f32,
-                norm_bf16: avx2::norm_bf16,
-            },
+            Isa::Avx2 => {
+                Fns { axpy: avx2::axpy, scale: avx2::scale, norm_f32: avx2::norm_f32, norm_bf16: avx2::norm_bf16 }
+            }
             _ => Fns {
                 axpy: scalar::axpy,
                 scale: scalar::scale,
@@ -83,16 +80,8 @@ impl Fns {
 
     pub(crate) fn rmsnorm_bf16w(&self, ss: f32, x: &[f32], w: &[u8], eps: f32, out: &mut [f32]) {
         assert!(!x.is_empty(), "rmsnorm_bf16w: x is empty");
-        assert_eq!(
-            w.len(),
-            2 * x.len(),
-            "rmsnorm_bf16w: w must hold 2 bytes per element of x"
-        );
-        assert_eq!(
-            out.len(),
-            x.len(),
-            "rmsnorm_bf16w: out and x differ in length"
-        );
+        assert_eq!(w.len(), 2 * x.len(), "rmsnorm_bf16w: w must hold 2 bytes per element of x");
+        assert_eq!(out.len(), x.len(), "rmsnorm_bf16w: out and x differ in length");
         let inv = rms_inv(ss, x.len(), eps);
         // SAFETY: `self` was built by `for_isa`, whose caller guaranteed the ISA's features.
         unsafe { (self.norm_bf16)(x, inv, w, out) }

@@ -102,16 +102,12 @@ impl Rng {
 
     /// bf16 bytes of `n` ordinary values (normals with standard deviation `sd`, truncated).
     pub fn bf16_plain(&mut self, n: usize, sd: f32) -> Vec<u8> {
-        (0..n)
-            .flat_map(|_| ((self.normal(sd).to_bits() >> 16) as u16).to_le_bytes())
-            .collect()
+        (0..n).flat_map(|_| ((self.normal(sd).to_bits() >> 16) as u16).to_le_bytes()).collect()
     }
 
     /// bf16 bytes of `n` values: mostly rounded-down normals, some special patterns.
     pub fn bf16_bytes(&mut self, n: usize, specials: bool) -> Vec<u8> {
-        const FINITE: [u16; 8] = [
-            0x0000, 0x8000, 0x0001, 0x8001, 0x0080, 0x7F7F, 0xFF7F, 0x3F80,
-        ];
+        const FINITE: [u16; 8] = [0x0000, 0x8000, 0x0001, 0x8001, 0x0080, 0x7F7F, 0xFF7F, 0x3F80];
         const NONFINITE: [u16; 3] = [0x7F80, 0xFF80, 0x7FC1];
         let mut out = Vec::with_capacity(2 * n);
         for _ in 0..n {
@@ -176,26 +172,18 @@ pub fn scalar() -> Kernels {
 
 /// Every ISA this host can run, Scalar first.
 pub fn all_kernels() -> Vec<Kernels> {
-    let ks: Vec<Kernels> = Isa::available()
-        .into_iter()
-        .map(|i| Kernels::with_isa(i).unwrap())
-        .collect();
+    let ks: Vec<Kernels> = Isa::available().into_iter().map(|i| Kernels::with_isa(i).unwrap()).collect();
     if ks.len() == 1 {
         #[allow(clippy::print_stderr)]
         {
-            eprintln!(
-                "SKIPPED: only the scalar ISA is available on this host; SIMD twins untested"
-            );
+            eprintln!("SKIPPED: only the scalar ISA is available on this host; SIMD twins untested");
         }
     }
     ks
 }
 
 pub fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
 }
 
 /// Distance in f32 ulps of `got` from the exact value `want` (ulp taken at `want`).

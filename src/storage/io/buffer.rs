@@ -317,9 +317,7 @@ mod hwloc_bind {
             return super::bind_to_node(ptr, len, node, policy);
         };
         let bind_error = |source| IoError::Mbind { node, bytes: len as u64, source };
-        let numa = topology
-            .objects_with_type(ObjectType::NUMANode)
-            .find(|obj| obj.os_index() == Some(node as usize));
+        let numa = topology.objects_with_type(ObjectType::NUMANode).find(|obj| obj.os_index() == Some(node as usize));
         let Some(nodeset) = numa.and_then(|obj| obj.nodeset()) else {
             // The same errno mbind gives for a node that does not exist.
             return Err(bind_error(std::io::Error::from_raw_os_error(libc::EINVAL)));

@@ -36,7 +36,13 @@ impl MappedReader {
             let map = if len == 0 { None } else { Some(unsafe { Mmap::map(&file) }.map_err(open)?) };
             maps.push(map);
         }
-        Ok(MappedReader { paths: files.to_vec(), maps, ready: VecDeque::with_capacity(ops_max), ops_max, stats: IoStats::default() })
+        Ok(MappedReader {
+            paths: files.to_vec(),
+            maps,
+            ready: VecDeque::with_capacity(ops_max),
+            ops_max,
+            stats: IoStats::default(),
+        })
     }
 
     fn copy(&mut self, op: &ReadOp) -> Result<usize, IoError> {

@@ -18,7 +18,10 @@ pub fn random_read_rate(
     seed: u64,
 ) -> Result<f64, IoError> {
     let qd = queue_depth.max(1) as usize;
-    let probe = UringReader::new(files, RingOptions { queue_depth: 1, chunk_bytes: 4096, ops_max: 1, register_files: false, ..RingOptions::default() })?;
+    let probe = UringReader::new(
+        files,
+        RingOptions { queue_depth: 1, chunk_bytes: 4096, ops_max: 1, register_files: false, ..RingOptions::default() },
+    )?;
     let align = u64::from(probe.dio_align().strictest()).max(4096);
     drop(probe);
     let len = (read_bytes as u64).div_ceil(align) * align;
@@ -33,11 +36,8 @@ pub fn random_read_rate(
         inject: None,
     };
     let mut ring = UringReader::new(files, opts)?;
-    let usable: Vec<(usize, u64, u64)> = ranges
-        .iter()
-        .map(|&(f, a, b)| (f, a.div_ceil(align) * align, b))
-        .filter(|&(_, a, b)| b > a + len)
-        .collect();
+    let usable: Vec<(usize, u64, u64)> =
+        ranges.iter().map(|&(f, a, b)| (f, a.div_ceil(align) * align, b)).filter(|&(_, a, b)| b > a + len).collect();
     if usable.is_empty() {
         return Err(IoError::BadOp { tag: 0, why: format!("no file range holds a {len}-byte read") });
     }

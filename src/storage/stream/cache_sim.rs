@@ -118,7 +118,8 @@ impl Trace {
 
     /// Appends one routing decision; (token, layer) must come after the last one.
     pub fn push(&mut self, token: u64, layer: usize, experts: &[usize]) -> Result<(), TraceError> {
-        self.push_checked(token, layer, experts.iter().map(|&e| e as u64)).map_err(|reason| TraceError::Invalid { reason })
+        self.push_checked(token, layer, experts.iter().map(|&e| e as u64))
+            .map_err(|reason| TraceError::Invalid { reason })
     }
 
     fn push_checked(&mut self, token: u64, layer: usize, experts: impl Iterator<Item = u64>) -> Result<(), String> {
@@ -257,7 +258,8 @@ pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
             break;
         }
         line_number += 1;
-        let text = std::str::from_utf8(&buf).map_err(|_| malformed(line_number, "the line is not UTF-8 text".to_owned()))?;
+        let text =
+            std::str::from_utf8(&buf).map_err(|_| malformed(line_number, "the line is not UTF-8 text".to_owned()))?;
         let text = text.trim();
         let Some(trace) = trace.as_mut() else {
             trace = Some(parse_header(text).map_err(|reason| malformed(line_number, reason))?);
@@ -268,7 +270,14 @@ pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
         }
         parse_line(trace, text).map_err(|reason| malformed(line_number, reason))?;
     }
-    trace.ok_or_else(|| malformed(1, format!("the file is empty; expected the header `{HEADER_PREFIX} {FORMAT_VERSION} layers=L experts=E top_k=K`")))
+    trace.ok_or_else(|| {
+        malformed(
+            1,
+            format!(
+                "the file is empty; expected the header `{HEADER_PREFIX} {FORMAT_VERSION} layers=L experts=E top_k=K`"
+            ),
+        )
+    })
 }
 
 fn parse_header(text: &str) -> Result<Trace, String> {
@@ -278,7 +287,10 @@ fn parse_header(text: &str) -> Result<Trace, String> {
     };
     let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
     if fields.first() != Some(&FORMAT_VERSION) {
-        return Err(format!("unsupported trace version {:?}; this k3ring reads {FORMAT_VERSION}", fields.first().unwrap_or(&"")));
+        return Err(format!(
+            "unsupported trace version {:?}; this k3ring reads {FORMAT_VERSION}",
+            fields.first().unwrap_or(&"")
+        ));
     }
     let value = |i: usize, name: &str| -> Result<usize, String> {
         fields
@@ -301,7 +313,9 @@ fn parse_header(text: &str) -> Result<Trace, String> {
 fn parse_line(trace: &mut Trace, text: &str) -> Result<(), String> {
     let mut fields = text.split_ascii_whitespace();
     let number = |f: Option<&str>, what: &str| -> Result<u64, String> {
-        let f = f.ok_or_else(|| format!("expected `token layer` and {} experts, the line ends before the {what}", trace.top_k))?;
+        let f = f.ok_or_else(|| {
+            format!("expected `token layer` and {} experts, the line ends before the {what}", trace.top_k)
+        })?;
         f.parse::<u64>().map_err(|_| format!("{what} {:?} is not a non-negative integer", clip(f)))
     };
     let token = number(fields.next(), "token")?;
@@ -352,7 +366,8 @@ impl TraceWriter {
     /// Creates (or truncates) `path` and writes the header.
     pub fn create(path: &Path, layers: usize, experts: usize, top_k: usize) -> Result<TraceWriter, TraceError> {
         check_shape(layers, experts, top_k).map_err(|reason| TraceError::Invalid { reason })?;
-        let file = File::create(path).map_err(|source| TraceError::Io { op: "creating", path: path.to_owned(), source })?;
+        let file =
+            File::create(path).map_err(|source| TraceError::Io { op: "creating", path: path.to_owned(), source })?;
         let mut w = TraceWriter {
             path: path.to_owned(),
             out: BufWriter::new(file),

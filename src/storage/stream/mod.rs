@@ -25,7 +25,6 @@ use serde::Serialize;
 
 use self::policy::{CachePolicy, ExpertKey};
 use self::service::{IoService, OpMeta, Priority, SendOp, Ticket};
-use crate::trace::{Stage, Tracer};
 use super::io::{
     align::open_direct, AlignedBuf, BufOptions, FaultPlan, IoError, IoStats, MappedReader, PreadOptions, PreadReader,
     ReadBackend, ReadOp, RingOptions, UringReader,
@@ -35,6 +34,7 @@ use super::plan::Plan;
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::model::weights::{ExpertBytes, ExpertView, Mat, SourceError, TensorId, TrunkUnit, TrunkView, WeightSource};
+use crate::trace::{Stage, Tracer};
 
 /// Which read backend serves the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -375,8 +375,9 @@ impl StreamingSource {
         let io = start_io(&files, opts, &arena, align, Arc::clone(&tracer))?;
         let unit_idx = |u: PackUnit| units.iter().position(|p| p.unit == u);
         let missing = |what: &str| StreamError::Mismatch(format!("the trunk pack has no {what} unit"));
-        let unit_of_layer =
-            (0..cfg.n_layers).map(|l| unit_idx(PackUnit::Layer(l)).ok_or_else(|| missing("layer"))).collect::<Result<Vec<_>, _>>()?;
+        let unit_of_layer = (0..cfg.n_layers)
+            .map(|l| unit_idx(PackUnit::Layer(l)).ok_or_else(|| missing("layer")))
+            .collect::<Result<Vec<_>, _>>()?;
         let head_unit = unit_idx(PackUnit::Head).ok_or_else(|| missing("head"))?;
         let embed_unit = unit_idx(PackUnit::Embed).ok_or_else(|| missing("embed"))?;
         let embed_tensor = manifest.units.iter().find(|u| u.unit == "embed").and_then(|u| u.tensors.first());
@@ -385,7 +386,8 @@ impl StreamingSource {
             offset: embed_tensor.map_or(0, |t| t.offset as usize),
             len: embed_tensor.map_or(0, |t| t.len as usize),
         };
-        let mut streamed_order: Vec<usize> = unit_of_layer.iter().copied().filter(|&u| units[u].pinned.is_none()).collect();
+        let mut streamed_order: Vec<usize> =
+            unit_of_layer.iter().copied().filter(|&u| units[u].pinned.is_none()).collect();
         if units[head_unit].pinned.is_none() {
             streamed_order.push(head_unit);
         }
@@ -413,7 +415,15 @@ impl StreamingSource {
             experts: layout
                 .experts
                 .iter()
-                .map(|&region| ExpertSlot { region, key: None, ticket: None, users: 0, parts: [(0, 0); 6], speculative: false, bytes: 0 })
+                .map(|&region| ExpertSlot {
+                    region,
+                    key: None,
+                    ticket: None,
+                    users: 0,
+                    parts: [(0, 0); 6],
+                    speculative: false,
+                    bytes: 0,
+                })
                 .collect(),
             resident: HashMap::new(),
             policy: policy::policy_by_name(&opts.policy, plan.expert_slots)
@@ -566,13 +576,22 @@ impl StreamingSource {
         let u = &self.units[unit];
         let got = super::pack::checksum(self.bytes(Region { off: r.off, len: u.len as usize }));
         if got != u.checksum {
-            return Err(PackError::Checksum { path: self.pack_path.clone(), unit: u.unit.name(), want: u.checksum.clone(), got });
+            return Err(PackError::Checksum {
+                path: self.pack_path.clone(),
+                unit: u.unit.name(),
+                want: u.checksum.clone(),
+                got,
+            });
         }
         Ok(())
     }
 
     fn read_error(&self, what: String, e: &Arc<IoError>) -> SourceError {
-        SourceError::Read { what, exit_code: e.exit_code(), source: Arc::clone(e) as Arc<dyn std::error::Error + Send + Sync> }
+        SourceError::Read {
+            what,
+            exit_code: e.exit_code(),
+            source: Arc::clone(e) as Arc<dyn std::error::Error + Send + Sync>,
+        }
     }
 
     /// Makes a streamed unit resident in the ring, issuing read-ahead for the units after it.
@@ -587,7 +606,9 @@ impl StreamingSource {
             st.ring[slot].users += 1;
             let ticket = st.ring[slot].ticket;
             for &next in window.iter().skip(1) {
-                if !st.ring.iter().any(|s| s.unit == Some(next)) && self.start_unit_read(&mut st, next, &window, Priority::Prefetch).is_err() {
+                if !st.ring.iter().any(|s| s.unit == Some(next))
+                    && self.start_unit_read(&mut st, next, &window, Priority::Prefetch).is_err()
+                {
                     break;
                 }
             }
@@ -612,7 +633,10 @@ impl StreamingSource {
         if region.1 {
             if let Err(e) = self.verify(unit, region.0) {
                 release(self);
-                return Err(SourceError::Corrupt { what: format!("trunk unit {}", self.units[unit].unit.name()), message: e.to_string() });
+                return Err(SourceError::Corrupt {
+                    what: format!("trunk unit {}", self.units[unit].unit.name()),
+                    message: e.to_string(),
+                });
             }
             lock(&self.state).verified[unit] = true;
         }
@@ -628,13 +652,21 @@ impl StreamingSource {
     }
 
     /// Picks a ring slot no guard holds and no unit of `window` occupies, and starts reading.
-    fn start_unit_read(&self, st: &mut State, unit: usize, window: &[usize], prio: Priority) -> Result<usize, SourceError> {
+    fn start_unit_read(
+        &self,
+        st: &mut State,
+        unit: usize,
+        window: &[usize],
+        prio: Priority,
+    ) -> Result<usize, SourceError> {
         let slot = st
             .ring
             .iter()
             .position(|s| s.users == 0 && s.ticket.is_none() && s.unit.is_none_or(|u| !window.contains(&u)))
             .or_else(|| st.ring.iter().position(|s| s.users == 0 && s.unit.is_none_or(|u| !window.contains(&u))))
-            .ok_or_else(|| SourceError::Internal("no free trunk slot: the ring is smaller than the read-ahead window".to_owned()))?;
+            .ok_or_else(|| {
+                SourceError::Internal("no free trunk slot: the ring is smaller than the read-ahead window".to_owned())
+            })?;
         if st.ring[slot].ticket.is_some() {
             // An unwanted read-ahead is still in flight into this slot: let it land first.
             let t = st.ring[slot].ticket.take();
@@ -652,7 +684,12 @@ impl StreamingSource {
     }
 
     /// Read ops for one expert into a slot; returns the ops and the parts' places in the slot.
-    fn expert_ops(&self, key: ExpertKey, region: Region, kind: &'static str) -> Result<(Vec<SendOp>, PartPlaces), SourceError> {
+    fn expert_ops(
+        &self,
+        key: ExpertKey,
+        region: Region,
+        kind: &'static str,
+    ) -> Result<(Vec<SendOp>, PartPlaces), SourceError> {
         let meta = OpMeta { name: "expert read", kind, layer: Some(key.0 as u32), expert: Some(key.1 as u32) };
         let r = self.index.experts.get(key.0, key.1).ok_or_else(|| SourceError::Corrupt {
             what: format!("layer {} expert {}", key.0, key.1),
@@ -676,13 +713,23 @@ impl StreamingSource {
                 let ws = t.offset / a * a;
                 let we = align_up(t.offset + t.len, a);
                 parts[k] = (cursor + (t.offset - ws) as usize, t.len as usize);
-                ops.push(self.op(t.shard, ws, (we - ws) as usize, (t.offset + t.len - ws) as usize, region.off + cursor, meta));
+                ops.push(self.op(
+                    t.shard,
+                    ws,
+                    (we - ws) as usize,
+                    (t.offset + t.len - ws) as usize,
+                    region.off + cursor,
+                    meta,
+                ));
                 cursor += (we - ws) as usize;
             }
         }
         let used = ops.iter().map(|o| o.op.len).sum::<usize>();
         if used > region.len {
-            return Err(SourceError::Internal(format!("expert ({}, {}) needs {used} bytes, slot holds {}", key.0, key.1, region.len)));
+            return Err(SourceError::Internal(format!(
+                "expert ({}, {}) needs {used} bytes, slot holds {}",
+                key.0, key.1, region.len
+            )));
         }
         Ok((ops, parts))
     }
@@ -715,7 +762,11 @@ impl StreamingSource {
                     break;
                 }
             };
-            let bytes = self.index.experts.get(key.0, key.1).map_or(0, |r| r.parts.iter().map(|&id| self.index.tensors[id].len).sum::<u64>());
+            let bytes = self
+                .index
+                .experts
+                .get(key.0, key.1)
+                .map_or(0, |r| r.parts.iter().map(|&id| self.index.tensors[id].len).sum::<u64>());
             let ticket = self.io.reserve();
             if let Some(old) = st.experts[slot].ticket.replace(ticket) {
                 self.io.forget(old);
@@ -803,11 +854,13 @@ impl StreamingSource {
             }
             // Every slot is held or still being read: wait for a read to land. If none is in
             // flight any more, one landed since the victim search: search again.
-            let busy = st.experts.iter().filter(|s| s.users == 0).find_map(|s| s.ticket.filter(|&t| !self.io.is_done(t)));
+            let busy =
+                st.experts.iter().filter(|s| s.users == 0).find_map(|s| s.ticket.filter(|&t| !self.io.is_done(t)));
             if let Some(ticket) = busy {
                 drop(st);
                 // A failed read frees nothing; say why instead of searching on.
-                self.wait_io(ticket, Some(key.0)).map_err(|e| self.read_error(format!("layer {} expert {}", key.0, key.1), &e))?;
+                self.wait_io(ticket, Some(key.0))
+                    .map_err(|e| self.read_error(format!("layer {} expert {}", key.0, key.1), &e))?;
                 st = lock(&self.state);
             }
         }
@@ -843,14 +896,27 @@ fn place_units(
         let unit = PackUnit::parse(&u.unit).ok_or_else(|| StreamError::Mismatch(format!("unknown unit {}", u.unit)))?;
         for t in &u.tensors {
             let id = index.position(&t.name).ok_or_else(|| {
-                StreamError::Mismatch(format!("the trunk pack holds {} which the checkpoint lacks: run `k3ring pack` again", t.name))
+                StreamError::Mismatch(format!(
+                    "the trunk pack holds {} which the checkpoint lacks: run `k3ring pack` again",
+                    t.name
+                ))
             })?;
             if index.tensors[id].len != t.len {
-                return Err(StreamError::Mismatch(format!("{}: the pack and the checkpoint disagree on its size", t.name)));
+                return Err(StreamError::Mismatch(format!(
+                    "{}: the pack and the checkpoint disagree on its size",
+                    t.name
+                )));
             }
             tensor_loc[id] = Some(Loc { unit: i, offset: t.offset as usize, len: t.len as usize });
         }
-        units.push(UnitPlace { row_checksums: u.row_checksums.clone(), unit, file_offset: u.offset, len: u.len, checksum: u.checksum.clone(), pinned: None });
+        units.push(UnitPlace {
+            row_checksums: u.row_checksums.clone(),
+            unit,
+            file_offset: u.offset,
+            len: u.len,
+            checksum: u.checksum.clone(),
+            pinned: None,
+        });
     }
     Ok((units, tensor_loc))
 }
@@ -866,7 +932,13 @@ struct Layout {
 impl Layout {
     /// Assigns arena regions: pinned units (recorded in `units`), ring slots, expert slots, the
     /// embedding row buffer.
-    fn new(units: &mut [UnitPlace], cfg: &Config, plan: &Plan, opts: &StreamOptions, align: u64) -> Result<Layout, StreamError> {
+    fn new(
+        units: &mut [UnitPlace],
+        cfg: &Config,
+        plan: &Plan,
+        opts: &StreamOptions,
+        align: u64,
+    ) -> Result<Layout, StreamError> {
         let mut off = 0u64;
         let mut take = |len: u64| {
             let r = Region { off: off as usize, len: len as usize };
@@ -880,7 +952,8 @@ impl Layout {
                 .ok_or_else(|| StreamError::Mismatch(format!("the plan pins {} which the pack lacks", want.name())))?;
             u.pinned = Some(take(u.len));
         }
-        let streamed_max = units.iter().filter(|u| u.pinned.is_none() && u.unit != PackUnit::Embed).map(|u| u.len).max().unwrap_or(0);
+        let streamed_max =
+            units.iter().filter(|u| u.pinned.is_none() && u.unit != PackUnit::Embed).map(|u| u.len).max().unwrap_or(0);
         if plan.ring_slots > 0 && streamed_max > plan.ring_slot_bytes || plan.ring_slots == 0 && streamed_max > 0 {
             return Err(StreamError::Mismatch(format!(
                 "the plan's trunk slots ({} of {} bytes) cannot hold a streamed unit of {streamed_max} bytes",
@@ -890,7 +963,10 @@ impl Layout {
         let ring = (0..plan.ring_slots).map(|_| take(plan.ring_slot_bytes)).collect();
         let slot = expert_slot_bytes(cfg, align);
         if slot > plan.expert_slot_bytes {
-            return Err(StreamError::Mismatch(format!("expert slots of {} bytes planned, {slot} needed", plan.expert_slot_bytes)));
+            return Err(StreamError::Mismatch(format!(
+                "expert slots of {} bytes planned, {slot} needed",
+                plan.expert_slot_bytes
+            )));
         }
         let experts = (0..plan.expert_slots).map(|_| take(slot)).collect();
         let embed = take(embed_buffer_bytes(cfg, opts.chunk_tokens.max(1), align));
@@ -898,7 +974,13 @@ impl Layout {
     }
 }
 
-fn start_io(files: &[PathBuf], opts: &StreamOptions, arena: &Arc<AlignedBuf>, align: u64, tracer: Arc<Tracer>) -> Result<IoService, StreamError> {
+fn start_io(
+    files: &[PathBuf],
+    opts: &StreamOptions,
+    arena: &Arc<AlignedBuf>,
+    align: u64,
+    tracer: Arc<Tracer>,
+) -> Result<IoService, StreamError> {
     let files = files.to_vec();
     let ops_max = 256usize;
     let qd = opts.queue_depth.max(1);
@@ -925,7 +1007,14 @@ fn start_io(files: &[PathBuf], opts: &StreamOptions, arena: &Arc<AlignedBuf>, al
             )?),
             IoKind::Pread => Box::new(PreadReader::new(
                 &files,
-                PreadOptions { threads, queue_depth: qd, chunk_bytes: chunk as usize, ops_max, align_min: align as u32, inject },
+                PreadOptions {
+                    threads,
+                    queue_depth: qd,
+                    chunk_bytes: chunk as usize,
+                    ops_max,
+                    align_min: align as u32,
+                    inject,
+                },
             )?),
             IoKind::Mmap => Box::new(MappedReader::new(&files, ops_max)?),
             IoKind::Sim => {
@@ -1020,7 +1109,9 @@ impl WeightSource for StreamingSource {
     fn trunk(&self, unit: TrunkUnit) -> Result<StreamTrunk<'_>, SourceError> {
         let u = match unit {
             TrunkUnit::Head => self.head_unit,
-            TrunkUnit::Layer(l) => *self.unit_of_layer.get(l).ok_or_else(|| SourceError::Internal(format!("no layer {l}")))?,
+            TrunkUnit::Layer(l) => {
+                *self.unit_of_layer.get(l).ok_or_else(|| SourceError::Internal(format!("no layer {l}")))?
+            }
         };
         match self.units[u].pinned {
             Some(region) => Ok(StreamTrunk { src: self, unit: u, base: region, slot: None }),
@@ -1048,7 +1139,8 @@ impl WeightSource for StreamingSource {
             return;
         }
         let mut st = lock(&self.state);
-        let mut wanted: Vec<ExpertKey> = experts.iter().map(|&e| (layer, e)).filter(|k| !st.resident.contains_key(k)).collect();
+        let mut wanted: Vec<ExpertKey> =
+            experts.iter().map(|&e| (layer, e)).filter(|k| !st.resident.contains_key(k)).collect();
         wanted.sort_unstable();
         wanted.dedup();
         wanted.sort_by_key(|k| {
@@ -1080,7 +1172,14 @@ impl WeightSource for StreamingSource {
             let ws = at / a * a;
             let we = align_up(at + row as u64, a);
             let meta = OpMeta { name: "embedding read", kind: "demand", layer: None, expert: None };
-            ops.push(self.op(self.pack_file, ws, (we - ws) as usize, (we - ws) as usize, self.embed_region.off + i * window, meta));
+            ops.push(self.op(
+                self.pack_file,
+                ws,
+                (we - ws) as usize,
+                (we - ws) as usize,
+                self.embed_region.off + i * window,
+                meta,
+            ));
             starts.push(i * window + (at - ws) as usize);
         }
         let ticket = self.io.submit(Priority::Demand, ops);
@@ -1092,7 +1191,9 @@ impl WeightSource for StreamingSource {
             if want != Some(xxhash_rust::xxh3::xxh3_64(bytes)) {
                 return Err(SourceError::Corrupt {
                     what: format!("embedding row {id} read from {}", self.pack_path.display()),
-                    message: "fails its checksum: the pack or the read is damaged; run `k3ring pack` again if it persists".to_owned(),
+                    message:
+                        "fails its checksum: the pack or the read is damaged; run `k3ring pack` again if it persists"
+                            .to_owned(),
                 });
             }
             dst.copy_from_slice(bytes);
@@ -1141,7 +1242,8 @@ impl WeightSource for StreamingSource {
         }
         st.last_routed[layer].clear();
         st.last_routed[layer].extend(experts.iter().copied());
-        let prev_next = if self.spec_prev_token && !self.serial { st.last_routed.get(layer + 1).cloned() } else { None };
+        let prev_next =
+            if self.spec_prev_token && !self.serial { st.last_routed.get(layer + 1).cloned() } else { None };
         drop(st);
         if let Some(next) = prev_next.filter(|n| !n.is_empty()) {
             self.prefetch_experts(layer + 1, &next);
@@ -1161,7 +1263,8 @@ impl WeightSource for StreamingSource {
         let key = (layer, expert);
         let (slot, ticket) = {
             let mut st = self.make_resident(key)?;
-            let slot = *st.resident.get(&key).ok_or_else(|| SourceError::Internal(format!("expert {key:?} vanished")))?;
+            let slot =
+                *st.resident.get(&key).ok_or_else(|| SourceError::Internal(format!("expert {key:?} vanished")))?;
             st.protected.remove(&key);
             st.experts[slot].users += 1;
             if std::mem::replace(&mut st.experts[slot].speculative, false) {

@@ -80,7 +80,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 enum Msg {
     /// One submission: reads, each with the ticket that completes when all of its reads have.
-    Batch { priority: Priority, ops: Vec<(Ticket, SendOp)> },
+    Batch {
+        priority: Priority,
+        ops: Vec<(Ticket, SendOp)>,
+    },
     Stop,
 }
 
@@ -150,14 +153,15 @@ impl IoService {
                     }
                 }
                 match factory() {
-                Ok(backend) => {
-                    let _ = ready_tx.send(Ok(backend.describe()));
-                    run(backend, rx, &thread_shared, ops_in_backend_max.max(1), bytes_in_backend_max, &tracer);
+                    Ok(backend) => {
+                        let _ = ready_tx.send(Ok(backend.describe()));
+                        run(backend, rx, &thread_shared, ops_in_backend_max.max(1), bytes_in_backend_max, &tracer);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
                 }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                }
-            }})
+            })
             .map_err(|source| IoError::Setup { what: "the I/O thread".to_owned(), source })?;
         match ready_rx.recv() {
             Ok(Ok(backend_info)) => Ok(IoService { backend_info, tx, shared, thread: Some(thread), _targets: targets }),
@@ -292,7 +296,14 @@ impl Drop for IoService {
 }
 
 /// The I/O thread's loop: the event loop of the I/O stage (bounded by Stop or a closed channel).
-fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, ops_max: usize, bytes_max: usize, tracer: &Tracer) {
+fn run(
+    mut backend: Box<dyn ReadBackend>,
+    rx: Receiver<Msg>,
+    shared: &Shared,
+    ops_max: usize,
+    bytes_max: usize,
+    tracer: &Tracer,
+) {
     let mut demand: VecDeque<(Ticket, SendOp)> = VecDeque::new();
     let mut prefetch: VecDeque<(Ticket, SendOp)> = VecDeque::new();
     let mut speculative: VecDeque<(Ticket, SendOp)> = VecDeque::new();
@@ -300,7 +311,8 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
     let mut done: Vec<Completion> = Vec::with_capacity(ops_max);
     // Each op in the backend: its ticket and length, by a per-op tag.
     // Per read in the backend: ticket, length, trace metadata, start time, demand or not.
-    let mut in_backend: std::collections::HashMap<u64, (Ticket, usize, OpMeta, f64, bool)> = std::collections::HashMap::with_capacity(ops_max);
+    let mut in_backend: std::collections::HashMap<u64, (Ticket, usize, OpMeta, f64, bool)> =
+        std::collections::HashMap::with_capacity(ops_max);
     let mut bytes_in_backend = 0usize;
     let mut next_tag = 0u64;
     let mut stopping = false;
@@ -334,7 +346,14 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, op
                     stopping = true;
                     for (ticket, op) in demand.drain(..).chain(prefetch.drain(..)).chain(speculative.drain(..)) {
                         shared.outstanding_bytes.fetch_sub(op.op.len, std::sync::atomic::Ordering::Relaxed);
-                        finish_one(shared, ticket, Err(IoError::Setup { what: "a read".to_owned(), source: std::io::Error::other("the store closed") }));
+                        finish_one(
+                            shared,
+                            ticket,
+                            Err(IoError::Setup {
+                                what: "a read".to_owned(),
+                                source: std::io::Error::other("the store closed"),
+                            }),
+                        );
                     }
                 }
                 Msg::Batch { priority, ops } => {
