@@ -138,58 +138,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 
     // The device is probed again after the cells; the floor uses the better of the two probes
     // (this VM's disk varies by 30% or more over minutes), so efficiencies are not flattered.
-    let mut samples: Vec<(f64, String, Measurement)> = Vec::new();
-    let mut dropped = true;
-    let repeats = args.repeats.max(1);
-    for &budget in &args.budgets {
-        for rep in 0..repeats {
-            for mode in &args.modes {
-                bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
-                dropped &= drop_page_cache();
-                let serial = mode == "serial";
-                let run = StreamingRun {
-                    budget_bytes: (budget * GB) as u64,
-                    context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
-                    chunk: spec.prefill_chunk,
-                    threads: args.threads,
-                    stream: StreamOptions {
-                        io: IoKind::Uring,
-                        queue_depth: args.queue_depth,
-                        serial,
-                        readahead: if serial { 0 } else { 1 },
-                        ..StreamOptions::default()
-                    },
-                    prefetch_window: None,
-                    speculation: crate::model::Speculation { enabled: mode == "speculative", margin: 0 },
-                    placement: None,
-                    trace_detail: false,
-                    trunk_share: None,
-                };
-                let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
-                    .with_context(|| format!("budget {budget} GB, mode {mode}"))?;
-                samples.push((budget, mode.clone(), m));
-                bar.inc(1);
-            }
-        }
-    }
-    // The median sample of each (budget, mode): modes alternate within each repeat, so slow
-    // phases of the VM's disk hit every mode alike.
-    let mut cells_raw: Vec<(f64, String, Measurement)> = Vec::new();
-    for &budget in &args.budgets {
-        for mode in &args.modes {
-            let mut runs: Vec<Measurement> =
-                samples.iter().filter(|s| s.0 == budget && &s.1 == mode).map(|s| s.2.clone()).collect();
-            runs.sort_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token));
-            if let Some(m) = runs.get(runs.len() / 2).cloned() {
-                cells_raw.push((budget, mode.clone(), m));
-            }
-        }
-    }
+    let (cells_raw, dropped) = measure_cells(args, kernels, &spec, &bar)?;
     bar.set_message("device again");
     let device_after = probe_device(1)?;
     bar.finish_and_clear();
     let device: Vec<(u32, f64)> = device_before.iter().zip(&device_after).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
-    let engine_rate = device.iter().filter(|(q, _)| *q <= args.queue_depth).map(|d| d.1).last().unwrap_or(device[0].1);
+    let engine_rate =
+        device.iter().rev().find(|(q, _)| *q <= args.queue_depth).map_or(device[0].1, |d| d.1);
     let cells: Vec<Cell> = cells_raw
         .into_iter()
         .map(|(budget_gb, mode, m)| {
@@ -252,6 +207,72 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         anyhow::bail!("generated ids differ between cells: the output must not depend on budget or mode");
     }
     Ok(())
+}
+
+/// Budget (GB), mode, and what was measured.
+type CellSample = (f64, String, Measurement);
+
+/// Every (budget, mode) cell, `repeats` times with the modes alternating, reduced to the
+/// median sample per cell (slow phases of the VM's disk then hit every mode alike). Returns
+/// the cells and whether the page cache could be dropped before every run.
+fn measure_cells(
+    args: &BenchArgs,
+    kernels: kernels::Kernels,
+    spec: &MeasureSpec,
+    bar: &ProgressBar,
+) -> anyhow::Result<(Vec<CellSample>, bool)> {
+    let mut samples: Vec<CellSample> = Vec::new();
+    let mut dropped = true;
+    let repeats = args.repeats.max(1);
+    for &budget in &args.budgets {
+        for rep in 0..repeats {
+            for mode in &args.modes {
+                bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
+                dropped &= drop_page_cache();
+                let run = cell_run(args, spec, budget, mode);
+                let m = measure_streaming(&args.model, &args.trunk, &run, kernels, spec)
+                    .with_context(|| format!("budget {budget} GB, mode {mode}"))?;
+                samples.push((budget, mode.clone(), m));
+                bar.inc(1);
+            }
+        }
+    }
+    let mut cells = Vec::new();
+    for &budget in &args.budgets {
+        for mode in &args.modes {
+            let mut runs: Vec<Measurement> =
+                samples.iter().filter(|s| s.0 == budget && &s.1 == mode).map(|s| s.2.clone()).collect();
+            runs.sort_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token));
+            if let Some(m) = runs.get(runs.len() / 2).cloned() {
+                cells.push((budget, mode.clone(), m));
+            }
+        }
+    }
+    Ok((cells, dropped))
+}
+
+/// The streaming run of one cell: serial is the C engine's order (no read-ahead, no overlap of
+/// a layer's reads with its compute); speculative adds expert prediction to pipelined.
+fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> StreamingRun {
+    let serial = mode == "serial";
+    StreamingRun {
+        budget_bytes: (budget * GB) as u64,
+        context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
+        chunk: spec.prefill_chunk,
+        threads: args.threads,
+        stream: StreamOptions {
+            io: IoKind::Uring,
+            queue_depth: args.queue_depth,
+            serial,
+            readahead: if serial { 0 } else { 1 },
+            ..StreamOptions::default()
+        },
+        prefetch_window: None,
+        speculation: crate::model::Speculation { enabled: mode == "speculative", margin: 0 },
+        placement: None,
+        trace_detail: false,
+        trunk_share: None,
+    }
 }
 
 fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
