@@ -532,6 +532,15 @@ impl StreamingSource {
         r
     }
 
+    /// Where an expert's first tensor sits (shard, offset): reads issued in this order sweep
+    /// the disk forwards. Unknown experts sort last (their read then fails with a named error).
+    fn disk_position(&self, key: ExpertKey) -> (usize, u64) {
+        self.index.experts.get(key.0, key.1).map_or((usize::MAX, 0), |r| {
+            let t = &self.index.tensors[r.parts[0]];
+            (t.shard, t.offset)
+        })
+    }
+
     fn layer_of_unit(&self, unit: usize) -> Option<usize> {
         match self.units[unit].unit {
             PackUnit::Layer(l) => Some(l),
@@ -1143,12 +1152,7 @@ impl WeightSource for StreamingSource {
             experts.iter().map(|&e| (layer, e)).filter(|k| !st.resident.contains_key(k)).collect();
         wanted.sort_unstable();
         wanted.dedup();
-        wanted.sort_by_key(|k| {
-            self.index.experts.get(k.0, k.1).map_or((usize::MAX, 0), |r| {
-                let t = &self.index.tensors[r.parts[0]];
-                (t.shard, t.offset)
-            })
-        });
+        wanted.sort_by_key(|k| self.disk_position(*k));
         // Use the demand queue's machinery with prefetch priority, keeping the layer's own
         // pending demand reads first.
         let saved = std::mem::take(&mut st.pending);
@@ -1229,12 +1233,7 @@ impl WeightSource for StreamingSource {
             }
         }
         // One submission per layer, in disk order.
-        misses.sort_by_key(|k| {
-            self.index.experts.get(k.0, k.1).map_or((usize::MAX, 0), |r| {
-                let t = &self.index.tensors[r.parts[0]];
-                (t.shard, t.offset)
-            })
-        });
+        misses.sort_by_key(|k| self.disk_position(*k));
         st.pending.extend(misses.iter().copied());
         let issued = self.issue_pending(&mut st, Priority::Demand, false);
         if st.last_routed.len() <= layer {
