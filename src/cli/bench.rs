@@ -143,8 +143,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let device_after = probe_device(1)?;
     bar.finish_and_clear();
     let device: Vec<(u32, f64)> = device_before.iter().zip(&device_after).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
-    let engine_rate =
-        device.iter().rev().find(|(q, _)| *q <= args.queue_depth).map_or(device[0].1, |d| d.1);
+    let engine_rate = device.iter().rev().find(|(q, _)| *q <= args.queue_depth).map_or(device[0].1, |d| d.1);
     let cells: Vec<Cell> = cells_raw
         .into_iter()
         .map(|(budget_gb, mode, m)| {
