@@ -38,7 +38,7 @@ impl Lcg {
 
 fn kernels_under_test() -> Kernels {
     match std::env::var("K3_BENCH_ISA") {
-        Ok(name) => Kernels::with_isa(Isa::from_name(&name).expect("K3_BENCH_ISA: scalar|avx2")).unwrap(),
+        Ok(name) => Kernels::with_isa(Isa::from_name(&name).expect("K3_BENCH_ISA: scalar|avx2|avx512")).unwrap(),
         Err(_) => Kernels::detect(),
     }
 }

@@ -1,14 +1,15 @@
 //! Deterministic CPU kernels for k3ring, the Kimi K3 inference engine.
 //!
 //! Every kernel has a scalar version, which is its definition, and an AVX2+FMA version chosen
-//! at run time ([`Kernels::detect`], [`Kernels::with_isa`]). **Both give identical bits**
+//! at run time ([`Kernels::detect`], [`Kernels::with_isa`]); the bf16 and MXFP4 matmuls also
+//! have an AVX-512 (F + BW + VL) version. **All give identical bits**
 //! (`f32::to_bits` equality, no tolerance) for every input: ±0, subnormals, infinities, lengths
 //! that are not a multiple of the vector width, unaligned weight bytes. The one exception is the
 //! payload (and sign) of a NaN *result*: where a NaN comes out of arithmetic on several NaN
 //! operands, which payload wins depends on the instruction's operand order, which the compiler
 //! may commute; a NaN result is NaN on every ISA, but its bits are not promised. Results never
 //! depend on the thread count: threads split output rows (or heads, in the model), never a
-//! reduction. An AVX-512 version must follow the same canonical orders below.
+//! reduction. Every ISA follows the same canonical orders below.
 //!
 //! # Canonical dot
 //!
@@ -25,8 +26,8 @@
 //!    The result is `acc[0]`.
 //!
 //! AVX2 holds lanes 0-7 and 8-15 in two ymm registers; the tree's first step adds the two
-//! registers, the next the two 128-bit halves, and so on. AVX-512 will hold all 16 lanes in one
-//! zmm register. Softmax's sum uses adds instead of `fma(e, 1, acc)`, which is the same
+//! registers, the next the two 128-bit halves, and so on. AVX-512 holds all 16 lanes in one
+//! zmm register, whose two 256-bit halves are that same pair. Softmax's sum uses adds instead of `fma(e, 1, acc)`, which is the same
 //! rounding.
 //!
 //! # Other orders
@@ -38,9 +39,11 @@
 //!
 //! # Layout
 //!
-//! `src/<op>/{mod.rs, scalar.rs, avx2.rs}`: `mod.rs` holds the contract, shape checks and the
-//! dispatch; `scalar.rs` is the definition; `avx2.rs` holds `#[target_feature]` functions,
-//! reached only through a [`Kernels`] built after detection. Spec sections refer to
+//! `src/<op>/{mod.rs, scalar.rs, avx2.rs[, avx512.rs]}`: `mod.rs` holds the contract, shape
+//! checks and the dispatch; `scalar.rs` is the definition; `avx2.rs` and `avx512.rs` hold
+//! `#[target_feature]` functions, reached only through a [`Kernels`] built after detection.
+//! This machine class has no AVX-512: `tools/avx512-bochs` runs the twin tests on an emulated
+//! AVX-512 CPU. Spec sections refer to
 //! `docs/k3-model-spec.md`.
 
 #![warn(missing_docs)]

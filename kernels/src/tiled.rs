@@ -1,4 +1,5 @@
-//! AVX2 multi-token matmul driver shared by the bf16 and MXFP4 kernels (`t > 1`).
+//! Multi-token matmul driver shared by the bf16 and MXFP4 kernels (`t > 1`) on AVX2 and
+//! AVX-512; each ISA supplies only the decode and the tile FMAs ([`TileIsa`]).
 //!
 //! Each weight is decoded once per block of up to [`TOKENS`] tokens: a tile of [`ROWS`] rows x
 //! [`TILE_COLS`] columns is decoded to f32 on the stack, then every token of the block runs its
@@ -8,10 +9,11 @@
 //! (4 KiB of decoded tiles, 16 KiB of staged x, 32 KiB of lanes) and no heap allocation; rayon's
 //! default 2 MiB worker stacks hold it easily.
 
-use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_setzero_ps};
+use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_setzero_ps, _mm512_fmadd_ps, _mm512_setzero_ps};
 
-use crate::dot::avx2::{load16, reduce16, store16};
-use crate::dot::scalar::{pad16, LANES};
+use crate::dot::avx2::{load16, store16};
+use crate::dot::avx512::{load16z, store16z};
+use crate::dot::scalar::{pad16, Lanes as CanonicalLanes, LANES};
 use crate::mxfp4::GROUP;
 use crate::out::RowsOut;
 
@@ -45,27 +47,83 @@ pub(crate) enum Source<'a> {
     Mxfp4 { packed: &'a [u8], scales: &'a [u8] },
 }
 
-impl Source<'_> {
-    /// Decodes columns `c0..c0 + cn` of `row` into `dst`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn decode(&self, row: usize, cols: usize, c0: usize, cn: usize, dst: &mut Tile) {
-        match *self {
-            Source::Bf16 { w } => {
-                crate::bf16::avx2::decode_segment(&w[row * 2 * cols..][..2 * cols], c0, cn, dst);
-            }
-            Source::Mxfp4 { packed, scales } => {
-                let (pb, groups) = (cols / 2, cols / GROUP);
-                crate::mxfp4::avx2::decode_segment(
-                    &packed[row * pb..][..pb],
-                    &scales[row * groups..][..groups],
-                    c0,
-                    cn,
-                    dst,
-                );
+/// The ISA-specific halves of [`multi_token`].
+pub(crate) trait TileIsa {
+    /// Decodes columns `c0..c0 + cn` of `row` of `src` into `dst`.
+    ///
+    /// # Safety
+    /// The ISA must be available on this host.
+    unsafe fn decode(src: &Source<'_>, row: usize, cols: usize, c0: usize, cn: usize, dst: &mut Tile);
+
+    /// Continues the canonical lanes `acc[i]` of rows `i < ROWS` over the first `chunks`
+    /// chunks of one decoded tile and one staged token segment.
+    ///
+    /// # Safety
+    /// The ISA must be available on this host.
+    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]);
+}
+
+/// AVX2 + FMA: lanes as two ymm registers.
+pub(crate) struct Avx2;
+
+/// AVX-512 F + BW + VL: lanes as one zmm register.
+pub(crate) struct Avx512;
+
+impl TileIsa for Avx2 {
+    #[inline(always)]
+    unsafe fn decode(src: &Source<'_>, row: usize, cols: usize, c0: usize, cn: usize, dst: &mut Tile) {
+        // SAFETY: the caller guarantees AVX2 + FMA.
+        unsafe {
+            match *src {
+                Source::Bf16 { w } => crate::bf16::avx2::decode_segment(bf16_row(w, row, cols), c0, cn, dst),
+                Source::Mxfp4 { packed, scales } => {
+                    let (p, s) = mxfp4_row(packed, scales, row, cols);
+                    crate::mxfp4::avx2::decode_segment(p, s, c0, cn, dst);
+                }
             }
         }
     }
+
+    #[inline(always)]
+    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]) {
+        // SAFETY: the caller guarantees AVX2 + FMA.
+        unsafe { tile_fma_avx2(tiles, x, chunks, acc) }
+    }
+}
+
+impl TileIsa for Avx512 {
+    #[inline(always)]
+    unsafe fn decode(src: &Source<'_>, row: usize, cols: usize, c0: usize, cn: usize, dst: &mut Tile) {
+        // SAFETY: the caller guarantees AVX-512 F + BW + VL and AVX2 + FMA.
+        unsafe {
+            match *src {
+                Source::Bf16 { w } => crate::bf16::avx512::decode_segment(bf16_row(w, row, cols), c0, cn, dst),
+                Source::Mxfp4 { packed, scales } => {
+                    let (p, s) = mxfp4_row(packed, scales, row, cols);
+                    crate::mxfp4::avx512::decode_segment(p, s, c0, cn, dst);
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]) {
+        // SAFETY: the caller guarantees AVX-512 F + BW + VL and AVX2 + FMA.
+        unsafe { tile_fma_avx512(tiles, x, chunks, acc) }
+    }
+}
+
+/// Row `row` of a `[rows, cols]` bf16 matrix, as bytes.
+#[inline(always)]
+fn bf16_row(w: &[u8], row: usize, cols: usize) -> &[u8] {
+    &w[row * 2 * cols..][..2 * cols]
+}
+
+/// Row `row` of an MXFP4 matrix: its packed bytes and its scales.
+#[inline(always)]
+fn mxfp4_row<'a>(packed: &'a [u8], scales: &'a [u8], row: usize, cols: usize) -> (&'a [u8], &'a [u8]) {
+    let (pb, groups) = (cols / 2, cols / GROUP);
+    (&packed[row * pb..][..pb], &scales[row * groups..][..groups])
 }
 
 /// Row groups of [`ROWS`] sharing one staged x tile.
@@ -80,8 +138,17 @@ type Lanes = [[[[f32; LANES]; ROWS]; TOKENS]; GROUPS];
 /// [`TILE_COLS`] columns; per tile the tokens' x segments are copied (zero-padded) into a
 /// contiguous stage that stays in L1 while each group of [`ROWS`] rows is decoded and run
 /// against every token. Columns are visited in increasing order for every lane.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) fn multi_token(src: &Source<'_>, cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
+///
+/// # Safety
+/// `I`'s ISA must be available on this host.
+#[inline(always)]
+pub(crate) unsafe fn multi_token<I: TileIsa>(
+    src: &Source<'_>,
+    cols: usize,
+    x: &[f32],
+    t: usize,
+    out: &mut RowsOut<'_>,
+) {
     let rows = out.rows();
     let mut tiles = Aligned([[[0.0f32; LANES]; TILE_COLS / LANES]; ROWS]);
     let mut stage = Aligned([[[0.0f32; LANES]; TILE_COLS / LANES]; TOKENS]);
@@ -103,10 +170,12 @@ pub(crate) fn multi_token(src: &Source<'_>, cols: usize, x: &[f32], t: usize, ou
                     let rn = ROWS.min(rb - g * ROWS);
                     // Rows past `rn` keep stale tiles; their sums are computed and discarded.
                     for (i, tile) in tiles.iter_mut().enumerate().take(rn) {
-                        src.decode(r0 + g * ROWS + i, cols, c0, cn, tile);
+                        // SAFETY: forwarded from this function's contract.
+                        unsafe { I::decode(src, r0 + g * ROWS + i, cols, c0, cn, tile) };
                     }
                     for (st, acc) in stage.iter().zip(group_lanes.iter_mut()).take(tn) {
-                        tile_fma(tiles, st, chunks, acc);
+                        // SAFETY: forwarded from this function's contract.
+                        unsafe { I::tile_fma(tiles, st, chunks, acc) };
                     }
                 }
             }
@@ -114,8 +183,8 @@ pub(crate) fn multi_token(src: &Source<'_>, cols: usize, x: &[f32], t: usize, ou
                 let rn = ROWS.min(rb - g * ROWS);
                 for (tt, acc) in group_lanes.iter().enumerate().take(tn) {
                     for (i, lane) in acc.iter().enumerate().take(rn) {
-                        let (lo, hi) = load16(lane);
-                        out.set(t0 + tt, r0 + g * ROWS + i, reduce16(lo, hi));
+                        // The scalar tree is the definition; 15 adds per (token, row).
+                        out.set(t0 + tt, r0 + g * ROWS + i, CanonicalLanes::from_array(*lane).reduce());
                     }
                 }
             }
@@ -134,11 +203,10 @@ fn stage_x(x: &[f32], dst: &mut Tile) {
     }
 }
 
-/// Continues the canonical lanes `acc[i]` of rows `i < ROWS` over the first `chunks` chunks
-/// of one decoded tile and one staged token segment.
+/// [`TileIsa::tile_fma`] on AVX2: 8 ymm accumulators.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn tile_fma(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]) {
+fn tile_fma_avx2(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]) {
     let mut lo = [_mm256_setzero_ps(); ROWS];
     let mut hi = [_mm256_setzero_ps(); ROWS];
     for i in 0..ROWS {
@@ -154,5 +222,24 @@ fn tile_fma(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANE
     }
     for i in 0..ROWS {
         store16(&mut acc[i], lo[i], hi[i]);
+    }
+}
+
+/// [`TileIsa::tile_fma`] on AVX-512: 4 zmm accumulators, one load of x per chunk.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn tile_fma_avx512(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]) {
+    let mut a = [_mm512_setzero_ps(); ROWS];
+    for i in 0..ROWS {
+        a[i] = load16z(&acc[i]);
+    }
+    for (c, xc) in x.iter().enumerate().take(chunks) {
+        let xv = load16z(xc);
+        for i in 0..ROWS {
+            a[i] = _mm512_fmadd_ps(load16z(&tiles[i][c]), xv, a[i]);
+        }
+    }
+    for i in 0..ROWS {
+        store16z(&mut acc[i], a[i]);
     }
 }

@@ -38,6 +38,12 @@ fn with_isa_matches_availability() {
         }
     }
     assert_eq!(Kernels::detect().isa(), kernels::Isa::best());
+    // Shown with --nocapture: the record of which ISAs this run compared against scalar.
+    let names: Vec<&str> = kernels::Isa::available().iter().map(|i| i.name()).collect();
+    #[allow(clippy::print_stderr)]
+    {
+        eprintln!("twins cover ISAs: {}", names.join(", "));
+    }
 }
 
 // ---------------------------------------------------------------- dot, sum_squares

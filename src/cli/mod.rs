@@ -109,7 +109,7 @@ pub struct RunArgs {
     /// Tokens per prefill pass.
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = parse_chunk)]
     pub prefill_chunk: usize,
-    /// Kernel instruction set: auto, scalar or avx2.
+    /// Kernel instruction set: auto (the best this CPU has), scalar, avx2 or avx512.
     #[arg(long, value_name = "ISA", default_value = "auto")]
     pub isa: String,
     #[command(flatten)]

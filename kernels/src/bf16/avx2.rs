@@ -64,7 +64,8 @@ pub(crate) fn matmul(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsO
     if t == 1 {
         single_token(w, cols, x, out);
     } else {
-        tiled::multi_token(&Source::Bf16 { w }, cols, x, t, out);
+        // SAFETY: this function's target features are AVX2 + FMA.
+        unsafe { tiled::multi_token::<tiled::Avx2>(&Source::Bf16 { w }, cols, x, t, out) };
     }
 }
 

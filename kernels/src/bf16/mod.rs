@@ -15,6 +15,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
 pub(crate) mod scalar;
 
 use crate::isa::Isa;
@@ -62,6 +64,8 @@ impl Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => Fns { matmul: avx2::matmul, matvec_t: avx2::matvec_t },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => Fns { matmul: avx512::matmul, matvec_t: avx512::matvec_t },
             _ => Fns { matmul: scalar::matmul, matvec_t: scalar::matvec_t },
         }
     }

@@ -8,6 +8,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
 pub(crate) mod scalar;
 
 use crate::isa::Isa;
@@ -30,7 +32,7 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns { dot: avx2::dot, sum_squares: avx2::sum_squares },
+            Isa::Avx2 | Isa::Avx512 => Fns { dot: avx2::dot, sum_squares: avx2::sum_squares },
             _ => Fns { dot: scalar::dot, sum_squares: scalar::sum_squares },
         }
     }

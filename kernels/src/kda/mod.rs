@@ -47,7 +47,7 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns { step: avx2::step },
+            Isa::Avx2 | Isa::Avx512 => Fns { step: avx2::step },
             _ => Fns { step: scalar::step },
         }
     }

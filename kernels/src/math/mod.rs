@@ -62,7 +62,7 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns {
+            Isa::Avx2 | Isa::Avx512 => Fns {
                 exp: avx2::exp_slice,
                 sigmoid: avx2::sigmoid_slice,
                 silu: avx2::silu_slice,

@@ -103,7 +103,8 @@ pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: us
     if t == 1 {
         single_token(packed, scales, cols, x, out);
     } else {
-        tiled::multi_token(&Source::Mxfp4 { packed, scales }, cols, x, t, out);
+        // SAFETY: this function's target features are AVX2 + FMA.
+        unsafe { tiled::multi_token::<tiled::Avx2>(&Source::Mxfp4 { packed, scales }, cols, x, t, out) };
     }
 }
 

@@ -16,6 +16,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
 pub(crate) mod scalar;
 
 use crate::error::KernelError;
@@ -120,6 +122,8 @@ impl Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => Fns { matmul: avx2::matmul },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => Fns { matmul: avx512::matmul },
             _ => Fns { matmul: scalar::matmul },
         }
     }

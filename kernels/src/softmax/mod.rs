@@ -34,7 +34,7 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns { softmax: avx2::softmax },
+            Isa::Avx2 | Isa::Avx512 => Fns { softmax: avx2::softmax },
             _ => Fns { softmax: scalar::softmax },
         }
     }

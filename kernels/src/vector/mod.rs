@@ -46,7 +46,7 @@ impl Fns {
     pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
+            Isa::Avx2 | Isa::Avx512 => {
                 Fns { axpy: avx2::axpy, scale: avx2::scale, norm_f32: avx2::norm_f32, norm_bf16: avx2::norm_bf16 }
             }
             _ => Fns {

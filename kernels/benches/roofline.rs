@@ -1,0 +1,248 @@
+//! The matmul kernels against this machine's own limits, measured in the same run:
+//! single-token products as GB/s of weight bytes over the STREAM triad's GB/s, 16-token products
+//! as GFLOP/s over the FMA peak (independent `vfmadd` chains on every thread).
+//!
+//! `cargo bench -p k3ring-kernels --bench roofline [-- --threads N --repeats N --isa NAME]`
+//!
+//! Every number is the median of `--repeats` timings (default 9); the triad and the FMA peak are
+//! measured before and after the kernels and the better of the two medians is the limit, so a
+//! noisy neighbour lowers ratios rather than inflating them. Shapes are K3's: bf16 7168x12288 and
+//! 12288x7168, MXFP4 3072x3584 and 3584x3072 (MXFP4 rotates through 8 copies, 46 MB, so each call
+//! streams from DRAM as an expert read from storage would).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::print_stderr)]
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use kernels::{Isa, Kernels};
+
+struct Options {
+    threads: usize,
+    repeats: usize,
+    isa: Isa,
+}
+
+fn options() -> Options {
+    let mut o = Options { threads: 2, repeats: 9, isa: Isa::best() };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < args.len() {
+        let value = args.get(i + 1);
+        match args[i].as_str() {
+            "--threads" => o.threads = value.and_then(|v| v.parse().ok()).expect("--threads N"),
+            "--repeats" => o.repeats = value.and_then(|v| v.parse().ok()).expect("--repeats N"),
+            "--isa" => o.isa = value.and_then(|v| Isa::from_name(v)).expect("--isa scalar|avx2|avx512"),
+            // cargo bench passes --bench; anything else is a criterion-style filter we ignore.
+            _ => {
+                i += 1;
+                continue;
+            }
+        }
+        i += 2;
+    }
+    o
+}
+
+/// Deterministic filler.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u32 {
+        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 32) as u32
+    }
+
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Median wall time of `f` over `repeats` calls, after one warm-up call.
+fn time(repeats: usize, mut f: impl FnMut()) -> Duration {
+    f();
+    median(
+        (0..repeats)
+            .map(|_| {
+                let start = Instant::now();
+                f();
+                start.elapsed()
+            })
+            .collect(),
+    )
+}
+
+/// STREAM triad `a = b + s * c` over 3 x 256 MiB, split over the pool: GB/s counting 3 arrays.
+fn triad(pool: &rayon::ThreadPool, repeats: usize) -> f64 {
+    const N: usize = 64 << 20;
+    let b = vec![1.0f32; N];
+    let c = vec![2.0f32; N];
+    let mut a = vec![0.0f32; N];
+    let threads = pool.current_num_threads();
+    let per = N.div_ceil(threads);
+    let t = time(repeats, || {
+        pool.scope(|s| {
+            for ((ac, bc), cc) in a.chunks_mut(per).zip(b.chunks(per)).zip(c.chunks(per)) {
+                s.spawn(move |_| {
+                    for ((x, y), z) in ac.iter_mut().zip(bc).zip(cc) {
+                        *x = *y + 3.0 * *z;
+                    }
+                });
+            }
+        });
+        black_box(&a);
+    });
+    (3 * N * 4) as f64 / t.as_secs_f64() / 1e9
+}
+
+/// Peak f32 FMA rate on the pool, GFLOP/s (2 flops per lane per FMA): 16 independent chains
+/// of 256-bit `vfmadd` per thread (AVX2 + FMA; on an AVX-512 host this is half the zmm peak).
+fn fma_peak(pool: &rayon::ThreadPool, repeats: usize) -> f64 {
+    const ITERS: usize = 2_000_000;
+    assert!(Isa::Avx2.is_available(), "the FMA peak needs AVX2 + FMA");
+    let threads = pool.current_num_threads();
+    let t = time(repeats, || {
+        pool.scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|_| {
+                    // SAFETY: AVX2 + FMA availability was asserted above.
+                    black_box(unsafe { fma_chains(ITERS) });
+                });
+            }
+        });
+    });
+    (threads * ITERS * 16 * 8 * 2) as f64 / t.as_secs_f64() / 1e9
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn fma_chains(iters: usize) -> f32 {
+    use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_set1_ps, _mm256_storeu_ps};
+    let m = _mm256_set1_ps(black_box(0.999_999));
+    let a = _mm256_set1_ps(black_box(1e-7));
+    let mut acc = [_mm256_set1_ps(0.0); 16];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, m, a);
+        }
+    }
+    let mut sum = 0.0;
+    for x in acc {
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds 8 floats; the store is unaligned.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), x) };
+        sum += lanes.iter().sum::<f32>();
+    }
+    sum
+}
+
+struct Row {
+    name: String,
+    t: usize,
+    threads: usize,
+    bytes: usize,
+    flops: usize,
+    secs: f64,
+}
+
+fn bf16_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -> Vec<Row> {
+    let mut out = Vec::new();
+    for (rows, cols) in [(7168usize, 12288usize), (12288, 7168)] {
+        let w: Vec<u8> = (0..rows * cols).flat_map(|_| ((rng.f32().to_bits() >> 16) as u16).to_le_bytes()).collect();
+        for t in [1usize, 16] {
+            let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
+            let mut y = vec![0.0f32; t * rows];
+            for threads in [1, o.threads] {
+                let secs = time(o.repeats, || {
+                    if threads == 1 {
+                        k.matmul_bf16(black_box(&w), rows, cols, black_box(&x), t, &mut y);
+                    } else {
+                        pool.install(|| k.par_matmul_bf16(black_box(&w), rows, cols, black_box(&x), t, &mut y));
+                    }
+                })
+                .as_secs_f64();
+                let name = format!("bf16 {rows}x{cols}");
+                out.push(Row { name, t, threads, bytes: w.len(), flops: 2 * rows * cols * t, secs });
+            }
+        }
+    }
+    out
+}
+
+fn mxfp4_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -> Vec<Row> {
+    const COPIES: usize = 8;
+    let mut out = Vec::new();
+    for (rows, cols) in [(3072usize, 3584usize), (3584, 3072)] {
+        let experts: Vec<(Vec<u8>, Vec<u8>)> = (0..COPIES)
+            .map(|_| {
+                let packed = (0..rows * cols / 2).map(|_| (rng.next() >> 24) as u8).collect();
+                let scales = (0..rows * cols / 32).map(|_| 120 + (rng.next() % 10) as u8).collect();
+                (packed, scales)
+            })
+            .collect();
+        let bytes = rows * cols / 2 + rows * cols / 32;
+        for t in [1usize, 16] {
+            let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
+            let mut y = vec![0.0f32; t * rows];
+            for threads in [1, o.threads] {
+                let mut i = 0;
+                let secs = time(o.repeats, || {
+                    let (p, s) = &experts[i % COPIES];
+                    i += 1;
+                    if threads == 1 {
+                        k.matmul_mxfp4(black_box(p), black_box(s), rows, cols, black_box(&x), t, &mut y).unwrap();
+                    } else {
+                        pool.install(|| k.par_matmul_mxfp4(black_box(p), black_box(s), rows, cols, &x, t, &mut y))
+                            .unwrap();
+                    }
+                })
+                .as_secs_f64();
+                let name = format!("mxfp4 {rows}x{cols}");
+                out.push(Row { name, t, threads, bytes, flops: 2 * rows * cols * t, secs });
+            }
+        }
+    }
+    out
+}
+
+fn main() {
+    let o = options();
+    let k = Kernels::with_isa(o.isa).expect("ISA not available on this host");
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(o.threads).build().unwrap();
+    let single = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    eprintln!("measuring limits, then kernels ({} repeats, isa {}, {} threads)...", o.repeats, k.isa(), o.threads);
+    let bw_before = [triad(&single, o.repeats), triad(&pool, o.repeats)];
+    let peak_before = [fma_peak(&single, o.repeats), fma_peak(&pool, o.repeats)];
+    let mut rng = Lcg(3);
+    let mut rows = bf16_rows(k, &pool, &o, &mut rng);
+    rows.extend(mxfp4_rows(k, &pool, &o, &mut rng));
+    let bw_after = [triad(&single, o.repeats), triad(&pool, o.repeats)];
+    let peak_after = [fma_peak(&single, o.repeats), fma_peak(&pool, o.repeats)];
+    let bw = [bw_before[0].max(bw_after[0]), bw_before[1].max(bw_after[1])];
+    let peak = [peak_before[0].max(peak_after[0]), peak_before[1].max(peak_after[1])];
+    println!("isa {}  triad GB/s: 1 thread {:.1}, {} threads {:.1}", k.isa(), bw[0], o.threads, bw[1]);
+    println!("      FMA peak GFLOP/s: 1 thread {:.1}, {} threads {:.1}", peak[0], o.threads, peak[1]);
+    println!("(limits: better of before/after medians; before {bw_before:.1?} / {peak_before:.1?})");
+    println!();
+    println!("| shape | tokens | threads | GB/s of weights | / triad | GFLOP/s | / FMA peak |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in &rows {
+        let which = usize::from(r.threads != 1);
+        let gbs = r.bytes as f64 / r.secs / 1e9;
+        let gflops = r.flops as f64 / r.secs / 1e9;
+        println!(
+            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2} |",
+            r.name,
+            r.t,
+            r.threads,
+            gbs,
+            gbs / bw[which],
+            gflops,
+            gflops / peak[which]
+        );
+    }
+}

@@ -1,0 +1,175 @@
+//! AVX-512 (F + BW + VL) MXFP4 kernel. Same bits as `scalar.rs`.
+//!
+//! A group of 32 elements (16 packed bytes) becomes two zmm registers of 16 canonical lanes
+//! ([`decode32`]): each byte is duplicated (`vpunpcklbw` with itself), widened to one byte per
+//! 32-bit lane, shifted right by 0 or 4 so that lane `2j` holds the low nibble of byte `j` and
+//! lane `2j + 1` the high one (spec §4), and looked up in a 16-entry f32 table of the signed
+//! E2M1 values with `vpermps`, which reads only the low 4 bits of each index. The result is
+//! multiplied by the group's power of two: the scalar definition's single f32 product
+//! `(sign * E2M1[mag]) * 2^(s - 127)`, -0.0 for nibble 8 included. 5 operations per 16
+//! weights. `t == 1` streams 4 rows at once; `t > 1` goes through [`crate::tiled`].
+
+use std::arch::x86_64::{
+    __m128i, __m512, __m512i, _mm512_cvtepu8_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mul_ps,
+    _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_srlv_epi32, _mm_loadu_si128,
+    _mm_prefetch, _mm_unpackhi_epi8, _mm_unpacklo_epi8, _MM_HINT_T0,
+};
+
+use super::{e2m1_signed, e8m0_pow2, GROUP};
+use crate::dot::avx512::{load16z, reduce16z, store16z};
+use crate::dot::scalar::LANES;
+use crate::out::RowsOut;
+use crate::tiled::{self, Source, Tile};
+
+/// Bytes of packed data per group of 32 elements.
+const GROUP_BYTES: usize = GROUP / 2;
+
+/// The loop-invariant registers of the decode.
+#[derive(Clone, Copy)]
+struct Decoder {
+    /// `e2m1_signed(n)` in lane `n`.
+    table: __m512,
+    /// 0 for even lanes (low nibble), 4 for odd lanes (high nibble).
+    shifts: __m512i,
+}
+
+impl Decoder {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    fn new() -> Decoder {
+        let mut values = [0.0f32; 16];
+        for (n, v) in (0u8..).zip(values.iter_mut()) {
+            *v = e2m1_signed(n);
+        }
+        // SAFETY: `values` holds 16 floats; the load is unaligned.
+        let table = unsafe { _mm512_loadu_ps(values.as_ptr()) };
+        let shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        Decoder { table, shifts }
+    }
+
+    /// Elements `2j`, `2j + 1` from byte `j` of the low 8 bytes of `doubled`'s source, where
+    /// `doubled` holds each of those bytes twice in a row.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    fn sixteen(self, doubled: __m128i, pow2: __m512) -> __m512 {
+        let index = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(doubled), self.shifts);
+        _mm512_mul_ps(_mm512_permutexvar_ps(index, self.table), pow2)
+    }
+
+    /// Decodes one group (16 packed bytes, 32 elements) times `pow2` (the group's
+    /// `2^(s - 127)`): elements 0-15 and 16-31.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    fn decode32(self, b: &[u8; GROUP_BYTES], pow2: __m512) -> [__m512; 2] {
+        // SAFETY: `b` holds 16 bytes; the load is unaligned.
+        let v = unsafe { _mm_loadu_si128(b.as_ptr().cast()) };
+        [self.sixteen(_mm_unpacklo_epi8(v, v), pow2), self.sixteen(_mm_unpackhi_epi8(v, v), pow2)]
+    }
+}
+
+/// Hints the cache to fetch the line holding `p`; any address is fine (a prefetch never faults
+/// and reads nothing architecturally).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn prefetch(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p.cast());
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
+    if t == 1 {
+        single_token(packed, scales, cols, x, out);
+    } else {
+        // SAFETY: this function's target features are AVX-512 F + BW + VL and AVX2 + FMA.
+        unsafe { tiled::multi_token::<tiled::Avx512>(&Source::Mxfp4 { packed, scales }, cols, x, t, out) };
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn single_token(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
+    const R: usize = 4;
+    let rows = out.rows();
+    let (pb, groups) = (cols / 2, cols / GROUP);
+    let (x_chunks, _) = x.as_chunks::<LANES>();
+    let decoder = Decoder::new();
+    let mut r = 0;
+    while r + R <= rows {
+        let sums = rows_dot::<R>(
+            decoder,
+            &packed[r * pb..(r + R) * pb],
+            &scales[r * groups..(r + R) * groups],
+            cols,
+            x_chunks,
+        );
+        for (i, s) in sums.into_iter().enumerate() {
+            out.set(0, r + i, s);
+        }
+        r += R;
+    }
+    while r < rows {
+        let [s] = rows_dot::<1>(
+            decoder,
+            &packed[r * pb..(r + 1) * pb],
+            &scales[r * groups..(r + 1) * groups],
+            cols,
+            x_chunks,
+        );
+        out.set(0, r, s);
+        r += 1;
+    }
+}
+
+/// Canonical dots of `R` consecutive rows with one token.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn rows_dot<const R: usize>(
+    decoder: Decoder,
+    packed: &[u8],
+    scales: &[u8],
+    cols: usize,
+    x_chunks: &[[f32; LANES]],
+) -> [f32; R] {
+    let (pb, groups) = (cols / 2, cols / GROUP);
+    let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
+    let mut srows: [&[u8]; R] = [&[]; R];
+    for i in 0..R {
+        rows[i] = packed[i * pb..][..pb].as_chunks::<GROUP_BYTES>().0;
+        srows[i] = &scales[i * groups..][..groups];
+    }
+    let mut acc = [_mm512_setzero_ps(); R];
+    for g in 0..groups {
+        if g % 4 == 0 {
+            // One 64-byte line of each of the next R rows, at this group's offset.
+            for i in 0..R {
+                prefetch(packed.as_ptr().wrapping_add((R + i) * pb + g * GROUP_BYTES));
+            }
+        }
+        let x0 = load16z(&x_chunks[2 * g]);
+        let x1 = load16z(&x_chunks[2 * g + 1]);
+        for i in 0..R {
+            let [w0, w1] = decoder.decode32(&rows[i][g], _mm512_set1_ps(e8m0_pow2(srows[i][g])));
+            acc[i] = _mm512_fmadd_ps(w0, x0, acc[i]);
+            acc[i] = _mm512_fmadd_ps(w1, x1, acc[i]);
+        }
+    }
+    let mut sums = [0.0f32; R];
+    for i in 0..R {
+        sums[i] = reduce16z(acc[i]);
+    }
+    sums
+}
+
+/// Decodes columns `c0..c0 + cn` of one row into `dst`; `c0` and `cn` are multiples of 32 and
+/// `cn <= TILE_COLS`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) fn decode_segment(packed_row: &[u8], scale_row: &[u8], c0: usize, cn: usize, dst: &mut Tile) {
+    let decoder = Decoder::new();
+    let (g0, gn) = (c0 / GROUP, cn / GROUP);
+    let (groups, _) = packed_row[g0 * GROUP_BYTES..(g0 + gn) * GROUP_BYTES].as_chunks::<GROUP_BYTES>();
+    for (k, (group, &scale)) in groups.iter().zip(&scale_row[g0..g0 + gn]).enumerate() {
+        let [w0, w1] = decoder.decode32(group, _mm512_set1_ps(e8m0_pow2(scale)));
+        store16z(&mut dst[2 * k], w0);
+        store16z(&mut dst[2 * k + 1], w1);
+    }
+}
