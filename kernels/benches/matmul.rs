@@ -14,27 +14,8 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kernels::{Isa, Kernels};
 
-/// Deterministic filler: normal-range bf16 values or random bytes.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u32 {
-        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-        (self.0 >> 32) as u32
-    }
-
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-    }
-
-    fn bf16_bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).flat_map(|_| ((self.f32().to_bits() >> 16) as u16).to_le_bytes()).collect()
-    }
-
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| (self.next() >> 24) as u8).collect()
-    }
-}
+mod common;
+use common::Lcg;
 
 fn kernels_under_test() -> Kernels {
     match std::env::var("K3_BENCH_ISA") {
@@ -72,13 +53,7 @@ fn bench_mxfp4(c: &mut Criterion) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     let mut rng = Lcg(2);
     for (rows, cols) in [(3072usize, 3584usize), (3584, 3072)] {
-        let experts: Vec<(Vec<u8>, Vec<u8>)> = (0..COPIES)
-            .map(|_| {
-                let packed = rng.bytes(rows * cols / 2);
-                let scales = (0..rows * cols / 32).map(|_| 120 + (rng.next() % 10) as u8).collect();
-                (packed, scales)
-            })
-            .collect();
+        let experts = rng.mxfp4_copies(COPIES, rows, cols);
         let bytes = (rows * cols / 2 + rows * cols / 32) as u64;
         let mut group = c.benchmark_group(format!("mxfp4_{rows}x{cols}_{}", k.isa()));
         group.throughput(Throughput::Bytes(bytes));

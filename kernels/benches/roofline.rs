@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 
 use kernels::{Isa, Kernels};
 
+mod common;
+use common::Lcg;
+
 struct Options {
     threads: usize,
     repeats: usize,
@@ -42,20 +45,6 @@ fn options() -> Options {
         i += 2;
     }
     o
-}
-
-/// Deterministic filler.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u32 {
-        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-        (self.0 >> 32) as u32
-    }
-
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-    }
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -152,7 +141,7 @@ struct Row {
 fn bf16_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -> Vec<Row> {
     let mut out = Vec::new();
     for (rows, cols) in [(7168usize, 12288usize), (12288, 7168)] {
-        let w: Vec<u8> = (0..rows * cols).flat_map(|_| ((rng.f32().to_bits() >> 16) as u16).to_le_bytes()).collect();
+        let w = rng.bf16_bytes(rows * cols);
         for t in [1usize, 16] {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
             let mut y = vec![0.0f32; t * rows];
@@ -177,13 +166,7 @@ fn mxfp4_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) 
     const COPIES: usize = 8;
     let mut out = Vec::new();
     for (rows, cols) in [(3072usize, 3584usize), (3584, 3072)] {
-        let experts: Vec<(Vec<u8>, Vec<u8>)> = (0..COPIES)
-            .map(|_| {
-                let packed = (0..rows * cols / 2).map(|_| (rng.next() >> 24) as u8).collect();
-                let scales = (0..rows * cols / 32).map(|_| 120 + (rng.next() % 10) as u8).collect();
-                (packed, scales)
-            })
-            .collect();
+        let experts = rng.mxfp4_copies(COPIES, rows, cols);
         let bytes = rows * cols / 2 + rows * cols / 32;
         for t in [1usize, 16] {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
