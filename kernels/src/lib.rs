@@ -27,8 +27,8 @@
 //!
 //! AVX2 holds lanes 0-7 and 8-15 in two ymm registers; the tree's first step adds the two
 //! registers, the next the two 128-bit halves, and so on. AVX-512 holds all 16 lanes in one
-//! zmm register, whose two 256-bit halves are that same pair. Softmax's sum uses adds instead of `fma(e, 1, acc)`, which is the same
-//! rounding.
+//! zmm register, whose two 256-bit halves are that same pair. Softmax's sum uses adds instead
+//! of `fma(e, 1, acc)`, which is the same rounding.
 //!
 //! # Other orders
 //!

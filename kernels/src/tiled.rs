@@ -55,12 +55,13 @@ pub(crate) trait TileIsa {
     /// The ISA must be available on this host.
     unsafe fn decode(src: &Source<'_>, row: usize, cols: usize, c0: usize, cn: usize, dst: &mut Tile);
 
-    /// Continues the canonical lanes `acc[i]` of rows `i < ROWS` over the first `chunks`
-    /// chunks of one decoded tile and one staged token segment.
+    /// For every token `k < x.len()`: continues the canonical lanes `acc[k][i]` of rows
+    /// `i < ROWS` over the first `chunks` chunks of one decoded tile and the token's staged
+    /// segment `x[k]`. `x` and `acc` have the same length.
     ///
     /// # Safety
     /// The ISA must be available on this host.
-    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]);
+    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &[Tile], chunks: usize, acc: &mut [TokenLanes]);
 }
 
 /// AVX2 + FMA: lanes as two ymm registers.
@@ -85,9 +86,11 @@ impl TileIsa for Avx2 {
     }
 
     #[inline(always)]
-    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]) {
-        // SAFETY: the caller guarantees AVX2 + FMA.
-        unsafe { tile_fma_avx2(tiles, x, chunks, acc) }
+    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &[Tile], chunks: usize, acc: &mut [TokenLanes]) {
+        for (xk, acck) in x.iter().zip(acc) {
+            // SAFETY: the caller guarantees AVX2 + FMA.
+            unsafe { tile_fma_avx2(tiles, xk, chunks, acck) }
+        }
     }
 }
 
@@ -107,9 +110,17 @@ impl TileIsa for Avx512 {
     }
 
     #[inline(always)]
-    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]) {
-        // SAFETY: the caller guarantees AVX-512 F + BW + VL and AVX2 + FMA.
-        unsafe { tile_fma_avx512(tiles, x, chunks, acc) }
+    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &[Tile], chunks: usize, acc: &mut [TokenLanes]) {
+        let (x_pairs, x_last) = x.as_chunks::<2>();
+        let (acc_pairs, acc_last) = acc.as_chunks_mut::<2>();
+        for (xp, accp) in x_pairs.iter().zip(acc_pairs) {
+            // SAFETY: the caller guarantees AVX-512 F + BW + VL and AVX2 + FMA.
+            unsafe { tile_fma_avx512_pair(tiles, xp, chunks, accp) }
+        }
+        for (xk, acck) in x_last.iter().zip(acc_last) {
+            // SAFETY: as above.
+            unsafe { tile_fma_avx512(tiles, xk, chunks, acck) }
+        }
     }
 }
 
@@ -129,8 +140,11 @@ fn mxfp4_row<'a>(packed: &'a [u8], scales: &'a [u8], row: usize, cols: usize) ->
 /// Row groups of [`ROWS`] sharing one staged x tile.
 const GROUPS: usize = 8;
 
+/// One token's canonical lanes for the [`ROWS`] rows of a row group.
+pub(crate) type TokenLanes = [[f32; LANES]; ROWS];
+
 /// Per (row group, token, row) canonical lanes, kept between tiles. 32 KiB.
-type Lanes = [[[[f32; LANES]; ROWS]; TOKENS]; GROUPS];
+type Lanes = [[TokenLanes; TOKENS]; GROUPS];
 
 /// `y[tok, r] = canonical_dot(W[r], x[tok])` for all rows of `out` and all `t` tokens.
 ///
@@ -173,10 +187,8 @@ pub(crate) unsafe fn multi_token<I: TileIsa>(
                         // SAFETY: forwarded from this function's contract.
                         unsafe { I::decode(src, r0 + g * ROWS + i, cols, c0, cn, tile) };
                     }
-                    for (st, acc) in stage.iter().zip(group_lanes.iter_mut()).take(tn) {
-                        // SAFETY: forwarded from this function's contract.
-                        unsafe { I::tile_fma(tiles, st, chunks, acc) };
-                    }
+                    // SAFETY: forwarded from this function's contract.
+                    unsafe { I::tile_fma(tiles, &stage[..tn], chunks, &mut group_lanes[..tn]) };
                 }
             }
             for (g, group_lanes) in lanes.iter().enumerate().take(groups) {
@@ -206,7 +218,7 @@ fn stage_x(x: &[f32], dst: &mut Tile) {
 /// [`TileIsa::tile_fma`] on AVX2: 8 ymm accumulators.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn tile_fma_avx2(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]) {
+fn tile_fma_avx2(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut TokenLanes) {
     let mut lo = [_mm256_setzero_ps(); ROWS];
     let mut hi = [_mm256_setzero_ps(); ROWS];
     for i in 0..ROWS {
@@ -225,10 +237,36 @@ fn tile_fma_avx2(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32;
     }
 }
 
-/// [`TileIsa::tile_fma`] on AVX-512: 4 zmm accumulators, one load of x per chunk.
+/// [`TileIsa::tile_fma`] on AVX-512 for two tokens: 8 zmm accumulators (8 independent FMA
+/// chains, what two 512-bit FMA units of latency 4 need), each tile row loaded once for both.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn tile_fma_avx512(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut [[f32; LANES]; ROWS]) {
+fn tile_fma_avx512_pair(tiles: &[Tile; ROWS], x: &[Tile; 2], chunks: usize, acc: &mut [TokenLanes; 2]) {
+    let mut a = [[_mm512_setzero_ps(); ROWS]; 2];
+    for k in 0..2 {
+        for i in 0..ROWS {
+            a[k][i] = load16z(&acc[k][i]);
+        }
+    }
+    for c in 0..chunks {
+        let (x0, x1) = (load16z(&x[0][c]), load16z(&x[1][c]));
+        for i in 0..ROWS {
+            let w = load16z(&tiles[i][c]);
+            a[0][i] = _mm512_fmadd_ps(w, x0, a[0][i]);
+            a[1][i] = _mm512_fmadd_ps(w, x1, a[1][i]);
+        }
+    }
+    for k in 0..2 {
+        for i in 0..ROWS {
+            store16z(&mut acc[k][i], a[k][i]);
+        }
+    }
+}
+
+/// [`TileIsa::tile_fma`] on AVX-512 for one token: 4 zmm accumulators.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn tile_fma_avx512(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut TokenLanes) {
     let mut a = [_mm512_setzero_ps(); ROWS];
     for i in 0..ROWS {
         a[i] = load16z(&acc[i]);

@@ -211,7 +211,8 @@ fn matvec_t_bf16_twins_unaligned() {
     let s = scalar();
     for k in all_kernels() {
         let mut shapes: Vec<(usize, usize)> = (1..=70).map(|c| (3, c)).collect();
-        shapes.extend([(1, 64), (9, 65), (128, 512), (128, 513), (17, 130), (0, 8)]);
+        // 150 and 271 take a 128-column block, then 16-column blocks, then a per-column tail.
+        shapes.extend([(1, 64), (9, 65), (128, 512), (128, 513), (17, 130), (5, 150), (3, 271), (0, 8)]);
         for (rows, cols) in shapes {
             for specials in [false, true] {
                 let w = rng.bf16_bytes(rows * cols, specials);

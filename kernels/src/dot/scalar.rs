@@ -12,6 +12,7 @@ impl Lanes {
     pub(crate) const ZERO: Lanes = Lanes([0.0; LANES]);
 
     /// Lanes holding `acc`, lane `l` = `acc[l]` (e.g. kept in memory by a SIMD kernel).
+    #[cfg(target_arch = "x86_64")]
     pub(crate) fn from_array(acc: [f32; LANES]) -> Lanes {
         Lanes(acc)
     }
