@@ -74,6 +74,9 @@ struct Cell {
     mode: String,
     #[serde(flatten)]
     m: Measurement,
+    /// The device's random-read rate at the engine's queue depth while this budget's cells ran:
+    /// the better of the probes taken before each repeat and after the last one.
+    device_read_rate_during: f64,
     floor_seconds_per_token: f64,
     efficiency: f64,
     read_rate_vs_device: f64,
@@ -81,7 +84,7 @@ struct Cell {
 
 #[derive(Serialize)]
 struct Report {
-    /// The better of the two probes, per queue depth: what the floor uses.
+    /// The better of the two probes, per queue depth.
     device_read_rate: Vec<(u32, f64)>,
     device_read_rate_before: Vec<(u32, f64)>,
     device_read_rate_after: Vec<(u32, f64)>,
@@ -136,24 +139,34 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let resident = measure_resident(&args.model, kernels, args.threads, &spec)?;
     bar.inc(1);
 
-    // The device is probed again after the cells; the floor uses the better of the two probes
-    // (this VM's disk varies by 30% or more over minutes), so efficiencies are not flattered.
-    let (cells_raw, dropped) = measure_cells(args, kernels, &spec, &bar)?;
+    // This VM's disk varies by 30% or more over minutes, and up to 2x within a run, so each
+    // budget's floor uses the device as probed around its own cells (at the engine's queue
+    // depth, before each repeat and after the last), taking the better probe so that
+    // efficiencies are not flattered.
+    let qd_probe = [1u32, 4, 16, 32].into_iter().rev().find(|q| *q <= args.queue_depth).unwrap_or(1);
+    let mut probes = 0u64;
+    let mut probe_during = || -> anyhow::Result<f64> {
+        probes += 1;
+        let seed = 0x0b5e_55ed + probes;
+        random_read_rate(&files, &ranges, cfg.expert_bytes() as usize, qd_probe, args.device_reads, seed)
+            .context("measuring the device between cells")
+    };
+    let (cells_raw, dropped) = measure_cells(args, kernels, &spec, &bar, &mut probe_during)?;
     bar.set_message("device again");
     let device_after = probe_device(1)?;
     bar.finish_and_clear();
     let device: Vec<(u32, f64)> = device_before.iter().zip(&device_after).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
-    let engine_rate = device.iter().rev().find(|(q, _)| *q <= args.queue_depth).map_or(device[0].1, |d| d.1);
     let cells: Vec<Cell> = cells_raw
         .into_iter()
-        .map(|(budget_gb, mode, m)| {
+        .map(|(budget_gb, mode, m, device_rate)| {
             let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
-            let floor = (bytes / engine_rate).max(resident.seconds_per_token);
+            let floor = (bytes / device_rate).max(resident.seconds_per_token);
             Cell {
                 budget_gb,
                 mode,
                 efficiency: floor / m.seconds_per_token,
-                read_rate_vs_device: m.read_rate_busy / engine_rate,
+                read_rate_vs_device: m.read_rate_busy / device_rate,
+                device_read_rate_during: device_rate,
                 floor_seconds_per_token: floor,
                 m,
             }
@@ -211,20 +224,30 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 /// Budget (GB), mode, and what was measured.
 type CellSample = (f64, String, Measurement);
 
+/// A cell's median sample and the device rate (bytes/s) probed around its budget's runs.
+type CellResult = (f64, String, Measurement, f64);
+
 /// Every (budget, mode) cell, `repeats` times with the modes alternating, reduced to the
-/// median sample per cell (slow phases of the VM's disk then hit every mode alike). Returns
-/// the cells and whether the page cache could be dropped before every run.
+/// median sample per cell (slow phases of the VM's disk then hit every mode alike).
+/// `probe_device` (bytes/s at the engine's queue depth) runs before each repeat of a budget and
+/// after its last; the better probe is that budget's device rate. Returns the cells and whether
+/// the page cache could be dropped before every run.
 fn measure_cells(
     args: &BenchArgs,
     kernels: kernels::Kernels,
     spec: &MeasureSpec,
     bar: &ProgressBar,
-) -> anyhow::Result<(Vec<CellSample>, bool)> {
+    probe_device: &mut dyn FnMut() -> anyhow::Result<f64>,
+) -> anyhow::Result<(Vec<CellResult>, bool)> {
     let mut samples: Vec<CellSample> = Vec::new();
+    let mut device_rates: Vec<(f64, f64)> = Vec::new();
     let mut dropped = true;
     let repeats = args.repeats.max(1);
     for &budget in &args.budgets {
+        let mut best = 0.0f64;
         for rep in 0..repeats {
+            bar.set_message(format!("{budget} GB: device ({}/{repeats})", rep + 1));
+            best = best.max(probe_device()?);
             for mode in &args.modes {
                 bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
                 dropped &= drop_page_cache();
@@ -235,15 +258,18 @@ fn measure_cells(
                 bar.inc(1);
             }
         }
+        bar.set_message(format!("{budget} GB: device after"));
+        best = best.max(probe_device()?);
+        device_rates.push((budget, best));
     }
     let mut cells = Vec::new();
-    for &budget in &args.budgets {
+    for &(budget, device_rate) in &device_rates {
         for mode in &args.modes {
             let mut runs: Vec<Measurement> =
                 samples.iter().filter(|s| s.0 == budget && &s.1 == mode).map(|s| s.2.clone()).collect();
             runs.sort_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token));
             if let Some(m) = runs.get(runs.len() / 2).cloned() {
-                cells.push((budget, mode.clone(), m));
+                cells.push((budget, mode.clone(), m, device_rate));
             }
         }
     }
@@ -291,18 +317,29 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         if r.page_cache_dropped { "dropped before every cell" } else { "not dropped (not root); reads are O_DIRECT" }
     );
     println!(
-        "{:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}",
-        "budget", "mode", "s/token", "trunk/tok", "exp/tok", "read GB/s", "overlap", "floor", "effic.", "recall"
+        "{:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}",
+        "budget",
+        "mode",
+        "s/token",
+        "trunk/tok",
+        "exp/tok",
+        "read GB/s",
+        "dev GB/s",
+        "overlap",
+        "floor",
+        "effic.",
+        "recall"
     );
     for c in &r.cells {
         println!(
-            "{:>6}G {:>9} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {:>6.0}%",
+            "{:>6}G {:>9} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {:>6.0}%",
             c.budget_gb,
             c.mode,
             c.m.seconds_per_token,
             c.m.trunk_bytes_per_token / 1e9,
             c.m.expert_bytes_per_token / 1e9,
             c.m.read_rate_busy / 1e9,
+            c.device_read_rate_during / 1e9,
             100.0 * c.m.overlap_fraction,
             c.floor_seconds_per_token,
             c.efficiency,
@@ -312,6 +349,7 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
     for (b, s) in &r.speedups {
         println!("speedup at {b} GB: pipelined is {s:.2}x serial");
     }
+    println!("dev GB/s: the device at the engine's queue depth, probed around each budget's cells (the floor uses it)");
     println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
     let _ = args;
 }

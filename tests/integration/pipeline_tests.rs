@@ -272,9 +272,18 @@ fn bench_reports_every_cell_with_identical_ids() {
             "overlap_fraction",
             "floor_seconds_per_token",
             "efficiency",
+            "device_read_rate_during",
         ] {
             assert!(c[key].as_f64().is_some(), "{key} missing in {c}");
         }
+        // The floor is bytes over the device rate probed around this budget's cells (or the
+        // resident compute time, whichever is larger).
+        let bytes = c["trunk_bytes_per_token"].as_f64().unwrap() + c["expert_bytes_per_token"].as_f64().unwrap();
+        let rate = c["device_read_rate_during"].as_f64().unwrap();
+        assert!(rate > 0.0, "{c}");
+        let floor = c["floor_seconds_per_token"].as_f64().unwrap();
+        let resident = v["resident_seconds_per_token"].as_f64().unwrap();
+        assert!((floor - (bytes / rate).max(resident)).abs() <= 1e-12 * floor.max(1.0), "{c}");
     }
     assert_eq!(v["speedups"].as_array().unwrap().len(), 2);
 }
