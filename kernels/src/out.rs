@@ -62,6 +62,31 @@ impl<'a> RowsOut<'a> {
         (left, right)
     }
 
+    /// Fills token 0 of every row of this piece: `R` rows at a time with `block(r)` (the
+    /// outputs of rows `r..r + R`), then the rows left over one at a time with `single(r)`.
+    /// The single-token SIMD kernels stream several rows per pass so that each load of x
+    /// serves all of them; this is their shared walk over the rows.
+    #[inline(always)]
+    pub(crate) fn fill_token0_by_blocks<const R: usize>(
+        &mut self,
+        mut block: impl FnMut(usize) -> [f32; R],
+        mut single: impl FnMut(usize) -> [f32; 1],
+    ) {
+        let rows = self.rows();
+        let mut r = 0;
+        while r + R <= rows {
+            for (i, s) in block(r).into_iter().enumerate() {
+                self.set(0, r + i, s);
+            }
+            r += R;
+        }
+        while r < rows {
+            let [s] = single(r);
+            self.set(0, r, s);
+            r += 1;
+        }
+    }
+
     /// Writes output `(token, row)`, `row` counted from this piece's first row.
     #[inline]
     pub(crate) fn set(&mut self, token: usize, row: usize, value: f32) {

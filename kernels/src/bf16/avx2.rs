@@ -72,23 +72,14 @@ pub(crate) fn matmul(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsO
 #[target_feature(enable = "avx2,fma")]
 fn single_token(w: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     const R: usize = 4;
-    let rows = out.rows();
     let row_bytes = 2 * cols;
     let (x_chunks, x_tail) = x.as_chunks::<LANES>();
     let x_tail = pad16(x_tail);
-    let mut r = 0;
-    while r + R <= rows {
-        let sums = rows_dot::<R>(&w[r * row_bytes..(r + R) * row_bytes], cols, x_chunks, &x_tail);
-        for (i, s) in sums.into_iter().enumerate() {
-            out.set(0, r + i, s);
-        }
-        r += R;
-    }
-    while r < rows {
-        let [s] = rows_dot::<1>(&w[r * row_bytes..(r + 1) * row_bytes], cols, x_chunks, &x_tail);
-        out.set(0, r, s);
-        r += 1;
-    }
+    let rows_of = |r: usize, n: usize| &w[r * row_bytes..(r + n) * row_bytes];
+    out.fill_token0_by_blocks(
+        |r| rows_dot::<R>(rows_of(r, R), cols, x_chunks, &x_tail),
+        |r| rows_dot::<1>(rows_of(r, 1), cols, x_chunks, &x_tail),
+    );
 }
 
 /// Canonical dots of `R` consecutive rows (`w` holds exactly them) with one token.

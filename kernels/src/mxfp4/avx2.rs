@@ -111,22 +111,14 @@ pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: us
 #[target_feature(enable = "avx2,fma")]
 fn single_token(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     const R: usize = 2;
-    let rows = out.rows();
     let (pb, groups) = (cols / 2, cols / GROUP);
     let (x_chunks, _) = x.as_chunks::<LANES>();
-    let mut r = 0;
-    while r + R <= rows {
-        let sums = rows_dot::<R>(&packed[r * pb..(r + R) * pb], &scales[r * groups..(r + R) * groups], cols, x_chunks);
-        for (i, s) in sums.into_iter().enumerate() {
-            out.set(0, r + i, s);
-        }
-        r += R;
-    }
-    while r < rows {
-        let [s] = rows_dot::<1>(&packed[r * pb..(r + 1) * pb], &scales[r * groups..(r + 1) * groups], cols, x_chunks);
-        out.set(0, r, s);
-        r += 1;
-    }
+    let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
+    let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
+    out.fill_token0_by_blocks(
+        |r| rows_dot::<R>(packed_of(r, R), scales_of(r, R), cols, x_chunks),
+        |r| rows_dot::<1>(packed_of(r, 1), scales_of(r, 1), cols, x_chunks),
+    );
 }
 
 /// Canonical dots of `R` consecutive rows with one token.
