@@ -1,20 +1,19 @@
 //! AVX2+FMA MXFP4 kernel. Same bits as `scalar.rs`.
 //!
-//! A group of 32 elements (16 packed bytes) is decoded with byte shuffles into the exact bf16
-//! patterns of the signed E2M1 values, widened to f32, and multiplied by the group's power of
-//! two: the scalar definition's `(sign * E2M1[mag]) * 2^(s-127)`, the same single f32 product,
-//! so overflow (s = 254) and subnormal (s = 0) results are identical too. See [`decode32`]:
-//! 17 vector operations per 32 weights. `t == 1` streams 2 rows at once; `t > 1` goes through
-//! [`crate::tiled`].
+//! A group of 32 elements (16 packed bytes) is decoded with byte shuffles straight into the f32
+//! values of the definition, `(sign * E2M1[mag]) * 2^(s-127)`: `vpshufb` looks each nibble up
+//! in the group's scale's table of those products ([`super::SCALED`], built by the same f32
+//! multiplication), so overflow (s = 254) and subnormal (s = 0) results are identical too. See
+//! [`decode32`]: 12 vector operations per 32 weights. `t == 1` streams 2 rows at once; `t > 1`
+//! goes through [`crate::tiled`].
 
 use std::arch::x86_64::{
-    __m256, __m256i, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_castsi256_ps, _mm256_fmadd_ps,
-    _mm256_mul_ps, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setr_epi8, _mm256_setzero_ps, _mm256_setzero_si256,
-    _mm256_shuffle_epi8, _mm256_srli_epi16, _mm256_unpackhi_epi16, _mm256_unpackhi_epi8, _mm256_unpacklo_epi16,
-    _mm256_unpacklo_epi8, _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0,
+    __m256, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_castsi256_ps, _mm256_fmadd_ps, _mm256_set1_epi32,
+    _mm256_set1_epi8, _mm256_setr_epi8, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32, _mm256_srli_epi16,
+    _mm256_unpackhi_epi8, _mm256_unpacklo_epi16, _mm256_unpacklo_epi8, _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0,
 };
 
-use super::{e8m0_pow2, GROUP};
+use super::{GROUP, SCALED};
 use crate::dot::avx2::{load16, reduce16, store16};
 use crate::dot::scalar::LANES;
 use crate::out::RowsOut;
@@ -23,64 +22,78 @@ use crate::tiled::{self, Source, Tile};
 /// Bytes of packed data per group of 32 elements.
 const GROUP_BYTES: usize = GROUP / 2;
 
-/// bf16 bit patterns of the signed E2M1 values, nibble 0..=15 (`e2m1_signed` as bf16; every
-/// value has at most 2 significant bits, so bf16 is exact): low bytes and high bytes.
-const E2M1_BF16_LO: [u8; 16] =
-    [0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0];
-const E2M1_BF16_HI: [u8; 16] =
-    [0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0];
+/// The two `vpshufb` tables of one scale byte `s`: bytes 0-15 are byte 2 and bytes 16-31 byte 3
+/// of `SCALED[s][n]` (n = 0..16), the f32 value's top half; its low half is zero (test
+/// `scaled_table_is_the_products`), so the two bytes are the whole value.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct ByteTables([u8; 32]);
 
-/// A 16-byte table in both 128-bit lanes, for `vpshufb`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn table(bytes: &[u8; 16]) -> __m256i {
-    // SAFETY: `bytes` holds 16 bytes; the load is unaligned.
-    _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) })
+/// [`ByteTables`] for every scale byte.
+static SCALED_BYTES: [ByteTables; 256] = scaled_bytes();
+
+const fn scaled_bytes() -> [ByteTables; 256] {
+    let mut out = [ByteTables([0; 32]); 256];
+    let mut s = 0;
+    while s < 256 {
+        let mut n = 0;
+        while n < 16 {
+            let bits = SCALED[s].0[n].to_bits();
+            out[s].0[n] = (bits >> 16) as u8;
+            out[s].0[16 + n] = (bits >> 24) as u8;
+            n += 1;
+        }
+        s += 1;
+    }
+    out
 }
 
-/// Decodes one group (16 packed bytes, 32 elements) times `pow2` (the group's `2^(s-127)`)
-/// into canonical order: elements 0-7, 8-15, 16-23, 24-31.
+/// Decodes one group (16 packed bytes, 32 elements, scale byte `scale`) into canonical order:
+/// elements 0-7, 8-15, 16-23, 24-31.
 ///
-/// 1. Broadcast the 16 bytes to both lanes and pick, per lane, the bytes whose elements the
-///    final in-lane unpacks will place there (lane 0: bytes 0,1,4,5,8,9,12,13; lane 1: the
-///    others).
-/// 2. Split nibbles (`& 0xF`, `>> 4 & 0xF`) and interleave them: element `2j` (low nibble of
-///    byte `j`) before `2j + 1` (spec §4).
-/// 3. `vpshufb` the nibbles into the bf16 bytes of the signed E2M1 value, interleave low and
-///    high bytes into bf16, and bf16 into f32 (`bits << 16`, as zero low halves).
-/// 4. Multiply by `pow2`: `(sign * E2M1[mag]) * 2^(s - 127)`, the scalar definition's product.
+/// 1. Broadcast the 16 bytes to both lanes and pick, per lane, the bytes whose elements land
+///    there: dword `d` of the first pair of outputs holds elements `d` and `8 + d`, so lane 0
+///    takes bytes 0,4,1,5 (elements 0-3, 8-11) and 8,12,9,13 (16-19, 24-27), lane 1 the rest.
+/// 2. Split nibbles (`& 0xF`, `>> 4 & 0xF`) and interleave them by 16-bit pairs: element `2j`
+///    (low nibble of byte `j`) before `2j + 1` (spec §4).
+/// 3. `vpshufb` the nibbles in the scale's two byte tables ([`SCALED_BYTES`]): the top two bytes
+///    of each decoded f32 value, which interleave into words `[e_d, e_(8+d)]` per dword.
+/// 4. `<< 16` and `& 0xFFFF_0000` make the two f32s of each dword: no widening shuffles, no
+///    multiplication (the table holds the definition's products).
+///
+/// 12 vector operations per 32 weights, 6 of them shuffles (the old decoder, a bf16 table
+/// widened by unpacks and multiplied by the power of two, took 17, 10 of them shuffles).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn decode32(b: &[u8; GROUP_BYTES], pow2: __m256) -> [__m256; 4] {
+fn decode32(b: &[u8; GROUP_BYTES], scale: u8) -> [__m256; 4] {
     // SAFETY: `b` holds 16 bytes; the load is unaligned.
     let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b.as_ptr().cast()) });
     let pick = _mm256_setr_epi8(
-        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, //
-        2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+        0, 4, 1, 5, 8, 12, 9, 13, -1, -1, -1, -1, -1, -1, -1, -1, //
+        2, 6, 3, 7, 10, 14, 11, 15, -1, -1, -1, -1, -1, -1, -1, -1,
     );
     let picked = _mm256_shuffle_epi8(v, pick);
     let low4 = _mm256_set1_epi8(0x0F);
     let lo = _mm256_and_si256(picked, low4);
     let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(picked), low4);
-    // Lane 0: elements 0-3, 8-11, 16-19, 24-27; lane 1: 4-7, 12-15, 20-23, 28-31.
-    let nibbles = _mm256_unpacklo_epi8(lo, hi);
-    let bf_lo = _mm256_shuffle_epi8(table(&E2M1_BF16_LO), nibbles);
-    let bf_hi = _mm256_shuffle_epi8(table(&E2M1_BF16_HI), nibbles);
-    // bf16 per element; lane 0: 0-3, 8-11 | lane 1: 4-7, 12-15 (and 16.. for `second`).
-    let first = _mm256_unpacklo_epi8(bf_lo, bf_hi);
-    let second = _mm256_unpackhi_epi8(bf_lo, bf_hi);
-    let zero = _mm256_setzero_si256();
-    let f32s = [
-        _mm256_unpacklo_epi16(zero, first),
-        _mm256_unpackhi_epi16(zero, first),
-        _mm256_unpacklo_epi16(zero, second),
-        _mm256_unpackhi_epi16(zero, second),
-    ];
-    let mut out = [_mm256_setzero_ps(); 4];
-    for (o, f) in out.iter_mut().zip(f32s) {
-        *o = _mm256_mul_ps(_mm256_castsi256_ps(f), pow2);
-    }
-    out
+    // Lane 0: elements 0,8,1,9,2,10,3,11, 16,24,...,19,27; lane 1: the same from 4 and 20.
+    let nibbles = _mm256_unpacklo_epi16(lo, hi);
+    let tables = &SCALED_BYTES[usize::from(scale)].0;
+    let (t2, t3) = tables.split_at(16);
+    // SAFETY: each half holds 16 bytes; the loads are unaligned-tolerant.
+    let (t2, t3) = unsafe { (_mm_loadu_si128(t2.as_ptr().cast()), _mm_loadu_si128(t3.as_ptr().cast())) };
+    let byte2 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t2), nibbles);
+    let byte3 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t3), nibbles);
+    // Dword d: words [e_d, e_(8+d)] (first), [e_(16+d), e_(24+d)] (second).
+    let first = _mm256_unpacklo_epi8(byte2, byte3);
+    let second = _mm256_unpackhi_epi8(byte2, byte3);
+    let top = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
+    [
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(first)),
+        _mm256_castsi256_ps(_mm256_and_si256(first, top)),
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(second)),
+        _mm256_castsi256_ps(_mm256_and_si256(second, top)),
+    ]
 }
 
 /// Hints the cache to fetch the line holding `p`; any address is fine (a prefetch never faults
@@ -89,13 +102,6 @@ fn decode32(b: &[u8; GROUP_BYTES], pow2: __m256) -> [__m256; 4] {
 #[target_feature(enable = "avx2,fma")]
 fn prefetch(p: *const u8) {
     _mm_prefetch::<_MM_HINT_T0>(p.cast());
-}
-
-/// The group's `2^(s - 127)` in every lane.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn group_pow2(scale: u8) -> __m256 {
-    _mm256_set1_ps(e8m0_pow2(scale))
 }
 
 #[target_feature(enable = "avx2,fma")]
@@ -146,7 +152,7 @@ fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks:
         let (xl0, xh0) = load16(&x_chunks[2 * g]);
         let (xl1, xh1) = load16(&x_chunks[2 * g + 1]);
         for i in 0..R {
-            let [w0, w1, w2, w3] = decode32(&rows[i][g], group_pow2(srows[i][g]));
+            let [w0, w1, w2, w3] = decode32(&rows[i][g], srows[i][g]);
             lo[i] = _mm256_fmadd_ps(w0, xl0, lo[i]);
             hi[i] = _mm256_fmadd_ps(w1, xh0, hi[i]);
             lo[i] = _mm256_fmadd_ps(w2, xl1, lo[i]);
@@ -168,7 +174,7 @@ pub(crate) fn decode_segment(packed_row: &[u8], scale_row: &[u8], c0: usize, cn:
     let (g0, gn) = (c0 / GROUP, cn / GROUP);
     let (groups, _) = packed_row[g0 * GROUP_BYTES..(g0 + gn) * GROUP_BYTES].as_chunks::<GROUP_BYTES>();
     for (k, (group, &scale)) in groups.iter().zip(&scale_row[g0..g0 + gn]).enumerate() {
-        let [w0, w1, w2, w3] = decode32(group, group_pow2(scale));
+        let [w0, w1, w2, w3] = decode32(group, scale);
         store16(&mut dst[2 * k], w0, w1);
         store16(&mut dst[2 * k + 1], w2, w3);
     }
@@ -176,15 +182,16 @@ pub(crate) fn decode_segment(packed_row: &[u8], scale_row: &[u8], c0: usize, cn:
 
 #[cfg(test)]
 mod tests {
-    use super::{E2M1_BF16_HI, E2M1_BF16_LO};
-    use crate::mxfp4::e2m1_signed;
+    use super::SCALED_BYTES;
+    use crate::mxfp4::SCALED;
 
     #[test]
-    fn bf16_tables_are_the_signed_e2m1_values() {
-        for n in 0..16u8 {
-            let i = usize::from(n);
-            let bits = u32::from(u16::from_le_bytes([E2M1_BF16_LO[i], E2M1_BF16_HI[i]])) << 16;
-            assert_eq!(bits, e2m1_signed(n).to_bits(), "nibble {n}");
+    fn byte_tables_are_the_top_halves_of_the_scaled_values() {
+        for (s, (bytes, values)) in SCALED_BYTES.iter().zip(&SCALED).enumerate() {
+            for (n, v) in values.0.iter().enumerate() {
+                let bits = u32::from(u16::from_le_bytes([bytes.0[n], bytes.0[16 + n]])) << 16;
+                assert_eq!(bits, v.to_bits(), "scale {s}, nibble {n}");
+            }
         }
     }
 }

@@ -1,21 +1,21 @@
 //! AVX-512 (F + BW + VL) MXFP4 kernel. Same bits as `scalar.rs`.
 //!
 //! A group of 32 elements (16 packed bytes) becomes two zmm registers of 16 canonical lanes
-//! ([`decode32`]): each byte is duplicated (`vpunpcklbw` with itself), widened to one byte per
-//! 32-bit lane, shifted right by 0 or 4 so that lane `2j` holds the low nibble of byte `j` and
-//! lane `2j + 1` the high one (spec §4), and looked up in a 16-entry f32 table of the signed
-//! E2M1 values with `vpermps`, which reads only the low 4 bits of each index. The result is
-//! multiplied by the group's power of two: the scalar definition's single f32 product
-//! `(sign * E2M1[mag]) * 2^(s - 127)`, -0.0 for nibble 8 included. 5 operations per 16
-//! weights. `t == 1` streams 4 rows at once; `t > 1` goes through [`crate::tiled`].
+//! ([`Decoder::decode32`]): each byte is duplicated (`vpunpcklbw` with itself), widened to one
+//! byte per 32-bit lane, shifted right by 0 or 4 so that lane `2j` holds the low nibble of byte
+//! `j` and lane `2j + 1` the high one (spec §4), and looked up with `vpermps`, which reads only
+//! the low 4 bits of each index, in the group's scale's row of [`super::SCALED`]: the 16
+//! decoded values `(sign * E2M1[mag]) * 2^(s - 127)`, built by the definition's own f32
+//! product (-0.0 for nibble 8 included). 4 operations per 16 weights. `t == 1` streams 4 rows
+//! at once; `t > 1` goes through [`crate::tiled`].
 
 use std::arch::x86_64::{
-    __m128i, __m512, __m512i, _mm512_cvtepu8_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mul_ps,
-    _mm512_permutexvar_ps, _mm512_set1_ps, _mm512_setr_epi32, _mm512_setzero_ps, _mm512_srlv_epi32, _mm_loadu_si128,
-    _mm_prefetch, _mm_unpackhi_epi8, _mm_unpacklo_epi8, _MM_HINT_T0,
+    __m128i, __m512, __m512i, _mm512_cvtepu8_epi32, _mm512_fmadd_ps, _mm512_load_ps, _mm512_permutexvar_ps,
+    _mm512_setr_epi32, _mm512_setzero_ps, _mm512_srlv_epi32, _mm_loadu_si128, _mm_prefetch, _mm_unpackhi_epi8,
+    _mm_unpacklo_epi8, _MM_HINT_T0,
 };
 
-use super::{e2m1_signed, e8m0_pow2, GROUP};
+use super::{GROUP, SCALED};
 use crate::dot::avx512::{load16z, reduce16z, store16z};
 use crate::dot::scalar::LANES;
 use crate::out::RowsOut;
@@ -24,11 +24,9 @@ use crate::tiled::{self, Source, Tile};
 /// Bytes of packed data per group of 32 elements.
 const GROUP_BYTES: usize = GROUP / 2;
 
-/// The loop-invariant registers of the decode.
+/// The loop-invariant register of the decode.
 #[derive(Clone, Copy)]
 struct Decoder {
-    /// `e2m1_signed(n)` in lane `n`.
-    table: __m512,
     /// 0 for even lanes (low nibble), 4 for odd lanes (high nibble).
     shifts: __m512i,
 }
@@ -37,33 +35,28 @@ impl Decoder {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     fn new() -> Decoder {
-        let mut values = [0.0f32; 16];
-        for (n, v) in (0u8..).zip(values.iter_mut()) {
-            *v = e2m1_signed(n);
-        }
-        // SAFETY: `values` holds 16 floats; the load is unaligned.
-        let table = unsafe { _mm512_loadu_ps(values.as_ptr()) };
-        let shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-        Decoder { table, shifts }
+        Decoder { shifts: _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4) }
     }
 
     /// Elements `2j`, `2j + 1` from byte `j` of the low 8 bytes of `doubled`'s source, where
     /// `doubled` holds each of those bytes twice in a row.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    fn sixteen(self, doubled: __m128i, pow2: __m512) -> __m512 {
+    fn sixteen(self, doubled: __m128i, values: __m512) -> __m512 {
         let index = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(doubled), self.shifts);
-        _mm512_mul_ps(_mm512_permutexvar_ps(index, self.table), pow2)
+        _mm512_permutexvar_ps(index, values)
     }
 
-    /// Decodes one group (16 packed bytes, 32 elements) times `pow2` (the group's
-    /// `2^(s - 127)`): elements 0-15 and 16-31.
+    /// Decodes one group (16 packed bytes, 32 elements, scale byte `scale`): elements 0-15
+    /// and 16-31.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    fn decode32(self, b: &[u8; GROUP_BYTES], pow2: __m512) -> [__m512; 2] {
-        // SAFETY: `b` holds 16 bytes; the load is unaligned.
-        let v = unsafe { _mm_loadu_si128(b.as_ptr().cast()) };
-        [self.sixteen(_mm_unpacklo_epi8(v, v), pow2), self.sixteen(_mm_unpackhi_epi8(v, v), pow2)]
+    fn decode32(self, b: &[u8; GROUP_BYTES], scale: u8) -> [__m512; 2] {
+        // SAFETY: `b` holds 16 bytes; the load is unaligned. A `SCALED` row is 16 floats on its
+        // own 64-byte line.
+        let (v, values) =
+            unsafe { (_mm_loadu_si128(b.as_ptr().cast()), _mm512_load_ps(SCALED[usize::from(scale)].0.as_ptr())) };
+        [self.sixteen(_mm_unpacklo_epi8(v, v), values), self.sixteen(_mm_unpackhi_epi8(v, v), values)]
     }
 }
 
@@ -127,7 +120,7 @@ fn rows_dot<const R: usize>(
         let x0 = load16z(&x_chunks[2 * g]);
         let x1 = load16z(&x_chunks[2 * g + 1]);
         for i in 0..R {
-            let [w0, w1] = decoder.decode32(&rows[i][g], _mm512_set1_ps(e8m0_pow2(srows[i][g])));
+            let [w0, w1] = decoder.decode32(&rows[i][g], srows[i][g]);
             acc[i] = _mm512_fmadd_ps(w0, x0, acc[i]);
             acc[i] = _mm512_fmadd_ps(w1, x1, acc[i]);
         }
@@ -148,7 +141,7 @@ pub(crate) fn decode_segment(packed_row: &[u8], scale_row: &[u8], c0: usize, cn:
     let (g0, gn) = (c0 / GROUP, cn / GROUP);
     let (groups, _) = packed_row[g0 * GROUP_BYTES..(g0 + gn) * GROUP_BYTES].as_chunks::<GROUP_BYTES>();
     for (k, (group, &scale)) in groups.iter().zip(&scale_row[g0..g0 + gn]).enumerate() {
-        let [w0, w1] = decoder.decode32(group, _mm512_set1_ps(e8m0_pow2(scale)));
+        let [w0, w1] = decoder.decode32(group, scale);
         store16z(&mut dst[2 * k], w0);
         store16z(&mut dst[2 * k + 1], w1);
     }

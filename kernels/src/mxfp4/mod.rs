@@ -37,23 +37,49 @@ pub const BAD_SCALE: u8 = 0xFF;
 /// `2^(s - 127)` built from bits: s >= 1 is the normal float with exponent field `s`; s = 0 is
 /// the subnormal 2^-127 (bits 0x0040_0000). `s = 0xFF` would give +inf; callers reject it first.
 #[inline]
-pub(crate) fn e8m0_pow2(s: u8) -> f32 {
+pub(crate) const fn e8m0_pow2(s: u8) -> f32 {
     if s == 0 {
         f32::from_bits(0x0040_0000)
     } else {
-        f32::from_bits(u32::from(s) << 23)
+        f32::from_bits((s as u32) << 23)
     }
 }
 
 /// `sign * E2M1[mag]` for a nibble; nibble 8 is -0.0.
 #[inline]
-pub(crate) fn e2m1_signed(nibble: u8) -> f32 {
-    let mag = E2M1[usize::from(nibble & 7)];
+pub(crate) const fn e2m1_signed(nibble: u8) -> f32 {
+    let mag = E2M1[(nibble & 7) as usize];
     if nibble & 8 == 0 {
         mag
     } else {
         -mag
     }
+}
+
+/// Every decoded value, by scale byte then nibble: `SCALED[s].0[n]` is
+/// `e2m1_signed(n) * e8m0_pow2(s)`, the definition's own product of the same two operands, so
+/// the same bits (computed once at compile time; test `scaled_table_is_the_products`). SIMD
+/// decoders look a group's values up here instead of multiplying every element by its power of
+/// two. Row 0xFF is zeros and never read: such scales are rejected before any kernel runs.
+pub(crate) static SCALED: [Aligned64<[f32; 16]>; 256] = scaled_table();
+
+/// A value on its own 64-byte line (one scale's 16 values fill exactly one).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Aligned64<T>(pub(crate) T);
+
+const fn scaled_table() -> [Aligned64<[f32; 16]>; 256] {
+    let mut table = [Aligned64([0.0f32; 16]); 256];
+    let mut s = 0;
+    while s < BAD_SCALE {
+        let mut n = 0;
+        while n < 16 {
+            table[s as usize].0[n as usize] = e2m1_signed(n) * e8m0_pow2(s);
+            n += 1;
+        }
+        s += 1;
+    }
+    table
 }
 
 /// The value of one MXFP4 element: `(sign * E2M1[mag]) * 2^(scale - 127)`, or `None` for the
@@ -175,6 +201,21 @@ mod tests {
         assert_eq!(mxfp4_value(0x7, 254), Some(f32::INFINITY));
         assert_eq!(mxfp4_value(0x1, 0).map(f64::from), Some(2f64.powi(-128)));
         assert_eq!(mxfp4_value(0x3, BAD_SCALE), None);
+    }
+
+    #[test]
+    fn scaled_table_is_the_products() {
+        for s in 0..BAD_SCALE {
+            for n in 0..16u8 {
+                let want = e2m1_signed(n) * e8m0_pow2(s);
+                let got = SCALED[usize::from(s)].0[usize::from(n)];
+                assert_eq!(got.to_bits(), want.to_bits(), "scale {s}, nibble {n}");
+                // Every value has at most 2 significant bits, so it is exactly a bf16 (the AVX2
+                // decoder relies on it); inf at s = 254 and the subnormals at s = 0 included.
+                assert_eq!(got.to_bits() & 0xFFFF, 0, "scale {s}, nibble {n}");
+            }
+        }
+        assert_eq!(SCALED[usize::from(BAD_SCALE)].0, [0.0; 16]);
     }
 
     #[test]
