@@ -211,21 +211,26 @@ fn main() {
     println!("      FMA peak GFLOP/s: 1 thread {:.1}, {} threads {:.1}", peak[0], o.threads, peak[1]);
     println!("(limits: better of before/after medians; before {bw_before:.1?} / {peak_before:.1?})");
     println!();
-    println!("| shape | tokens | threads | GB/s of weights | / triad | GFLOP/s | / FMA peak |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| shape | tokens | threads | GB/s of weights | / triad | GFLOP/s | / FMA peak | roof GB/s | / roof |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let which = usize::from(r.threads != 1);
         let gbs = r.bytes as f64 / r.secs / 1e9;
         let gflops = r.flops as f64 / r.secs / 1e9;
+        // The roofline: weight bytes cannot stream faster than the triad, nor faster than the
+        // FMA peak consumes them (every weight is one FMA per token, 2 flops).
+        let roof = bw[which].min(peak[which] * r.bytes as f64 / r.flops as f64);
         println!(
-            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2} |",
+            "| {} | {} | {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.1} | {:.2} |",
             r.name,
             r.t,
             r.threads,
             gbs,
             gbs / bw[which],
             gflops,
-            gflops / peak[which]
+            gflops / peak[which],
+            roof,
+            gbs / roof
         );
     }
 }
