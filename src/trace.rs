@@ -741,6 +741,24 @@ impl Tracer {
         summarize(&fold, lists, first_us, last_us)
     }
 
+    /// Seconds of kept spans named one of `names` since the last metrics reset (spans still
+    /// open are not counted); `None` when events are not kept (created without `detail`).
+    pub fn span_seconds(&self, names: &[&str]) -> Option<f64> {
+        if !self.keep_events {
+            return None;
+        }
+        let mut us = 0.0;
+        for shard in self.shards.iter() {
+            let shard = lock(&shard.0);
+            for ev in &shard.events[shard.epoch_index..] {
+                if matches!(ev.kind, EventKind::Span { .. }) && names.contains(&ev.name) {
+                    us += ev.dur_us;
+                }
+            }
+        }
+        Some(us / 1e6)
+    }
+
     /// Writes every kept event as Chrome trace-event JSON (open it in Perfetto or
     /// chrome://tracing). Needs `detail`.
     pub fn write_chrome_json(&self, path: &Path) -> Result<(), TraceError> {
@@ -1189,6 +1207,22 @@ mod tests {
         t.complete(Stage::Io, "read", 0.0, 10.0, a);
         t.complete(Stage::Io, "read", 5.0, 15.0, a);
         t.complete(Stage::Compute, "expert", 12.0, 20.0, a);
+    }
+
+    #[test]
+    fn span_seconds_sums_named_spans_since_the_reset() {
+        let t = Tracer::new(true);
+        let a = SpanArgs::new();
+        t.complete(Stage::Compute, "expert", 1.0, 4.0, a);
+        t.reset_metrics();
+        t.complete(Stage::Compute, "expert", 10.0, 12.5, a);
+        t.complete(Stage::Compute, "attention", 12.5, 20.0, a);
+        t.complete(Stage::Compute, "head", 20.0, 21.0, a);
+        t.complete(Stage::Io, "read", 5.0, 15.0, a);
+        let got = t.span_seconds(&["expert", "head"]).unwrap();
+        assert!((got - 3.5e-6).abs() < 1e-15, "{got}");
+        assert_eq!(t.span_seconds(&[]), Some(0.0));
+        assert_eq!(Tracer::new(false).span_seconds(&["expert"]), None);
     }
 
     #[test]

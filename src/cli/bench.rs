@@ -4,7 +4,10 @@
 //!    checkpoint's own files (fio's randread method). 2. Memory bandwidth (STREAM triad).
 //! 3. Resident compute: s/token with every weight in RAM. 4. For each budget and mode: s/token,
 //!    bytes per token, read rate, overlap, the floor max(bytes / device rate, resident compute),
-//!    efficiency = floor / measured, speedup = serial / pipelined. 5. Ids identical everywhere.
+//!    efficiency = floor / measured, speedup = serial / pipelined; and the floor without routing
+//!    prediction (`floor*`), which adds that a layer's expert reads cannot overlap the compute
+//!    before its router (the resident run splits its compute at the routers). 5. Ids identical
+//!    everywhere.
 
 use std::path::PathBuf;
 
@@ -79,6 +82,12 @@ struct Cell {
     device_read_rate_during: f64,
     floor_seconds_per_token: f64,
     efficiency: f64,
+    /// The floor without routing prediction (serial and pipelined cells; `None` for
+    /// speculative ones): a layer's expert reads start at its router and must end before the
+    /// next layer, so they overlap only the compute after the router. `max(floor, resident
+    /// compute before the routers + expert bytes / device rate)`.
+    floor_no_prediction_seconds_per_token: Option<f64>,
+    efficiency_no_prediction: Option<f64>,
     read_rate_vs_device: f64,
 }
 
@@ -90,6 +99,9 @@ struct Report {
     device_read_rate_after: Vec<(u32, f64)>,
     memory_bandwidth: f64,
     resident_seconds_per_token: f64,
+    /// The part of the resident compute after the MoE routers (shared and routed experts,
+    /// latent projections): what expert reads can overlap without routing prediction.
+    resident_after_router_seconds_per_token: f64,
     page_cache_dropped: bool,
     cells: Vec<Cell>,
     speedups: Vec<(f64, f64)>,
@@ -161,10 +173,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         .map(|(budget_gb, mode, m, device_rate)| {
             let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
             let floor = (bytes / device_rate).max(resident.seconds_per_token);
+            let floor_no_prediction = (mode != "speculative").then(|| {
+                let before_routers = resident.seconds_per_token - resident.after_router_seconds_per_token;
+                floor.max(before_routers + m.expert_bytes_per_token / device_rate)
+            });
             Cell {
                 budget_gb,
-                mode,
                 efficiency: floor / m.seconds_per_token,
+                efficiency_no_prediction: floor_no_prediction.map(|f| f / m.seconds_per_token),
+                floor_no_prediction_seconds_per_token: floor_no_prediction,
+                mode,
                 read_rate_vs_device: m.read_rate_busy / device_rate,
                 device_read_rate_during: device_rate,
                 floor_seconds_per_token: floor,
@@ -188,6 +206,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         device_read_rate_after: device_after,
         memory_bandwidth: membw,
         resident_seconds_per_token: resident.seconds_per_token,
+        resident_after_router_seconds_per_token: resident.after_router_seconds_per_token,
         page_cache_dropped: dropped,
         cells,
         speedups,
@@ -311,13 +330,16 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         rates(&r.device_read_rate_after)
     );
     println!("memory bandwidth (triad): {:.1} GB/s", r.memory_bandwidth / 1e9);
-    println!("resident compute: {:.3} s/token", r.resident_seconds_per_token);
+    println!(
+        "resident compute: {:.3} s/token ({:.3} of it after the MoE routers)",
+        r.resident_seconds_per_token, r.resident_after_router_seconds_per_token
+    );
     println!(
         "page cache: {}",
         if r.page_cache_dropped { "dropped before every cell" } else { "not dropped (not root); reads are O_DIRECT" }
     );
     println!(
-        "{:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}",
+        "{:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7} {:>7}",
         "budget",
         "mode",
         "s/token",
@@ -328,11 +350,17 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         "overlap",
         "floor",
         "effic.",
+        "floor*",
+        "effic.*",
         "recall"
     );
+    let or_dash = |v: Option<f64>, width: usize, prec: usize| match v {
+        Some(v) => format!("{v:>width$.prec$}"),
+        None => format!("{:>width$}", "-"),
+    };
     for c in &r.cells {
         println!(
-            "{:>6}G {:>9} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {:>6.0}%",
+            "{:>6}G {:>9} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {} {} {:>6.0}%",
             c.budget_gb,
             c.mode,
             c.m.seconds_per_token,
@@ -343,6 +371,8 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
             100.0 * c.m.overlap_fraction,
             c.floor_seconds_per_token,
             c.efficiency,
+            or_dash(c.floor_no_prediction_seconds_per_token, 8, 3),
+            or_dash(c.efficiency_no_prediction, 7, 2),
             100.0 * c.m.recall
         );
     }
@@ -350,6 +380,10 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         println!("speedup at {b} GB: pipelined is {s:.2}x serial");
     }
     println!("dev GB/s: the device at the engine's queue depth, probed around each budget's cells (the floor uses it)");
+    println!(
+        "floor*: the floor without routing prediction: a layer's expert reads start at its router, so they overlap \
+         only the compute after it (- for speculative cells)"
+    );
     println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
     let _ = args;
 }

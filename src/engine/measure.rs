@@ -14,6 +14,7 @@ use crate::model::weights::WeightSource;
 use crate::model::LogitRows;
 use crate::storage::plan::Plan;
 use crate::storage::stream::{StreamStats, StreamingSource};
+use crate::trace::Tracer;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -45,6 +46,10 @@ pub struct Measurement {
     /// Routed experts already requested when routing was known, over all routed experts.
     pub recall: f64,
     pub spec_wasted_bytes_per_token: f64,
+    /// Resident runs: the compute per token after each MoE layer's router (shared and routed
+    /// experts, latent projections), the only compute expert reads can overlap without routing
+    /// prediction. 0 for streaming runs.
+    pub after_router_seconds_per_token: f64,
     pub plan: Option<Plan>,
 }
 
@@ -123,6 +128,7 @@ pub fn measure_streaming(
         stall_seconds_per_token: m.stall_us / 1e6 / n,
         recall: if routed > 0.0 { (after.routed_recalled - before.routed_recalled) as f64 / routed } else { 0.0 },
         spec_wasted_bytes_per_token: (after.spec_wasted_bytes - before.spec_wasted_bytes) as f64 / n,
+        after_router_seconds_per_token: 0.0,
         plan: Some(plan),
     })
 }
@@ -135,9 +141,19 @@ pub fn measure_resident(
     threads: usize,
     spec: &MeasureSpec,
 ) -> Result<Measurement, MeasureError> {
-    let opened = open_resident(model, threads, kernels)?;
-    let (ids, seconds) = decode(&opened.engine, spec, || {})?;
-    Ok(Measurement { ids, seconds_per_token: seconds / spec.tokens.max(1) as f64, ..Measurement::default() })
+    let mut opened = open_resident(model, threads, kernels)?;
+    // Kept events cost a few hundred bytes per span, and a resident measurement is short.
+    let tracer = std::sync::Arc::new(Tracer::new(true));
+    opened.engine.model.tracer = Some(std::sync::Arc::clone(&tracer));
+    let (ids, seconds) = decode(&opened.engine, spec, || tracer.reset_metrics())?;
+    let n = spec.tokens.max(1) as f64;
+    let after_router = tracer.span_seconds(&crate::model::moe::SPANS_AFTER_ROUTER).unwrap_or(0.0);
+    Ok(Measurement {
+        ids,
+        seconds_per_token: seconds / n,
+        after_router_seconds_per_token: after_router / n,
+        ..Measurement::default()
+    })
 }
 
 /// The streaming source type measured (for callers that name it).

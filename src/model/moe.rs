@@ -18,6 +18,17 @@ use crate::trace::{SpanArgs, Stage, Tracer};
 /// Renormalisation guard added to the weight sum (spec 5, step 3).
 const RENORM_EPS: f32 = 1e-20;
 
+/// Trace span of the shared experts and the latent down projection.
+const SPAN_SHARED: &str = "shared experts, latent down";
+/// Trace span of one routed expert.
+const SPAN_EXPERT: &str = "expert";
+/// Trace span of the weighted sum, the latent norm and the up projection.
+const SPAN_LATENT_UP: &str = "latent norm, up";
+/// The spans of the MoE work after the router: the only compute a layer's expert reads can
+/// overlap without routing prediction, since the reads start when the router has chosen and
+/// the next layer needs this layer's output.
+pub const SPANS_AFTER_ROUTER: [&str; 3] = [SPAN_SHARED, SPAN_EXPERT, SPAN_LATENT_UP];
+
 /// The routing decision of one token: experts in the fixed top-k order and their weights.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Route {
@@ -112,8 +123,7 @@ pub fn forward<S: WeightSource>(
     // Start the expert reads first, then do the work that does not need them (the shared
     // experts and the latent down projection) while they are in flight.
     src.will_need_experts(layer, &mut s.distinct);
-    let shared_span =
-        tracer.map(|t| t.span_args(Stage::Compute, "shared experts, latent down", SpanArgs::new().layer(layer as u32)));
+    let shared_span = tracer.map(|t| t.span_args(Stage::Compute, SPAN_SHARED, SpanArgs::new().layer(layer as u32)));
     if let Some(shared) = &w.shared {
         dense::glu_mlp(k, view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
     }
@@ -123,8 +133,7 @@ pub fn forward<S: WeightSource>(
     for i in 0..s.distinct.len() {
         run_expert(k, cfg, src, layer, s.distinct[i], t, s, tracer)?;
     }
-    let _latent_span =
-        tracer.map(|t| t.span_args(Stage::Compute, "latent norm, up", SpanArgs::new().layer(layer as u32)));
+    let _latent_span = tracer.map(|t| t.span_args(Stage::Compute, SPAN_LATENT_UP, SpanArgs::new().layer(layer as u32)));
     // y_t = sum_i w_i E_i(u_t) in the token's own top-k order.
     for tok in 0..t {
         let y = &mut s.y[tok * lat..(tok + 1) * lat];
@@ -262,7 +271,7 @@ fn run_expert<S: WeightSource>(
     }
     let guard = src.expert(layer, expert)?;
     let _span = tracer
-        .map(|t| t.span_args(Stage::Compute, "expert", SpanArgs::new().layer(layer as u32).expert(expert as u32)));
+        .map(|t| t.span_args(Stage::Compute, SPAN_EXPERT, SpanArgs::new().layer(layer as u32).expert(expert as u32)));
     let b = guard.parts();
     let bad = |source| ModelError::Expert { layer, expert, source };
     k.par_matmul_mxfp4(b.w1_packed, b.w1_scale, f, lat, &s.gathered[..n * lat], n, &mut s.h1[..n * f]).map_err(bad)?;

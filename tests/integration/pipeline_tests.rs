@@ -284,6 +284,15 @@ fn bench_reports_every_cell_with_identical_ids() {
         let floor = c["floor_seconds_per_token"].as_f64().unwrap();
         let resident = v["resident_seconds_per_token"].as_f64().unwrap();
         assert!((floor - (bytes / rate).max(resident)).abs() <= 1e-12 * floor.max(1.0), "{c}");
+        // Without prediction, expert reads overlap only the compute after the routers.
+        let after_router = v["resident_after_router_seconds_per_token"].as_f64().unwrap();
+        assert!(after_router > 0.0 && after_router < resident, "{v}");
+        let experts = c["expert_bytes_per_token"].as_f64().unwrap() / rate;
+        let want = floor.max(resident - after_router + experts);
+        let got = c["floor_no_prediction_seconds_per_token"].as_f64().unwrap();
+        assert!((got - want).abs() <= 1e-12 * want.max(1.0), "{c}");
+        let eff = c["efficiency_no_prediction"].as_f64().unwrap();
+        assert!((eff - got / c["seconds_per_token"].as_f64().unwrap()).abs() <= 1e-12, "{c}");
     }
     assert_eq!(v["speedups"].as_array().unwrap().len(), 2);
 }
