@@ -168,28 +168,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let device_after = probe_device(1)?;
     bar.finish_and_clear();
     let device: Vec<(u32, f64)> = device_before.iter().zip(&device_after).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
-    let cells: Vec<Cell> = cells_raw
-        .into_iter()
-        .map(|(budget_gb, mode, m, device_rate)| {
-            let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
-            let floor = (bytes / device_rate).max(resident.seconds_per_token);
-            let floor_no_prediction = (mode != "speculative").then(|| {
-                let before_routers = resident.seconds_per_token - resident.after_router_seconds_per_token;
-                floor.max(before_routers + m.expert_bytes_per_token / device_rate)
-            });
-            Cell {
-                budget_gb,
-                efficiency: floor / m.seconds_per_token,
-                efficiency_no_prediction: floor_no_prediction.map(|f| f / m.seconds_per_token),
-                floor_no_prediction_seconds_per_token: floor_no_prediction,
-                mode,
-                read_rate_vs_device: m.read_rate_busy / device_rate,
-                device_read_rate_during: device_rate,
-                floor_seconds_per_token: floor,
-                m,
-            }
-        })
-        .collect();
+    let cells: Vec<Cell> = cells_raw.into_iter().map(|raw| cell(raw, &resident)).collect();
     let ids_identical = cells.iter().all(|c| c.m.ids == resident.ids);
     let speedups: Vec<(f64, f64)> = args
         .budgets
@@ -238,6 +217,27 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         anyhow::bail!("generated ids differ between cells: the output must not depend on budget or mode");
     }
     Ok(())
+}
+
+/// One cell's floors and ratios from its median sample and the resident measurement.
+fn cell((budget_gb, mode, m, device_rate): CellResult, resident: &Measurement) -> Cell {
+    let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
+    let floor = (bytes / device_rate).max(resident.seconds_per_token);
+    let floor_no_prediction = (mode != "speculative").then(|| {
+        let before_routers = resident.seconds_per_token - resident.after_router_seconds_per_token;
+        floor.max(before_routers + m.expert_bytes_per_token / device_rate)
+    });
+    Cell {
+        budget_gb,
+        efficiency: floor / m.seconds_per_token,
+        efficiency_no_prediction: floor_no_prediction.map(|f| f / m.seconds_per_token),
+        floor_no_prediction_seconds_per_token: floor_no_prediction,
+        mode,
+        read_rate_vs_device: m.read_rate_busy / device_rate,
+        device_read_rate_during: device_rate,
+        floor_seconds_per_token: floor,
+        m,
+    }
 }
 
 /// Budget (GB), mode, and what was measured.
