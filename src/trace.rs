@@ -741,8 +741,10 @@ impl Tracer {
         summarize(&fold, lists, first_us, last_us)
     }
 
-    /// Seconds of kept spans named one of `names` since the last metrics reset (spans still
-    /// open are not counted); `None` when events are not kept (created without `detail`).
+    /// The summed durations, in seconds, of the kept compute spans named one of `names` that
+    /// ended after the last metrics reset; `None` when events are not kept (created without
+    /// `detail`). A sum, not a union like [`Tracer::metrics`]: nested spans, or spans on
+    /// several threads at once, count once each; a span open across the reset counts whole.
     pub fn span_seconds(&self, names: &[&str]) -> Option<f64> {
         if !self.keep_events {
             return None;
@@ -751,7 +753,8 @@ impl Tracer {
         for shard in self.shards.iter() {
             let shard = lock(&shard.0);
             for ev in &shard.events[shard.epoch_index..] {
-                if matches!(ev.kind, EventKind::Span { .. }) && names.contains(&ev.name) {
+                let compute = matches!(ev.kind, EventKind::Span { stage: Stage::Compute, .. });
+                if compute && names.contains(&ev.name) {
                     us += ev.dur_us;
                 }
             }
@@ -1219,6 +1222,7 @@ mod tests {
         t.complete(Stage::Compute, "attention", 12.5, 20.0, a);
         t.complete(Stage::Compute, "head", 20.0, 21.0, a);
         t.complete(Stage::Io, "read", 5.0, 15.0, a);
+        t.complete(Stage::Io, "expert", 5.0, 15.0, a);
         let got = t.span_seconds(&["expert", "head"]).unwrap();
         assert!((got - 3.5e-6).abs() < 1e-15, "{got}");
         assert_eq!(t.span_seconds(&[]), Some(0.0));

@@ -251,7 +251,7 @@ fn run_mxfp4(
 }
 
 /// Random packed bytes (every nibble value) and scales: around 127, plus the edge scales
-/// 0, 1, 127 and 254 (254 makes +-inf weights from magnitudes 4 and 6).
+/// 0, 1, 127 and 254 (254 makes +-inf weights from magnitudes 2, 3, 4 and 6).
 fn mxfp4_data(rng: &mut Rng, rows: usize, cols: usize, edge_scales: bool) -> (Vec<u8>, Vec<u8>) {
     let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.byte()).collect();
     let scales: Vec<u8> = (0..rows * cols / 32)

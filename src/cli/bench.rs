@@ -5,9 +5,9 @@
 //! 3. Resident compute: s/token with every weight in RAM. 4. For each budget and mode: s/token,
 //!    bytes per token, read rate, overlap, the floor max(bytes / device rate, resident compute),
 //!    efficiency = floor / measured, speedup = serial / pipelined; and the floor without routing
-//!    prediction (`floor*`), which adds that a layer's expert reads cannot overlap the compute
-//!    before its router (the resident run splits its compute at the routers). 5. Ids identical
-//!    everywhere.
+//!    prediction (`floor*`), which adds that a layer's expert reads can overlap only the
+//!    experts' compute (the resident run measures that part from its trace spans). 5. Ids
+//!    identical everywhere.
 
 use std::path::PathBuf;
 
@@ -83,9 +83,9 @@ struct Cell {
     floor_seconds_per_token: f64,
     efficiency: f64,
     /// The floor without routing prediction (serial and pipelined cells; `None` for
-    /// speculative ones): a layer's expert reads start at its router and must end before the
-    /// next layer, so they overlap only the compute after the router. `max(floor, resident
-    /// compute before the routers + expert bytes / device rate)`.
+    /// speculative ones): a layer's expert reads start at its router and must end before its
+    /// weighted sum, so they overlap only the shared and routed experts' compute.
+    /// `max(floor, the rest of the resident compute + expert bytes / device rate)`.
     floor_no_prediction_seconds_per_token: Option<f64>,
     efficiency_no_prediction: Option<f64>,
     read_rate_vs_device: f64,
@@ -99,9 +99,9 @@ struct Report {
     device_read_rate_after: Vec<(u32, f64)>,
     memory_bandwidth: f64,
     resident_seconds_per_token: f64,
-    /// The part of the resident compute after the MoE routers (shared and routed experts,
-    /// latent projections): what expert reads can overlap without routing prediction.
-    resident_after_router_seconds_per_token: f64,
+    /// The part of the resident compute that expert reads can overlap without routing
+    /// prediction: the shared and routed experts, after each router.
+    resident_overlappable_seconds_per_token: Option<f64>,
     page_cache_dropped: bool,
     cells: Vec<Cell>,
     speedups: Vec<(f64, f64)>,
@@ -185,7 +185,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         device_read_rate_after: device_after,
         memory_bandwidth: membw,
         resident_seconds_per_token: resident.seconds_per_token,
-        resident_after_router_seconds_per_token: resident.after_router_seconds_per_token,
+        resident_overlappable_seconds_per_token: resident.overlappable_seconds_per_token,
         page_cache_dropped: dropped,
         cells,
         speedups,
@@ -223,9 +223,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 fn cell((budget_gb, mode, m, device_rate): CellResult, resident: &Measurement) -> Cell {
     let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
     let floor = (bytes / device_rate).max(resident.seconds_per_token);
-    let floor_no_prediction = (mode != "speculative").then(|| {
-        let before_routers = resident.seconds_per_token - resident.after_router_seconds_per_token;
-        floor.max(before_routers + m.expert_bytes_per_token / device_rate)
+    let floor_no_prediction = resident.overlappable_seconds_per_token.filter(|_| !predicts_routing(&mode)).map(|o| {
+        let never_overlapped = resident.seconds_per_token - o;
+        floor.max(never_overlapped + m.expert_bytes_per_token / device_rate)
     });
     Cell {
         budget_gb,
@@ -295,6 +295,12 @@ fn measure_cells(
     Ok((cells, dropped))
 }
 
+/// Whether the cells of `mode` read experts before their router has chosen them (so the
+/// floor without prediction does not bound them).
+fn predicts_routing(mode: &str) -> bool {
+    mode == "speculative"
+}
+
 /// The streaming run of one cell: serial is the C engine's order (no read-ahead, no overlap of
 /// a layer's reads with its compute); speculative adds expert prediction to pipelined.
 fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> StreamingRun {
@@ -312,7 +318,7 @@ fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> St
             ..StreamOptions::default()
         },
         prefetch_window: None,
-        speculation: crate::model::Speculation { enabled: mode == "speculative", margin: 0 },
+        speculation: crate::model::Speculation { enabled: predicts_routing(mode), margin: 0 },
         placement: None,
         trace_detail: false,
         trunk_share: None,
@@ -330,10 +336,13 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         rates(&r.device_read_rate_after)
     );
     println!("memory bandwidth (triad): {:.1} GB/s", r.memory_bandwidth / 1e9);
-    println!(
-        "resident compute: {:.3} s/token ({:.3} of it after the MoE routers)",
-        r.resident_seconds_per_token, r.resident_after_router_seconds_per_token
-    );
+    match r.resident_overlappable_seconds_per_token {
+        Some(o) => println!(
+            "resident compute: {:.3} s/token ({o:.3} of it shared and routed experts, which expert reads can overlap)",
+            r.resident_seconds_per_token
+        ),
+        None => println!("resident compute: {:.3} s/token", r.resident_seconds_per_token),
+    }
     println!(
         "page cache: {}",
         if r.page_cache_dropped { "dropped before every cell" } else { "not dropped (not root); reads are O_DIRECT" }
@@ -382,7 +391,7 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
     println!("dev GB/s: the device at the engine's queue depth, probed around each budget's cells (the floor uses it)");
     println!(
         "floor*: the floor without routing prediction: a layer's expert reads start at its router, so they overlap \
-         only the compute after it (- for speculative cells)"
+         only the experts' compute (- for speculative cells)"
     );
     println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
     let _ = args;

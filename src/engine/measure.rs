@@ -46,10 +46,11 @@ pub struct Measurement {
     /// Routed experts already requested when routing was known, over all routed experts.
     pub recall: f64,
     pub spec_wasted_bytes_per_token: f64,
-    /// Resident runs: the compute per token after each MoE layer's router (shared and routed
-    /// experts, latent projections), the only compute expert reads can overlap without routing
-    /// prediction. 0 for streaming runs.
-    pub after_router_seconds_per_token: f64,
+    /// Resident runs: the compute per token that a layer's expert reads could overlap without
+    /// routing prediction (shared and routed experts, after each router; see
+    /// [`crate::model::moe::SPANS_READS_CAN_OVERLAP`]). `None` for streaming runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overlappable_seconds_per_token: Option<f64>,
     pub plan: Option<Plan>,
 }
 
@@ -128,7 +129,7 @@ pub fn measure_streaming(
         stall_seconds_per_token: m.stall_us / 1e6 / n,
         recall: if routed > 0.0 { (after.routed_recalled - before.routed_recalled) as f64 / routed } else { 0.0 },
         spec_wasted_bytes_per_token: (after.spec_wasted_bytes - before.spec_wasted_bytes) as f64 / n,
-        after_router_seconds_per_token: 0.0,
+        overlappable_seconds_per_token: None,
         plan: Some(plan),
     })
 }
@@ -142,16 +143,17 @@ pub fn measure_resident(
     spec: &MeasureSpec,
 ) -> Result<Measurement, MeasureError> {
     let mut opened = open_resident(model, threads, kernels)?;
-    // Kept events cost a few hundred bytes per span, and a resident measurement is short.
+    // Kept events cost about 150 bytes and a lock per span, a few hundred spans per token: far
+    // below the resolution of a measurement of matmuls over gigabytes.
     let tracer = std::sync::Arc::new(Tracer::new(true));
     opened.engine.model.tracer = Some(std::sync::Arc::clone(&tracer));
     let (ids, seconds) = decode(&opened.engine, spec, || tracer.reset_metrics())?;
     let n = spec.tokens.max(1) as f64;
-    let after_router = tracer.span_seconds(&crate::model::moe::SPANS_AFTER_ROUTER).unwrap_or(0.0);
+    let overlappable = tracer.span_seconds(&crate::model::moe::SPANS_READS_CAN_OVERLAP).map(|s| s / n);
     Ok(Measurement {
         ids,
         seconds_per_token: seconds / n,
-        after_router_seconds_per_token: after_router / n,
+        overlappable_seconds_per_token: overlappable,
         ..Measurement::default()
     })
 }

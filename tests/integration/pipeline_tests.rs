@@ -249,6 +249,8 @@ fn bench_reports_every_cell_with_identical_ids() {
         trunk.path().to_str().unwrap(),
         "--budgets",
         "0.0015,0.004",
+        "--modes",
+        "serial,pipelined,speculative",
         "--tokens",
         "2",
         "--warmup",
@@ -261,7 +263,7 @@ fn bench_reports_every_cell_with_identical_ids() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("ids identical in every cell and resident: yes"), "{out}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    assert_eq!(v["cells"].as_array().unwrap().len(), 4);
+    assert_eq!(v["cells"].as_array().unwrap().len(), 6);
     assert_eq!(v["device_read_rate"].as_array().unwrap().len(), 4);
     for c in v["cells"].as_array().unwrap() {
         for key in [
@@ -284,11 +286,17 @@ fn bench_reports_every_cell_with_identical_ids() {
         let floor = c["floor_seconds_per_token"].as_f64().unwrap();
         let resident = v["resident_seconds_per_token"].as_f64().unwrap();
         assert!((floor - (bytes / rate).max(resident)).abs() <= 1e-12 * floor.max(1.0), "{c}");
-        // Without prediction, expert reads overlap only the compute after the routers.
-        let after_router = v["resident_after_router_seconds_per_token"].as_f64().unwrap();
-        assert!(after_router > 0.0 && after_router < resident, "{v}");
+        // Without prediction, expert reads overlap only the experts' compute; speculative
+        // cells read before their router, so no such floor is given for them.
+        let overlappable = v["resident_overlappable_seconds_per_token"].as_f64().unwrap();
+        assert!(overlappable > 0.0 && overlappable < resident, "{v}");
+        if c["mode"] == "speculative" {
+            assert!(c["floor_no_prediction_seconds_per_token"].is_null(), "{c}");
+            assert!(c["efficiency_no_prediction"].is_null(), "{c}");
+            continue;
+        }
         let experts = c["expert_bytes_per_token"].as_f64().unwrap() / rate;
-        let want = floor.max(resident - after_router + experts);
+        let want = floor.max(resident - overlappable + experts);
         let got = c["floor_no_prediction_seconds_per_token"].as_f64().unwrap();
         assert!((got - want).abs() <= 1e-12 * want.max(1.0), "{c}");
         let eff = c["efficiency_no_prediction"].as_f64().unwrap();

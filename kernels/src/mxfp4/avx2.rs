@@ -2,9 +2,10 @@
 //!
 //! A group of 32 elements (16 packed bytes) is decoded with byte shuffles straight into the f32
 //! values of the definition, `(sign * E2M1[mag]) * 2^(s-127)`: `vpshufb` looks each nibble up
-//! in the group's scale's table of those products ([`super::SCALED`], built by the same f32
-//! multiplication), so overflow (s = 254) and subnormal (s = 0) results are identical too. See
-//! [`decode32`]: 12 vector operations per 32 weights. `t == 1` streams 2 rows at once; `t > 1`
+//! in the group's scale's byte tables ([`SCALED_BYTES`], the top halves of [`super::SCALED`],
+//! whose products are the definition's own f32 multiplication), so overflow (s = 254) and
+//! subnormal (s = 0) results are identical too. See [`decode32`]: 12 vector operations per 32
+//! weights as compiled. `t == 1` streams 2 rows at once; `t > 1`
 //! goes through [`crate::tiled`].
 
 use std::arch::x86_64::{
@@ -61,8 +62,9 @@ const fn scaled_bytes() -> [ByteTables; 256] {
 /// 4. `<< 16` and `& 0xFFFF_0000` make the two f32s of each dword: no widening shuffles, no
 ///    multiplication (the table holds the definition's products).
 ///
-/// 12 vector operations per 32 weights, 6 of them shuffles (the old decoder, a bf16 table
-/// widened by unpacks and multiplied by the power of two, took 17, 10 of them shuffles).
+/// 12 vector operations per 32 weights as compiled (LLVM merges the two `& 0xF` into one after
+/// the interleave), 6 of them shuffles. The old decoder, a bf16 table widened by unpacks and
+/// multiplied by the power of two, took 17, 10 of them shuffles and 4 multiplies.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 fn decode32(b: &[u8; GROUP_BYTES], scale: u8) -> [__m256; 4] {
@@ -80,7 +82,7 @@ fn decode32(b: &[u8; GROUP_BYTES], scale: u8) -> [__m256; 4] {
     let nibbles = _mm256_unpacklo_epi16(lo, hi);
     let tables = &SCALED_BYTES[usize::from(scale)].0;
     let (t2, t3) = tables.split_at(16);
-    // SAFETY: each half holds 16 bytes; the loads are unaligned-tolerant.
+    // SAFETY: each half holds 16 bytes; the loads are unaligned.
     let (t2, t3) = unsafe { (_mm_loadu_si128(t2.as_ptr().cast()), _mm_loadu_si128(t3.as_ptr().cast())) };
     let byte2 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t2), nibbles);
     let byte3 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t3), nibbles);

@@ -52,8 +52,8 @@ impl Decoder {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     fn decode32(self, b: &[u8; GROUP_BYTES], scale: u8) -> [__m512; 2] {
-        // SAFETY: `b` holds 16 bytes; the load is unaligned. A `SCALED` row is 16 floats on its
-        // own 64-byte line.
+        // SAFETY: `b` holds 16 bytes; that load is unaligned. A `SCALED` row is 16 floats,
+        // 64-byte aligned by `Aligned64` (checked at compile time), as `_mm512_load_ps` requires.
         let (v, values) =
             unsafe { (_mm_loadu_si128(b.as_ptr().cast()), _mm512_load_ps(SCALED[usize::from(scale)].0.as_ptr())) };
         [self.sixteen(_mm_unpacklo_epi8(v, v), values), self.sixteen(_mm_unpackhi_epi8(v, v), values)]

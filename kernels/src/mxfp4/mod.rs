@@ -5,8 +5,8 @@
 //! `scales[rows, cols / 32]` u8, E8M0: element `c` of a row is
 //! `(sign * E2M1[mag]) * 2^(s - 127)` with `s = scales[row, c / 32]`, one f32 multiplication of
 //! the table value by the power of two built exactly (s = 0 is the subnormal 2^-127). Every
-//! decoded value is exact except `6 * 2^127` and `4 * 2^127` (s = 254), which overflow to inf as
-//! the f32 product must. Scale 0xFF (NaN in OCP E8M0) is corrupt data: the matmul returns
+//! decoded value is exact except magnitudes 2, 3, 4 and 6 at s = 254 (2 * 2^127 = 2^128 and up),
+//! which overflow to inf as the f32 product must. Scale 0xFF (NaN in OCP E8M0) is corrupt data: the matmul returns
 //! [`KernelError::BadScale`] naming the first such byte in row-major order. On error, `y` is
 //! partly written and must not be used.
 //!
@@ -67,6 +67,9 @@ pub(crate) static SCALED: [Aligned64<[f32; 16]>; 256] = scaled_table();
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 pub(crate) struct Aligned64<T>(pub(crate) T);
+
+// The AVX-512 decoder loads a `SCALED` row with an aligned 64-byte load.
+const _: () = assert!(size_of::<Aligned64<[f32; 16]>>() == 64 && align_of::<Aligned64<[f32; 16]>>() == 64);
 
 const fn scaled_table() -> [Aligned64<[f32; 16]>; 256] {
     let mut table = [Aligned64([0.0f32; 16]); 256];
@@ -207,9 +210,9 @@ mod tests {
     fn scaled_table_is_the_products() {
         for s in 0..BAD_SCALE {
             for n in 0..16u8 {
-                let want = e2m1_signed(n) * e8m0_pow2(s);
+                // The public definition of an element's value, computed at run time.
                 let got = SCALED[usize::from(s)].0[usize::from(n)];
-                assert_eq!(got.to_bits(), want.to_bits(), "scale {s}, nibble {n}");
+                assert_eq!(Some(got.to_bits()), mxfp4_value(n, s).map(f32::to_bits), "scale {s}, nibble {n}");
                 // Every value has at most 2 significant bits, so it is exactly a bf16 (the AVX2
                 // decoder relies on it); inf at s = 254 and the subnormals at s = 0 included.
                 assert_eq!(got.to_bits() & 0xFFFF, 0, "scale {s}, nibble {n}");
