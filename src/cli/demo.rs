@@ -69,15 +69,17 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
     let ranges: Vec<(usize, u64, u64)> =
         index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
-    let device =
-        random_read_rate(&files, &ranges, cfg.expert_bytes() as usize, 32, 64, 7).context("measuring the device")?;
+    let probe_device = |seed| {
+        random_read_rate(&files, &ranges, cfg.expert_bytes() as usize, 32, 64, seed).context("measuring the device")
+    };
+    let device_before = probe_device(7)?;
     let model_bytes = index.total_bytes();
     let budget_gb = (model_bytes as f64 * args.budget_share / 1e9 * 1000.0).round() / 1000.0;
     eprintln!(
         "k3ring demo: trunk pack {} ({:.2} GB) | device: {:.2} GB/s random reads of one expert at queue depth 32 | budget {budget_gb} GB for a {:.2} GB model",
         if packed.up_to_date { "cached" } else { "written" },
         packed.bytes as f64 / 1e9,
-        device / 1e9,
+        device_before / 1e9,
         model_bytes as f64 / 1e9
     );
     let trace = dir.join("demo-trace.json");
@@ -107,12 +109,16 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let cli = super::Cli::try_parse_from(argv)?;
     let super::Command::Run(run_args) = cli.command else { anyhow::bail!("internal: demo built a non-run command") };
     super::run::run(&run_args)?;
+    // A virtual disk can run at a fraction of its speed for a while (seen here: 0.34 against
+    // 1.8 GB/s right after a heavy job), so the device is probed again after the run and the
+    // better probe is the reference: the ratio never flatters the engine.
+    let device = device_before.max(probe_device(8)?);
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json)?)?;
     let s = &r["storage"];
     let read = s["io"]["bytes_read"].as_f64().unwrap_or(0.0);
     let rate = s["read_bytes_per_second"].as_f64().unwrap_or(0.0);
     println!(
-        "demo: {:.3} s/token | read {:.2} GB ({:.2} GB trunk, {:.2} GB experts) | read rate {:.2} GB/s = {:.0}% of the device's {:.2} GB/s | overlap {:.0}% | trace {}",
+        "demo: {:.3} s/token | read {:.2} GB ({:.2} GB trunk, {:.2} GB experts) | read rate {:.2} GB/s = {:.0}% of the device's {:.2} GB/s (better of the probes before and after) | overlap {:.0}% | trace {}",
         r["seconds_per_token"].as_f64().unwrap_or(0.0),
         read / 1e9,
         s["trunk_bytes_read"].as_f64().unwrap_or(0.0) / 1e9,
