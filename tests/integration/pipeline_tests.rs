@@ -251,6 +251,8 @@ fn bench_reports_every_cell_with_identical_ids() {
         "0.0015,0.004",
         "--modes",
         "serial,pipelined,speculative",
+        "--repeats",
+        "3",
         "--tokens",
         "2",
         "--warmup",
