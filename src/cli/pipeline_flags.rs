@@ -22,8 +22,8 @@ pub struct PipelineArgs {
     /// Print the placement and exit.
     #[arg(long)]
     pub print_placement: bool,
-    /// Prefetch the experts the next layer's router predicts (off by default: with K3's flat
-    /// routing about half the guesses are wrong, see docs/PIPELINE.md).
+    /// Prefetch the experts the next layer's router predicts (off by default: the guesses cost
+    /// reads, which slow decoding where the device is the bottleneck; see docs/PIPELINE.md).
     #[arg(long, overrides_with = "no_spec")]
     pub spec: bool,
     /// Do not prefetch predicted experts (the default).

@@ -69,8 +69,8 @@ pub struct Speculation {
 }
 
 impl Default for Speculation {
-    /// Off: with K3's flat routing about half the predicted experts are wrong, and on the
-    /// measured device the extra reads cost more than the earlier start gains (docs/PIPELINE.md).
+    /// Off: wrong guesses and the cached experts they evict cost reads, which slow decoding
+    /// wherever the device is the bottleneck (docs/PIPELINE.md).
     fn default() -> Self {
         Speculation { enabled: false, margin: 0 }
     }
@@ -325,7 +325,10 @@ impl Model {
         attn_res::forward(k, &view, &lw.mlp_res, &sc.snapshots[..n_snap], &sc.partial, t, d, &mut sc.res, &mut sc.x);
         drop(attn_span);
         report(probe, l, "mlp_input", t, &sc.x[..td]);
-        if self.speculation.enabled {
+        // A block start restarts the partial sum, so this layer's residual read says little of
+        // the next one's routing there: that guess waits for the end of this layer (below).
+        let next_starts_block = cfg.layers.get(l + 1).is_some_and(|n| n.block_start);
+        if self.speculation.enabled && !next_starts_block {
             self.speculate(src, sc, l + 1, t);
         }
         norm_rows(k, view.bytes(lw.post_attention_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
@@ -351,13 +354,16 @@ impl Model {
             return Err(ModelError::NonFinite { layer: l, what: "hidden state".to_owned() });
         }
         report(probe, l, "partial", t, &sc.partial[..td]);
+        if self.speculation.enabled && next_starts_block {
+            self.speculate_at_block_start(src, sc, l + 1, t, n_snap);
+        }
         Ok(n_snap)
     }
 }
 
 impl Model {
-    /// Predicts the experts of layer `next` from this layer's residual read (in `sc.x`) with
-    /// `next`'s own norm and router, and hands them to the store to prefetch. Skipped when
+    /// Predicts the experts of layer `next` from the residual read in `sc.x` (this layer's, or
+    /// the estimate of `next`'s at a block start) with `next`'s own norm and router, and hands them to the store to prefetch. Skipped when
     /// `next` is not an MoE layer or its trunk is not resident (speculation never waits).
     fn speculate<S: WeightSource>(&self, src: &S, sc: &mut Scratch, next: usize, t: usize) {
         let Some(FfnWeights::Moe(w)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
@@ -372,6 +378,39 @@ impl Model {
         let want = self.cfg.moe.top_k + self.speculation.margin;
         moe::predict(&self.kernels, &self.cfg, &view, w, &sc.spec_xn, t, want, &mut sc.moe);
         src.prefetch_experts(next, &sc.moe.predicted);
+    }
+
+    /// Predicts the experts of `next`, a block start, once this layer's partial sum is final:
+    /// `next`'s MLP residual read with that sum as the newest snapshot and a zero partial sum
+    /// (only `next`'s attention output, not yet known, is left out). Writes the snapshot slot
+    /// `next` fills anyway with the same values, and `sc.x`, which `next` recomputes.
+    fn speculate_at_block_start<S: WeightSource>(
+        &self,
+        src: &S,
+        sc: &mut Scratch,
+        next: usize,
+        t: usize,
+        n_snap: usize,
+    ) {
+        let Some(FfnWeights::Moe(_)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
+        let Some(view) = src.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
+        let Some(slot) = sc.snapshots.get_mut(n_snap) else { return };
+        let td = t * self.cfg.hidden_size;
+        slot[..td].copy_from_slice(&sc.partial[..td]);
+        sc.spec_xn[..td].fill(0.0);
+        attn_res::forward(
+            &self.kernels,
+            &view,
+            &self.weights.layers[next].mlp_res,
+            &sc.snapshots[..=n_snap],
+            &sc.spec_xn,
+            t,
+            self.cfg.hidden_size,
+            &mut sc.res,
+            &mut sc.x,
+        );
+        drop(view);
+        self.speculate(src, sc, next, t);
     }
 }
 

@@ -1141,8 +1141,8 @@ impl WeightSource for StreamingSource {
             return;
         }
         // Speculation uses idle bandwidth only: with more than the device's window already
-        // outstanding, a guess would delay reads compute is waiting for (and, with K3's flat
-        // routing, about half the guesses are wrong).
+        // outstanding, a guess would delay reads compute is waiting for (and some guesses are
+        // wrong).
         if self.io.outstanding_bytes() > self.spec_idle_bytes {
             lock(&self.state).stats.spec_skipped_busy += 1;
             return;
