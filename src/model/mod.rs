@@ -363,8 +363,9 @@ impl Model {
 
 impl Model {
     /// Predicts the experts of layer `next` from the residual read in `sc.x` (this layer's, or
-    /// the estimate of `next`'s at a block start) with `next`'s own norm and router, and hands them to the store to prefetch. Skipped when
-    /// `next` is not an MoE layer or its trunk is not resident (speculation never waits).
+    /// the estimate of `next`'s at a block start) with `next`'s own norm and router, and hands
+    /// them to the store to prefetch. Skipped when `next` is not an MoE layer or its trunk is not
+    /// resident (speculation never waits).
     fn speculate<S: WeightSource>(&self, src: &S, sc: &mut Scratch, next: usize, t: usize) {
         let Some(FfnWeights::Moe(w)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = src.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
@@ -395,6 +396,11 @@ impl Model {
         let Some(FfnWeights::Moe(_)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = src.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
         let Some(slot) = sc.snapshots.get_mut(n_snap) else { return };
+        // Closed before `speculate` opens its own span, so the two do not overlap in the trace.
+        let span = self
+            .tracer
+            .as_ref()
+            .map(|t| t.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32)));
         let td = t * self.cfg.hidden_size;
         slot[..td].copy_from_slice(&sc.partial[..td]);
         sc.spec_xn[..td].fill(0.0);
@@ -409,7 +415,7 @@ impl Model {
             &mut sc.res,
             &mut sc.x,
         );
-        drop(view);
+        drop((span, view));
         self.speculate(src, sc, next, t);
     }
 }

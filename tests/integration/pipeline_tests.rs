@@ -101,7 +101,7 @@ fn speculation_raises_recall() {
 /// A block start restarts the partial sum, so the previous layer's residual read does not feed
 /// its routing; its guess is made from the finished partial sum instead. Without that the
 /// block starts' recall stayed at the cache's (measured on a K3-shaped model: 5% of routed
-/// experts against 70-84% at the other layers).
+/// experts against 50-70% at the other layers).
 #[test]
 fn speculation_predicts_block_starts_too() {
     let trunk = pack(&tiny_dir());
