@@ -23,9 +23,10 @@ use crate::engine::measure::{
 };
 use crate::engine::StreamingRun;
 use crate::error::UsageError;
+use crate::pipeline::{IoKind, IoOptions, Mode, PipelineOptions, Speculation};
 use crate::storage::io::probe::random_read_rate;
 use crate::storage::plan::GB;
-use crate::storage::stream::{IoKind, StreamOptions};
+use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, clap::Args)]
@@ -318,15 +319,13 @@ fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> St
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
         chunk: spec.prefill_chunk,
         threads: args.threads,
-        stream: StreamOptions {
-            io: IoKind::Uring,
-            queue_depth: args.queue_depth,
-            serial,
-            readahead: if serial { 0 } else { 1 },
-            ..StreamOptions::default()
+        store: StoreOptions { readahead: 1, ..StoreOptions::default() },
+        pipeline: PipelineOptions {
+            io: IoOptions { kind: IoKind::Uring, queue_depth: args.queue_depth, ..IoOptions::default() },
+            mode: if serial { Mode::Serial } else { Mode::Pipelined },
+            speculation: Speculation { enabled: predicts_routing(mode), ..Speculation::default() },
         },
         prefetch_window: None,
-        speculation: crate::model::Speculation { enabled: predicts_routing(mode), margin: 0 },
         placement: None,
         trace_detail: false,
         trunk_share: None,

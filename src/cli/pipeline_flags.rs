@@ -4,8 +4,7 @@
 use std::path::PathBuf;
 
 use crate::error::UsageError;
-use crate::model::Speculation;
-use crate::pipeline::{Placement, PlacementRequest};
+use crate::pipeline::{Mode, Placement, PlacementRequest, Speculation};
 use crate::storage::io::topology::parse_cpulist;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -70,13 +69,13 @@ impl PipelineArgs {
         Placement::resolve(&topo, &req).map_err(|e| UsageError(e.to_string()).into())
     }
 
-    pub fn serial(&self) -> bool {
-        self.mode == "serial"
+    pub fn mode(&self) -> Mode {
+        Mode::parse(&self.mode).unwrap_or_default()
     }
 
-    /// Speculation as the flags and the mode ask (never in serial mode: the C engine's design
-    /// reads after routing).
+    /// Speculation as the flags ask (the pipeline allows none in serial mode: the C engine's
+    /// design reads after routing).
     pub fn speculation(&self) -> Speculation {
-        Speculation { enabled: self.spec && !self.no_spec && !self.serial(), margin: self.spec_margin }
+        Speculation { enabled: self.spec && !self.no_spec, margin: self.spec_margin, prev_token: self.spec_prev_token }
     }
 }

@@ -10,8 +10,10 @@ use super::{RunArgs, StorageArgs};
 use crate::engine::{open_resident, open_streaming, peak_rss_bytes, GenerateOptions, Opened, Sampling, StreamingRun};
 use crate::error::UsageError;
 use crate::model::weights::WeightSource;
+use crate::model::LayerHook;
+use crate::pipeline::{IoKind, IoOptions, PipelineOptions};
 use crate::storage::plan::{preset_bytes, Plan, GB};
-use crate::storage::stream::{IoKind, StreamOptions, StreamStats};
+use crate::storage::stream::{StoreOptions, StreamStats};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 #[derive(Serialize)]
@@ -81,26 +83,25 @@ fn streaming_run(args: &RunArgs, st: &StorageArgs, context: usize) -> anyhow::Re
         chunk: args.prefill_chunk,
         threads: args.threads,
         prefetch_window: None,
-        speculation: pipe.speculation(),
         placement: None,
         trace_detail: pipe.trace.is_some(),
         trunk_share: st.trunk_share,
-        stream: StreamOptions {
-            io,
-            queue_depth: st.queue_depth,
-            // Serial mode reads a layer when it is needed, as the C engine does.
-            readahead: if pipe.serial() { 0 } else { st.readahead },
+        store: StoreOptions {
+            readahead: st.readahead,
             lock_memory: !st.no_mlock,
             verify_every_read: st.verify_reads,
-            serial: pipe.serial(),
             policy: pipe.policy.clone(),
-            spec_prev_token: pipe.spec_prev_token,
-            ..StreamOptions::default()
+            ..StoreOptions::default()
+        },
+        pipeline: PipelineOptions {
+            io: IoOptions { kind: io, queue_depth: st.queue_depth, ..IoOptions::default() },
+            mode: pipe.mode(),
+            speculation: pipe.speculation(),
         },
     })
 }
 
-fn generate<S: WeightSource>(
+fn generate<S: WeightSource + LayerHook>(
     args: &RunArgs,
     model_dir: &std::path::Path,
     opened: &Opened<S>,

@@ -15,8 +15,9 @@ use super::svg::{line_chart, Series};
 use crate::engine::measure::{measure_streaming, MeasureSpec};
 use crate::engine::StreamingRun;
 use crate::error::UsageError;
+use crate::pipeline::{IoKind, IoOptions, PipelineOptions, Speculation};
 use crate::storage::plan::GB;
-use crate::storage::stream::{IoKind, StreamOptions};
+use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, clap::Args)]
@@ -173,14 +174,17 @@ fn streaming_run(args: &TuneArgs, k: &Knobs, spec: &MeasureSpec) -> StreamingRun
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
         chunk: spec.prefill_chunk,
         threads: args.threads,
-        stream: StreamOptions {
-            io: IoKind::parse(&k.io).unwrap_or(IoKind::Uring),
-            queue_depth: k.queue_depth,
-            readahead: k.readahead,
-            ..StreamOptions::default()
+        store: StoreOptions { readahead: k.readahead, ..StoreOptions::default() },
+        pipeline: PipelineOptions {
+            io: IoOptions {
+                kind: IoKind::parse(&k.io).unwrap_or(IoKind::Uring),
+                queue_depth: k.queue_depth,
+                ..IoOptions::default()
+            },
+            speculation: Speculation { enabled: true, margin: k.spec_margin, ..Speculation::default() },
+            ..PipelineOptions::default()
         },
         prefetch_window: None,
-        speculation: crate::model::Speculation { enabled: true, margin: k.spec_margin },
         placement: None,
         trace_detail: false,
         trunk_share: (k.split < 1.0).then_some(k.split),

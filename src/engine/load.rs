@@ -9,16 +9,17 @@ use super::{Engine, EngineError};
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::model::weights::{ModelWeights, WeightSource};
-use crate::model::{Model, ModelState, Scratch, Speculation};
+use crate::model::{LayerHook, Model, ModelState, Scratch};
+use crate::pipeline::{Pipeline, PipelineOptions, Prefetcher};
 use crate::storage::mmap::MmapSource;
 use crate::storage::pack::{Manifest, PackUnit};
 use crate::storage::plan::{Plan, PlanError, PlanInput};
-use crate::storage::stream::{embed_buffer_bytes, expert_slot_bytes, StreamOptions, StreamingSource};
+use crate::storage::stream::{embed_buffer_bytes, expert_slot_bytes, StoreOptions};
 use crate::tokenizer::Tokenizer;
 use crate::trace::Tracer;
 
 /// An opened model: engine and tokenizer.
-pub struct Opened<S: WeightSource = MmapSource> {
+pub struct Opened<S: WeightSource + LayerHook = MmapSource> {
     pub engine: Engine<S>,
     pub tokenizer: Tokenizer,
 }
@@ -65,9 +66,7 @@ fn common(dir: &Path) -> Result<Common, OpenError> {
 pub fn open_resident(dir: &Path, threads: usize, kernels: kernels::Kernels) -> Result<Opened, OpenError> {
     let c = common(dir)?;
     let src = MmapSource::open(c.index)?;
-    // Everything is mapped: there is nothing to prefetch.
-    let speculation = Speculation { enabled: false, margin: 0 };
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation, tracer: None };
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: None };
     Ok(Opened { engine: Engine::new(model, src, threads)?, tokenizer: c.tokenizer })
 }
 
@@ -79,10 +78,11 @@ pub struct StreamingRun {
     pub context: usize,
     pub chunk: usize,
     pub threads: usize,
-    pub stream: StreamOptions,
-    /// Extra expert slots beyond top-k for reads ahead of compute.
+    pub store: StoreOptions,
+    pub pipeline: PipelineOptions,
+    /// Expert slots for the reads of one layer plus those ahead of compute (default: top-k,
+    /// plus the speculation margin when predicting).
     pub prefetch_window: Option<usize>,
-    pub speculation: Speculation,
     /// Cores and node; `None` resolves the default from the topology.
     pub placement: Option<crate::pipeline::Placement>,
     /// Keep every span for a Chrome trace file (otherwise only the busy intervals).
@@ -99,7 +99,7 @@ pub fn open_streaming(
     run: &StreamingRun,
     kernels: kernels::Kernels,
     on_plan: impl FnOnce(&Plan),
-) -> Result<(Opened<StreamingSource>, Plan), OpenError> {
+) -> Result<(Opened<Pipeline>, Plan), OpenError> {
     let c = common(dir)?;
     let manifest = Manifest::load(trunk_dir)?;
     let align = manifest.alignment;
@@ -111,6 +111,7 @@ pub fn open_streaming(
         .collect();
     let chunk = run.chunk.clamp(1, run.context.max(1));
     let logits = 4 * (chunk * c.cfg.vocab_size) as u64;
+    let spec = run.pipeline.effective_speculation();
     let input = PlanInput {
         budget: run.budget_bytes,
         mem_available: super::mem_available_bytes(),
@@ -118,25 +119,28 @@ pub fn open_streaming(
         expert_slot_bytes: expert_slot_bytes(&c.cfg, align),
         experts_total: c.index.experts.len(),
         top_k: c.cfg.moe.top_k,
-        prefetch_window: run
-            .prefetch_window
-            .unwrap_or(c.cfg.moe.top_k + if run.speculation.enabled { run.speculation.margin } else { 0 }),
-        readahead: run.stream.readahead,
+        prefetch_window: run.prefetch_window.unwrap_or(c.cfg.moe.top_k + if spec.enabled { spec.margin } else { 0 }),
+        readahead: run.pipeline.mode.readahead(run.store.readahead),
         states_bytes: ModelState::bytes(&c.cfg, run.context),
-        scratch_bytes: Scratch::bytes(&c.cfg, chunk, run.context) + logits + embed_buffer_bytes(&c.cfg, chunk, align),
+        scratch_bytes: Scratch::bytes(&c.cfg, chunk, run.context)
+            + Prefetcher::scratch_bytes(&c.cfg, chunk)
+            + logits
+            + embed_buffer_bytes(&c.cfg, chunk, align),
         trunk_share: run.trunk_share,
     };
     let plan = Plan::make(&input)?;
     on_plan(&plan);
-    let mut stream = run.stream.clone();
-    stream.chunk_tokens = chunk;
+    let mut store = run.store.clone();
+    store.chunk_tokens = chunk;
+    let mut pipeline = run.pipeline.clone();
     if let Some(p) = &run.placement {
-        stream.numa_node = Some(p.numa_node);
-        stream.io_core = p.io_cores.first().copied();
+        store.numa_node = Some(p.numa_node);
+        pipeline.io.io_core = p.io_cores.first().copied();
     }
     let tracer = Arc::new(Tracer::new(run.trace_detail));
-    let src = StreamingSource::open(dir, trunk_dir, Arc::clone(&c.index), &c.cfg, &plan, &stream, Arc::clone(&tracer))?;
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, speculation: run.speculation, tracer: Some(tracer) };
+    let index = Arc::clone(&c.index);
+    let src = Pipeline::open(dir, trunk_dir, index, &c.cfg, &plan, &store, &pipeline, Arc::clone(&tracer))?;
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: Some(tracer) };
     let cores = run.placement.as_ref().map_or(&[][..], |p| &p.compute_cores[..]);
     Ok((Opened { engine: Engine::pinned(model, src, run.threads, cores)?, tokenizer: c.tokenizer }, plan))
 }

@@ -12,8 +12,9 @@ use super::sampling::argmax;
 use super::{Engine, EngineError};
 use crate::model::weights::WeightSource;
 use crate::model::LogitRows;
+use crate::pipeline::Pipeline;
 use crate::storage::plan::Plan;
-use crate::storage::stream::{StreamStats, StreamingSource};
+use crate::storage::stream::StreamStats;
 use crate::trace::Tracer;
 
 /// What to run.
@@ -65,7 +66,7 @@ pub enum MeasureError {
 
 /// Decodes greedily: prefill, warm-up, then `tokens` timed steps. Returns the ids and the
 /// measured window's seconds, calling `between` right before the window starts.
-fn decode<S: WeightSource>(
+fn decode<S: WeightSource + crate::model::LayerHook>(
     engine: &Engine<S>,
     spec: &MeasureSpec,
     mut between: impl FnMut(),
@@ -159,7 +160,7 @@ pub fn measure_resident(
 }
 
 /// The streaming source type measured (for callers that name it).
-pub type Streamed = StreamingSource;
+pub type Streamed = Pipeline;
 
 /// STREAM-like triad `a = b + s * c` on `threads` threads over arrays larger than any cache;
 /// returns bytes moved per second (3 arrays x 4 bytes per element), best of several passes.

@@ -11,7 +11,7 @@ pub mod sampling;
 use std::time::Instant;
 
 use crate::model::weights::WeightSource;
-use crate::model::{LogitRows, Model, ModelError, ModelState, Probe, Scratch};
+use crate::model::{LayerHook, LogitRows, Model, ModelError, ModelState, Probe, Scratch};
 pub use load::{open_resident, open_streaming, OpenError, Opened, StreamingRun};
 pub use sampling::Sampling;
 
@@ -78,8 +78,9 @@ pub struct Generation {
     pub logits: Vec<Vec<f32>>,
 }
 
-/// A model with its weight store and thread pool.
-pub struct Engine<S: WeightSource> {
+/// A model with its weight store (which is also the model's hook: the streaming pipeline
+/// prefetches from it) and thread pool.
+pub struct Engine<S: WeightSource + LayerHook> {
     pub model: Model,
     pub src: S,
     pool: rayon::ThreadPool,
@@ -93,7 +94,7 @@ pub struct Session {
     logits: Vec<f32>,
 }
 
-impl<S: WeightSource> Engine<S> {
+impl<S: WeightSource + LayerHook> Engine<S> {
     /// `threads` compute threads (0 = one per available core).
     pub fn new(model: Model, src: S, threads: usize) -> Result<Engine<S>, EngineError> {
         Engine::pinned(model, src, threads, &[])
@@ -172,7 +173,8 @@ impl<S: WeightSource> Engine<S> {
         for piece in tokens.chunks(chunk) {
             let probe = probe.as_deref_mut();
             self.pool.install(|| {
-                self.model.forward(&self.src, &mut sess.state, &mut sess.scratch, piece, rows, &mut sess.logits, probe)
+                let (src, hook) = (&self.src, &self.src as &dyn LayerHook);
+                self.model.forward(src, hook, &mut sess.state, &mut sess.scratch, piece, rows, &mut sess.logits, probe)
             })?;
             last_rows = if rows == LogitRows::All { piece.len() } else { 1 };
         }

@@ -41,7 +41,65 @@ pub fn forward(
     s: &mut ResScratch,
     out: &mut [f32],
 ) {
-    let n = snapshots.len() + 1;
+    let candidates = Candidates { snapshots, newest: None, partial };
+    read(k, view, w, &candidates, t, hidden, s, out);
+}
+
+/// Like [`forward`] with one more snapshot, `newest`, after `snapshots`: the read a block start
+/// will make, computed before its snapshot is taken (the pipeline's predictions).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_with_newest(
+    k: &Kernels,
+    view: &dyn TrunkView,
+    w: &ResWeights,
+    snapshots: &[Vec<f32>],
+    newest: &[f32],
+    partial: &[f32],
+    t: usize,
+    hidden: usize,
+    s: &mut ResScratch,
+    out: &mut [f32],
+) {
+    let candidates = Candidates { snapshots, newest: Some(newest), partial };
+    read(k, view, w, &candidates, t, hidden, s, out);
+}
+
+/// The candidates of one read, oldest first: the snapshots, an optional newest one, the
+/// partial sum.
+struct Candidates<'a> {
+    snapshots: &'a [Vec<f32>],
+    newest: Option<&'a [f32]>,
+    partial: &'a [f32],
+}
+
+impl Candidates<'_> {
+    fn count(&self) -> usize {
+        self.snapshots.len() + usize::from(self.newest.is_some()) + 1
+    }
+
+    /// Row `row` of candidate `j`.
+    fn row(&self, j: usize, row: std::ops::Range<usize>) -> &[f32] {
+        let n = self.snapshots.len();
+        match (j.checked_sub(n), self.newest) {
+            (None, _) => &self.snapshots[j][row],
+            (Some(0), Some(newest)) => &newest[row],
+            _ => &self.partial[row],
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn read(
+    k: &Kernels,
+    view: &dyn TrunkView,
+    w: &ResWeights,
+    c: &Candidates<'_>,
+    t: usize,
+    hidden: usize,
+    s: &mut ResScratch,
+    out: &mut [f32],
+) {
+    let n = c.count();
     assert!(n <= s.scores.len(), "more residual candidates than scratch slots");
     let gw = &mut s.gw[..hidden];
     vector_into(view.bytes(w.norm.id), w.norm.dtype, &mut s.tmp[..hidden]);
@@ -51,16 +109,9 @@ pub fn forward(
     }
     for tok in 0..t {
         let row = tok * hidden..(tok + 1) * hidden;
-        let candidate = |j: usize| -> &[f32] {
-            if j < snapshots.len() {
-                &snapshots[j][row.clone()]
-            } else {
-                &partial[row.clone()]
-            }
-        };
         let scores = &mut s.scores[..n];
         for (j, score) in scores.iter_mut().enumerate() {
-            let v = candidate(j);
+            let v = c.row(j, row.clone());
             let inv_rms = 1.0 / (k.sum_squares(v) / hidden as f32 + ATTN_RES_EPS).sqrt();
             *score = k.dot(v, gw) * inv_rms;
         }
@@ -68,7 +119,7 @@ pub fn forward(
         let o = &mut out[row.clone()];
         o.fill(0.0);
         for j in 0..n {
-            k.axpy(s.scores[j], candidate(j), o);
+            k.axpy(s.scores[j], c.row(j, row.clone()), o);
         }
     }
 }

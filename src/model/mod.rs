@@ -11,6 +11,7 @@
 pub mod attn_res;
 pub mod dense;
 pub mod head;
+pub mod hook;
 pub mod kda;
 pub mod mla;
 pub mod moe;
@@ -27,6 +28,8 @@ use kda::{KdaScratch, KdaState};
 use mla::{MlaCache, MlaScratch};
 use moe::{MoeScratch, Route};
 use weights::{AttnWeights, FfnWeights, ModelWeights, SourceError, TrunkUnit, TrunkView, WeightSource};
+
+pub use hook::{LayerHook, NoHook};
 
 /// Why a forward pass stopped.
 #[derive(Debug, thiserror::Error)]
@@ -60,29 +63,11 @@ pub enum LogitRows {
     All,
 }
 
-/// Speculative expert prefetch: layer L+1's router applied to layer L's state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Speculation {
-    pub enabled: bool,
-    /// Experts predicted per token beyond top-k.
-    pub margin: usize,
-}
-
-impl Default for Speculation {
-    /// Off: wrong guesses and the cached experts they evict cost reads, which slow decoding
-    /// wherever the device is the bottleneck (docs/PIPELINE.md).
-    fn default() -> Self {
-        Speculation { enabled: false, margin: 0 }
-    }
-}
-
 /// A model ready to run: validated config, resolved weight ids, chosen kernels.
 pub struct Model {
     pub cfg: Config,
     pub weights: ModelWeights,
     pub kernels: Kernels,
-    /// Affects only which reads are issued early, never the arithmetic.
-    pub speculation: Speculation,
     /// Compute spans (attention, router, experts, ...) for the trace and the busy fractions;
     /// `None` records nothing (resident runs, which have no I/O to overlap).
     pub tracer: Option<std::sync::Arc<crate::trace::Tracer>>,
@@ -145,7 +130,6 @@ pub struct Scratch {
     x: Vec<f32>,              // [T, D] attention input (residual read)
     xn: Vec<f32>,             // [T, D] normalised
     a: Vec<f32>,              // [T, D] block output
-    spec_xn: Vec<f32>,        // [T, D] next layer's router input (speculation)
     res: ResScratch,
     kda: KdaScratch,
     mla: MlaScratch,
@@ -167,7 +151,6 @@ impl Scratch {
             x: td(),
             xn: td(),
             a: td(),
-            spec_xn: td(),
             res: ResScratch::new(d, blocks + 1),
             kda: KdaScratch::new(cfg, chunk),
             mla: MlaScratch::new(cfg, chunk, capacity),
@@ -184,7 +167,7 @@ impl Scratch {
         let blocks = cfg.block_starts().len();
         let m = &cfg.mla;
         let moe = &cfg.moe;
-        let per_token = d * (blocks + 9)
+        let per_token = d * (blocks + 8)
             + 10 * cfg.kda.width()
             + 3 * cfg.dense_intermediate.max(moe.shared_hidden())
             + moe.n_experts
@@ -216,6 +199,7 @@ impl Model {
     pub fn forward<S: WeightSource>(
         &self,
         src: &S,
+        hook: &dyn LayerHook,
         st: &mut ModelState,
         sc: &mut Scratch,
         tokens: &[u32],
@@ -234,7 +218,7 @@ impl Model {
         head::embed(&self.cfg, src, &self.weights.globals, tokens, &mut sc.embed_rows, &mut sc.partial[..t * d])?;
         let mut n_snap = 0;
         for l in 0..self.cfg.n_layers {
-            n_snap = self.layer(src, st, sc, l, t, n_snap, &mut probe)?;
+            n_snap = self.layer(src, hook, st, sc, l, t, n_snap, &mut probe)?;
         }
         let g = src.trunk(TrunkUnit::Head)?;
         let head_span = self.tracer.as_ref().map(|t| t.span(Stage::Compute, "head"));
@@ -270,6 +254,7 @@ impl Model {
     fn layer<S: WeightSource>(
         &self,
         src: &S,
+        hook: &dyn LayerHook,
         st: &mut ModelState,
         sc: &mut Scratch,
         l: usize,
@@ -325,12 +310,7 @@ impl Model {
         attn_res::forward(k, &view, &lw.mlp_res, &sc.snapshots[..n_snap], &sc.partial, t, d, &mut sc.res, &mut sc.x);
         drop(attn_span);
         report(probe, l, "mlp_input", t, &sc.x[..td]);
-        // A block start restarts the partial sum, so this layer's residual read says little of
-        // the next one's routing there: that guess waits for the end of this layer (below).
-        let next_starts_block = cfg.layers.get(l + 1).is_some_and(|n| n.block_start);
-        if self.speculation.enabled && !next_starts_block {
-            self.speculate(src, sc, l + 1, t);
-        }
+        hook.mlp_input(self, l, t, &sc.x[..td]);
         norm_rows(k, view.bytes(lw.post_attention_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match &lw.ffn {
             FfnWeights::Dense(w) => {
@@ -354,69 +334,8 @@ impl Model {
             return Err(ModelError::NonFinite { layer: l, what: "hidden state".to_owned() });
         }
         report(probe, l, "partial", t, &sc.partial[..td]);
-        if self.speculation.enabled && next_starts_block {
-            self.speculate_at_block_start(src, sc, l + 1, t, n_snap);
-        }
+        hook.layer_end(self, l, t, &sc.snapshots[..n_snap], &sc.partial[..td]);
         Ok(n_snap)
-    }
-}
-
-impl Model {
-    /// Predicts the experts of layer `next` from the residual read in `sc.x` (this layer's, or
-    /// the estimate of `next`'s at a block start) with `next`'s own norm and router, and hands
-    /// them to the store to prefetch. Skipped when `next` is not an MoE layer or its trunk is not
-    /// resident (speculation never waits).
-    fn speculate<S: WeightSource>(&self, src: &S, sc: &mut Scratch, next: usize, t: usize) {
-        let Some(FfnWeights::Moe(w)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
-        let Some(view) = src.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
-        let _s = self
-            .tracer
-            .as_ref()
-            .map(|t| t.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32)));
-        let d = self.cfg.hidden_size;
-        let norm = view.bytes(self.weights.layers[next].post_attention_layernorm.id);
-        norm_rows(&self.kernels, norm, self.cfg.rms_norm_eps, &sc.x[..t * d], &mut sc.spec_xn[..t * d], d);
-        let want = self.cfg.moe.top_k + self.speculation.margin;
-        moe::predict(&self.kernels, &self.cfg, &view, w, &sc.spec_xn, t, want, &mut sc.moe);
-        src.prefetch_experts(next, &sc.moe.predicted);
-    }
-
-    /// Predicts the experts of `next`, a block start, once this layer's partial sum is final:
-    /// `next`'s MLP residual read with that sum as the newest snapshot and a zero partial sum
-    /// (only `next`'s attention output, not yet known, is left out). Writes the snapshot slot
-    /// `next` fills anyway with the same values, and `sc.x`, which `next` recomputes.
-    fn speculate_at_block_start<S: WeightSource>(
-        &self,
-        src: &S,
-        sc: &mut Scratch,
-        next: usize,
-        t: usize,
-        n_snap: usize,
-    ) {
-        let Some(FfnWeights::Moe(_)) = self.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
-        let Some(view) = src.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
-        let Some(slot) = sc.snapshots.get_mut(n_snap) else { return };
-        // Closed before `speculate` opens its own span, so the two do not overlap in the trace.
-        let span = self
-            .tracer
-            .as_ref()
-            .map(|t| t.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32)));
-        let td = t * self.cfg.hidden_size;
-        slot[..td].copy_from_slice(&sc.partial[..td]);
-        sc.spec_xn[..td].fill(0.0);
-        attn_res::forward(
-            &self.kernels,
-            &view,
-            &self.weights.layers[next].mlp_res,
-            &sc.snapshots[..=n_snap],
-            &sc.spec_xn,
-            t,
-            self.cfg.hidden_size,
-            &mut sc.res,
-            &mut sc.x,
-        );
-        drop((span, view));
-        self.speculate(src, sc, next, t);
     }
 }
 
@@ -427,7 +346,7 @@ fn report(probe: &mut Option<&mut (dyn Probe + '_)>, l: usize, what: &'static st
 }
 
 /// RMSNorm of each row of `x` ([t, d]) with a bf16 weight.
-fn norm_rows(k: &Kernels, w_bf16: &[u8], eps: f32, x: &[f32], out: &mut [f32], d: usize) {
+pub(crate) fn norm_rows(k: &Kernels, w_bf16: &[u8], eps: f32, x: &[f32], out: &mut [f32], d: usize) {
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
         k.rmsnorm_bf16w(xr, w_bf16, eps, or);
     }

@@ -53,8 +53,6 @@ pub struct MoeScratch {
     eo: Vec<f32>,               // [T, LAT]
     users: Vec<(usize, usize)>, // (token, slot) pairs for one expert
     distinct: Vec<usize>,
-    /// Experts predicted for the next layer (speculation), distinct, by token then rank.
-    pub predicted: Vec<usize>,
     y: Vec<f32>,      // [T, LAT]
     yn: Vec<f32>,     // [T, LAT]
     norm_w: Vec<f32>, // [LAT]
@@ -82,7 +80,6 @@ impl MoeScratch {
             eo: vec![0.0; chunk * lat],
             users: Vec::with_capacity(chunk * m.top_k),
             distinct: Vec::with_capacity(chunk * m.top_k),
-            predicted: Vec::with_capacity(chunk * e),
             y: vec![0.0; chunk * lat],
             yn: vec![0.0; chunk * lat],
             norm_w: vec![0.0; lat],
@@ -111,8 +108,7 @@ pub fn forward<S: WeightSource>(
     let d = cfg.hidden_size;
     let (lat, e) = (m.latent, m.n_experts);
     let router_span = tracer.map(|t| t.span_args(Stage::Compute, "router", SpanArgs::new().layer(layer as u32)));
-    k.par_matmul_bf16(view.bytes(w.gate.id), w.gate.rows, w.gate.cols, &x[..t * d], t, &mut s.scores[..t * e]);
-    k.sigmoid(&mut s.scores[..t * e]);
+    router_scores(k, view, w, &x[..t * d], t, &mut s.scores[..t * e]);
     let bias = view.bytes(w.e_score_correction_bias.id);
     for (i, b) in s.bias.iter_mut().enumerate() {
         *b = f32_at(bias, i);
@@ -124,7 +120,7 @@ pub fn forward<S: WeightSource>(
     drop(router_span);
     // Start the expert reads first, then do the work that does not need them (the shared
     // experts and the latent down projection) while they are in flight.
-    src.will_need_experts(layer, &mut s.distinct);
+    src.request(layer, &mut s.distinct);
     let shared_span = tracer.map(|t| t.span_args(Stage::Compute, SPAN_SHARED, SpanArgs::new().layer(layer as u32)));
     if let Some(shared) = &w.shared {
         dense::glu_mlp(k, view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
@@ -160,37 +156,27 @@ pub fn forward<S: WeightSource>(
     Ok(())
 }
 
-/// The `want` experts each token would most likely pick (biased score, as the router ranks),
-/// distinct over the chunk, into `s.predicted`. Reads only the router: cheap, and used only to
-/// start reads early.
-#[allow(clippy::too_many_arguments)]
-pub fn predict(
-    k: &Kernels,
-    cfg: &Config,
-    view: &dyn TrunkView,
-    w: &MoeWeights,
-    x: &[f32],
-    t: usize,
-    want: usize,
-    s: &mut MoeScratch,
-) {
-    let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
-    k.par_matmul_bf16(view.bytes(w.gate.id), w.gate.rows, w.gate.cols, &x[..t * d], t, &mut s.scores[..t * e]);
-    k.sigmoid(&mut s.scores[..t * e]);
-    let bias = view.bytes(w.e_score_correction_bias.id);
-    s.predicted.clear();
-    for tok in 0..t {
-        for (i, b) in s.biased.iter_mut().enumerate() {
-            let v = s.scores[tok * e + i] + f32_at(bias, i);
-            *b = if v.is_finite() { v } else { f32::NEG_INFINITY };
-        }
-        for _ in 0..want.min(e) {
-            let Some(best) = (0..e).max_by(|&a, &b| s.biased[a].total_cmp(&s.biased[b]).then(b.cmp(&a))) else { break };
-            s.biased[best] = f32::NEG_INFINITY;
-            if !s.predicted.contains(&best) {
-                s.predicted.push(best);
+/// The router's sigmoid scores of `t` tokens ([t, E]) for the normalised input `x` ([t, D]).
+pub fn router_scores(k: &Kernels, view: &dyn TrunkView, w: &MoeWeights, x: &[f32], t: usize, scores: &mut [f32]) {
+    k.par_matmul_bf16(view.bytes(w.gate.id), w.gate.rows, w.gate.cols, x, t, scores);
+    k.sigmoid(scores);
+}
+
+/// The `n` largest of `biased` in descending order into `out` (ties: the lower index first),
+/// by repeated selection: each chosen entry is set to -inf. The one top-k of routing and of the
+/// pipeline's predictions.
+pub fn top_k(biased: &mut [f32], n: usize, out: &mut Vec<usize>) {
+    out.clear();
+    for _ in 0..n {
+        let mut best: Option<usize> = None;
+        for (e, &b) in biased.iter().enumerate() {
+            if best.is_none_or(|i| b > biased[i]) {
+                best = Some(e);
             }
         }
+        let Some(e) = best else { break };
+        out.push(e);
+        biased[e] = f32::NEG_INFINITY;
     }
 }
 
@@ -211,19 +197,8 @@ fn route(
         }
         *b = s + c;
     }
-    out.experts.clear();
     out.weights.clear();
-    for _ in 0..m.top_k {
-        let mut best: Option<usize> = None;
-        for (e, &b) in biased.iter().enumerate() {
-            if best.is_none_or(|i| b > biased[i]) {
-                best = Some(e);
-            }
-        }
-        let Some(e) = best else { break };
-        out.experts.push(e);
-        biased[e] = f32::NEG_INFINITY;
-    }
+    top_k(biased, m.top_k, &mut out.experts);
     let mut sum = 0.0f32;
     for &e in &out.experts {
         sum += scores[e];

@@ -188,28 +188,19 @@ pub trait WeightSource: Sync {
     /// Makes a trunk unit resident and returns its bytes.
     fn trunk(&self, unit: TrunkUnit) -> Result<Self::Trunk<'_>, SourceError>;
 
-    /// The unit's bytes if they are resident right now (pinned, or already read), without
-    /// waiting or issuing a read; used by speculation, which must never stall compute.
-    fn trunk_if_resident(&self, _unit: TrunkUnit) -> Option<Self::Trunk<'_>> {
-        None
-    }
-
-    /// Hint: experts `layer` will probably need (predicted before its routing is known). A
-    /// streaming store reads the missing ones at low priority; the default does nothing.
-    fn prefetch_experts(&self, _layer: usize, _experts: &[usize]) {}
-
     /// Copies the bf16 rows `ids` of the embedding table `table` into `out`
     /// (`ids.len() * table.cols * 2` bytes). Every id is below `table.rows` (checked by the caller).
     fn embed_rows(&self, table: &Mat, ids: &[u32], out: &mut [u8]) -> Result<(), SourceError>;
 
+    /// The distinct experts `layer` needs for the chunk being computed, as soon as its routing
+    /// has chosen them. A streaming store starts their reads here and may reorder `experts`
+    /// into the order their bytes will arrive; the model computes them in that order (each
+    /// token still sums in its own top-k order, so the result does not depend on it). The
+    /// default does nothing.
+    fn request(&self, _layer: usize, _experts: &mut [usize]) {}
+
     /// Makes one routed expert resident and returns its bytes.
     fn expert(&self, layer: usize, expert: usize) -> Result<Self::Expert<'_>, SourceError>;
-
-    /// Hint: the distinct experts `layer` needs for the chunk being computed. A streaming store
-    /// starts their reads here and may reorder `experts` into the order their bytes will arrive;
-    /// the model computes them in that order (each token still sums in its own top-k order, so
-    /// the result does not depend on it). The default does nothing.
-    fn will_need_experts(&self, _layer: usize, _experts: &mut [usize]) {}
 }
 
 /// Resolves names to ids; every lookup has been validated against the config by

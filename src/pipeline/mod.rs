@@ -1,7 +1,186 @@
-//! The pipeline around the model: which cores and NUMA node serve which stage (I/O threads that
-//! own the rings, the compute pool, the scheduler walking the layers), and pinning threads there.
+//! The pipeline around the model: the streaming weight source a run computes from.
+//!
+//! ```text
+//!                 +-------------------- Pipeline (WeightSource + LayerHook) --------------------+
+//!   model         |                                                                               |
+//!   forward ----> | trunk / embed_rows / expert ----------------------> Store (storage::stream) |
+//!   (scheduler    | request (a layer's routing) --> Mode: serial waits -> Store::request_demand |
+//!    thread)      |        \-> Prefetcher::routed (previous-token guesses)                       |
+//!   hook points ->| mlp_input / layer_end -------> Prefetcher: next layer's router -> guesses -> |
+//!                 |                                              Store::request(Priority::Guess)  |
+//!                 |                       Store --(ReadQueue: reserve, submit, wait)--> IoStage   |
+//!                 +--------------------------------------------------------------------------- -+
+//!   IoStage: the `k3ring-io` thread owns the ring; demand reads first, then trunk read-ahead,
+//!   then guesses; each batch completes a ticket. Placement pins it and the compute pool.
+//! ```
+//!
+//! What each file owns:
+//! - [`io_stage`]: the I/O thread, its priorities, submission and reaping, tickets.
+//! - [`prefetcher`]: the prediction rules (next-layer router, block starts, margin, previous
+//!   token) and the guesses they make.
+//! - [`mode`]: pipelined or serial.
+//! - [`placement`]: which cores and NUMA node serve which stage.
+//!
+//! The model sees only [`WeightSource`] and [`LayerHook`]; it never knows whether a prefetcher
+//! exists. Nothing here changes the arithmetic: where and when bytes arrive never does.
 #![forbid(unsafe_code)]
 
+pub mod io_stage;
+pub mod mode;
 pub mod placement;
+pub mod prefetcher;
 
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::checkpoint::CheckpointIndex;
+use crate::config::Config;
+use crate::model::weights::{Mat, SourceError, TrunkUnit, WeightSource};
+use crate::model::{LayerHook, Model};
+use crate::storage::plan::Plan;
+use crate::storage::stream::policy::policy_by_name;
+use crate::storage::stream::reads::ReadQueue;
+use crate::storage::stream::{ExpertGuard, Store, StoreOptions, StreamError, StreamStats, TrunkGuard};
+use crate::trace::Tracer;
+
+pub use io_stage::{IoKind, IoOptions, IoStage};
+pub use mode::Mode;
 pub use placement::{Placement, PlacementError, PlacementRequest};
+pub use prefetcher::{Prefetcher, Speculation};
+
+/// How to run the pipeline.
+#[derive(Clone, Debug, Default)]
+pub struct PipelineOptions {
+    pub io: IoOptions,
+    pub mode: Mode,
+    pub speculation: Speculation,
+}
+
+impl PipelineOptions {
+    /// The speculation the mode allows (none in serial mode: the C engine's design reads after
+    /// routing).
+    pub fn effective_speculation(&self) -> Speculation {
+        if self.mode.predicts() {
+            self.speculation
+        } else {
+            Speculation { enabled: false, prev_token: false, ..self.speculation }
+        }
+    }
+}
+
+/// The streaming weight source: the store, the I/O stage that reads into it, the prefetcher
+/// that guesses ahead of routing, in one mode.
+pub struct Pipeline {
+    store: Store,
+    io: Arc<IoStage>,
+    prefetcher: Prefetcher,
+    mode: Mode,
+}
+
+impl Pipeline {
+    /// Checks the pack against the checkpoint, allocates the arena as the plan says, starts the
+    /// I/O thread and reads the pinned units (verifying each).
+    #[allow(clippy::too_many_arguments)]
+    pub fn open(
+        model_dir: &Path,
+        trunk_dir: &Path,
+        index: Arc<CheckpointIndex>,
+        cfg: &Config,
+        plan: &Plan,
+        store_opts: &StoreOptions,
+        opts: &PipelineOptions,
+        tracer: Arc<Tracer>,
+    ) -> Result<Pipeline, StreamError> {
+        let policy = policy_by_name(&store_opts.policy, plan.expert_slots)
+            .ok_or_else(|| StreamError::Mismatch(format!("unknown cache policy {:?}", store_opts.policy)))?;
+        let mut store_opts = store_opts.clone();
+        store_opts.readahead = opts.mode.readahead(store_opts.readahead);
+        let prepared = Store::prepare(model_dir, trunk_dir, index, cfg, plan, &store_opts, |files| {
+            io_stage::read_alignment(files, &opts.io)
+        })?;
+        let io = Arc::new(IoStage::start(
+            prepared.files(),
+            &opts.io,
+            prepared.buffer(),
+            prepared.align(),
+            Arc::clone(&tracer),
+        )?);
+        let stats = StreamStats {
+            backend: opts.io.kind.name().to_owned(),
+            backend_info: io.backend_info.clone(),
+            ..StreamStats::default()
+        };
+        let window = opts.io.queue_depth.max(1) as usize * opts.io.chunk_bytes.max(1);
+        let reads: Arc<dyn ReadQueue> = Arc::clone(&io) as Arc<dyn ReadQueue>;
+        let store = Store::open(prepared, reads, opts.io.kind == IoKind::Uring, stats, tracer, policy)?;
+        let prefetcher =
+            Prefetcher::new(cfg, store_opts.chunk_tokens, opts.effective_speculation(), Arc::clone(&io), window);
+        Ok(Pipeline { store, io, prefetcher, mode: opts.mode })
+    }
+
+    /// Counters so far: the store's and the I/O stage's.
+    pub fn stats(&self) -> StreamStats {
+        self.store.stats().with_io(self.io.stats())
+    }
+
+    /// The tracer reads and stalls are recorded in.
+    pub fn tracer(&self) -> &Arc<Tracer> {
+        self.store.tracer()
+    }
+
+    /// Batches the I/O stage still tracks (bounded by the slots, whatever the run length).
+    pub fn tickets_held(&self) -> usize {
+        self.io.tickets_held()
+    }
+
+    /// Replaces the expert cache policy.
+    pub fn set_policy(&self, policy: Box<dyn crate::storage::stream::policy::CachePolicy>) {
+        self.store.set_policy(policy);
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    pub fn speculation(&self) -> Speculation {
+        self.prefetcher.speculation()
+    }
+}
+
+impl WeightSource for Pipeline {
+    type Trunk<'a> = TrunkGuard<'a>;
+    type Expert<'a> = ExpertGuard<'a>;
+
+    fn trunk(&self, unit: TrunkUnit) -> Result<TrunkGuard<'_>, SourceError> {
+        self.store.trunk(unit)
+    }
+
+    fn embed_rows(&self, table: &Mat, ids: &[u32], out: &mut [u8]) -> Result<(), SourceError> {
+        self.store.embed_rows(table, ids, out)
+    }
+
+    fn request(&self, layer: usize, experts: &mut [usize]) {
+        let issued = self.store.request_demand(layer, experts);
+        self.prefetcher.routed(&self.store, layer, experts);
+        if self.mode.waits_for_every_read() {
+            // Read everything the layer needs before computing any of it.
+            for t in issued {
+                let _ = self.store.wait_io(t, Some(layer));
+            }
+        }
+    }
+
+    fn expert(&self, layer: usize, expert: usize) -> Result<ExpertGuard<'_>, SourceError> {
+        self.store.expert(layer, expert)
+    }
+}
+
+impl LayerHook for Pipeline {
+    fn mlp_input(&self, model: &Model, layer: usize, t: usize, y: &[f32]) {
+        self.prefetcher.mlp_input(&self.store, model, layer, t, y);
+    }
+
+    fn layer_end(&self, model: &Model, layer: usize, t: usize, snapshots: &[Vec<f32>], partial: &[f32]) {
+        self.prefetcher.layer_end(&self.store, model, layer, t, snapshots, partial);
+    }
+}

@@ -83,10 +83,6 @@ impl WeightSource for MmapSource {
         Ok(self)
     }
 
-    fn trunk_if_resident(&self, _unit: TrunkUnit) -> Option<&MmapSource> {
-        Some(self)
-    }
-
     fn embed_rows(&self, table: &Mat, ids: &[u32], out: &mut [u8]) -> Result<(), SourceError> {
         let bytes = self.tensor_bytes(table.id);
         let row = table.cols * 2;
@@ -108,3 +104,6 @@ impl WeightSource for MmapSource {
         Ok(MappedExpert { parts })
     }
 }
+
+/// Nothing to prefetch: every byte is mapped.
+impl crate::model::LayerHook for MmapSource {}

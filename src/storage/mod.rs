@@ -1,5 +1,7 @@
-//! Where weight bytes live. Implementations of [`crate::model::weights::WeightSource`]:
-//! the in-memory store over mapped shards (this module's [`mmap::MmapSource`]).
+//! Where weight bytes live: the in-memory store over mapped shards ([`mmap::MmapSource`], a
+//! [`crate::model::weights::WeightSource`] itself), the read layer ([`io`]), the trunk pack
+//! ([`pack`]), the memory plan ([`plan`]) and the streaming store ([`stream`]), which the
+//! pipeline (`crate::pipeline`) drives.
 //!
 //! This and `storage::io` are the only modules allowed unsafe code (mmap, io_uring buffers,
 //! mlock); each unsafe block states its invariant.

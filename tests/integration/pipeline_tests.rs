@@ -4,9 +4,8 @@
 use std::path::Path;
 
 use k3ring::engine::{open_streaming, GenerateOptions, Generation, StreamingRun};
-use k3ring::model::Speculation;
-use k3ring::pipeline::Placement;
-use k3ring::storage::stream::{StreamOptions, StreamStats};
+use k3ring::pipeline::{Mode, PipelineOptions, Placement, Speculation};
+use k3ring::storage::stream::{StoreOptions, StreamStats};
 use kernels::{Isa, Kernels};
 
 use crate::checkpoint_tests::k3ring;
@@ -23,9 +22,12 @@ fn base_run() -> StreamingRun {
         context: prompt().len() + GEN,
         chunk: 6,
         threads: 2,
-        stream: StreamOptions::default(),
+        store: StoreOptions::default(),
+        pipeline: PipelineOptions {
+            speculation: Speculation { enabled: true, ..Speculation::default() },
+            ..PipelineOptions::default()
+        },
         prefetch_window: None,
-        speculation: Speculation { enabled: true, margin: 0 },
         placement: None,
         trace_detail: false,
         trunk_share: None,
@@ -57,27 +59,27 @@ fn output_is_identical_across_every_pipeline_setting() {
         f(&mut r);
         variants.push((name.to_owned(), r));
     };
-    add("no speculation", &|r| r.speculation.enabled = false);
-    add("margin 4", &|r| r.speculation.margin = 4);
-    add("previous-token speculation", &|r| r.stream.spec_prev_token = true);
-    add("readahead 0", &|r| r.stream.readahead = 0);
-    add("readahead 3", &|r| r.stream.readahead = 3);
-    add("s3fifo", &|r| r.stream.policy = "s3fifo".into());
-    add("lfu", &|r| r.stream.policy = "lfu".into());
+    add("no speculation", &|r| r.pipeline.speculation.enabled = false);
+    add("margin 4", &|r| r.pipeline.speculation.margin = 4);
+    add("previous-token speculation", &|r| r.pipeline.speculation.prev_token = true);
+    add("readahead 0", &|r| r.store.readahead = 0);
+    add("readahead 3", &|r| r.store.readahead = 3);
+    add("s3fifo", &|r| r.store.policy = "s3fifo".into());
+    add("lfu", &|r| r.store.policy = "lfu".into());
     add("1 thread", &|r| r.threads = 1);
     add("pinned to one core", &|r| r.placement = Some(one_core.clone()));
     add("pinned elsewhere", &|r| r.placement = Some(other.clone()));
     add("serial", &|r| {
-        r.stream.serial = true;
-        r.stream.readahead = 0;
-        r.speculation.enabled = false;
+        r.pipeline.mode = Mode::Serial;
+        r.store.readahead = 0;
+        r.pipeline.speculation.enabled = false;
     });
     add("prefill chunk 1", &|r| r.chunk = 1);
     for (name, run) in &variants {
         let (g, s, _) = go(trunk.path(), run);
         assert_eq!(g.generated_ids, base.generated_ids, "{name}");
         assert!(bits(&g) == bits(&base), "{name}: logits changed");
-        if !run.speculation.enabled {
+        if !run.pipeline.speculation.enabled {
             assert_eq!(s.spec_reads, 0, "{name}");
         }
     }
@@ -87,9 +89,9 @@ fn output_is_identical_across_every_pipeline_setting() {
 fn speculation_raises_recall() {
     let trunk = pack(&tiny_dir());
     let mut off = base_run();
-    off.speculation.enabled = false;
+    off.pipeline.speculation.enabled = false;
     let mut on = base_run();
-    on.speculation.margin = 2;
+    on.pipeline.speculation.margin = 2;
     let (_, s_off, _) = go(trunk.path(), &off);
     let (_, s_on, _) = go(trunk.path(), &on);
     let recall = |s: &StreamStats| s.routed_recalled as f64 / s.routed_experts as f64;
@@ -110,7 +112,7 @@ fn speculation_predicts_block_starts_too() {
     let starts: Vec<usize> = cfg.block_starts().into_iter().filter(|&l| l > 0).collect();
     assert!(starts.len() >= 3, "the tiny model has MoE block starts: {starts:?}");
     let mut off = base_run();
-    off.speculation.enabled = false;
+    off.pipeline.speculation.enabled = false;
     let (_, s_off, _) = go(trunk.path(), &off);
     let (_, s_on, _) = go(trunk.path(), &base_run());
     let recall = |s: &StreamStats, block_start: bool| {
@@ -341,7 +343,7 @@ fn bookkeeping_does_not_grow_with_the_run() {
     let trunk = pack(&tiny_dir());
     let mut run = base_run();
     run.context = prompt().len() + 60;
-    run.stream.spec_prev_token = true;
+    run.pipeline.speculation.prev_token = true;
     let (o, plan) =
         open_streaming(&tiny_dir(), trunk.path(), &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).unwrap();
     let bound = plan.expert_slots + plan.ring_slots + 4;

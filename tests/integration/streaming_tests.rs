@@ -5,10 +5,11 @@
 use std::path::{Path, PathBuf};
 
 use k3ring::engine::{open_streaming, GenerateOptions, Generation, StreamingRun};
+use k3ring::pipeline::{IoKind, IoOptions, PipelineOptions};
 use k3ring::storage::io::sim::SimOptions;
 use k3ring::storage::io::FaultPlan;
 use k3ring::storage::plan::Plan;
-use k3ring::storage::stream::{IoKind, StreamOptions, StreamStats};
+use k3ring::storage::stream::{StoreOptions, StreamStats};
 use kernels::{Isa, Kernels};
 
 use crate::checkpoint_tests::{copy_tiny, k3ring};
@@ -16,15 +17,15 @@ use crate::common::*;
 
 const GEN: usize = 12;
 
-fn run_options(budget: u64, stream: StreamOptions) -> StreamingRun {
+fn run_options(budget: u64, io: IoOptions) -> StreamingRun {
     StreamingRun {
         budget_bytes: budget,
         context: prompt().len() + GEN,
         chunk: 8,
         threads: 2,
-        stream,
+        store: StoreOptions::default(),
+        pipeline: PipelineOptions { io, ..PipelineOptions::default() },
         prefetch_window: None,
-        speculation: k3ring::model::Speculation::default(),
         placement: None,
         trace_detail: false,
         trunk_share: None,
@@ -55,7 +56,7 @@ fn same(a: &Generation, b: &Generation) -> bool {
 
 /// The smallest budget the planner accepts for this run.
 fn minimum_budget(model: &Path, trunk: &Path) -> u64 {
-    let (_, plan, _) = streamed_with(model, trunk, &run_options(64_000_000, StreamOptions::default())).unwrap();
+    let (_, plan, _) = streamed_with(model, trunk, &run_options(64_000_000, IoOptions::default())).unwrap();
     plan.minimum_bytes
 }
 
@@ -67,8 +68,7 @@ fn streamed_output_is_bit_identical_at_every_budget() {
     let min = minimum_budget(&model, trunk.path());
     let mut pinned_counts = Vec::new();
     for budget in [min, min + min / 5, min + min / 2, 2 * min, 3 * min, 64_000_000] {
-        let (g, plan, stats) =
-            streamed_with(&model, trunk.path(), &run_options(budget, StreamOptions::default())).unwrap();
+        let (g, plan, stats) = streamed_with(&model, trunk.path(), &run_options(budget, IoOptions::default())).unwrap();
         assert!(same(&g, &base), "budget {budget}: output differs from the resident run ({})", plan.describe());
         assert!(plan.planned_bytes <= budget);
         assert_eq!(stats.trunk_streamed_units, plan.streamed.len());
@@ -88,7 +88,7 @@ fn every_backend_and_queue_depth_gives_the_same_bytes() {
     let min = minimum_budget(&model, trunk.path());
     for io in [IoKind::Uring, IoKind::Pread, IoKind::Mmap] {
         for queue_depth in [1, 32] {
-            let stream = StreamOptions { io, queue_depth, chunk_bytes: 4096, ..StreamOptions::default() };
+            let stream = IoOptions { kind: io, queue_depth, chunk_bytes: 4096, ..IoOptions::default() };
             let (g, _, stats) = streamed_with(&model, trunk.path(), &run_options(min + min / 3, stream)).unwrap();
             assert!(same(&g, &base), "{io:?} at queue depth {queue_depth} changed the output");
             assert!(stats.io.bytes_read > 0);
@@ -101,7 +101,7 @@ fn io_uring_is_really_used_and_batches_submissions() {
     let model = tiny_dir();
     let trunk = pack(&model);
     let min = minimum_budget(&model, trunk.path());
-    let stream = StreamOptions { io: IoKind::Uring, queue_depth: 32, chunk_bytes: 4096, ..StreamOptions::default() };
+    let stream = IoOptions { kind: IoKind::Uring, queue_depth: 32, chunk_bytes: 4096, ..IoOptions::default() };
     let (_, _, s) = streamed_with(&model, trunk.path(), &run_options(min, stream)).unwrap();
     assert_eq!(s.backend, "uring");
     assert!(s.io.sqes_submitted >= s.io.ops, "{:?}", s.io);
@@ -121,11 +121,11 @@ fn injected_short_reads_are_resubmitted_and_change_nothing() {
     let base = resident();
     let min = minimum_budget(&model, trunk.path());
     for io in [IoKind::Uring, IoKind::Pread] {
-        let stream = StreamOptions {
-            io,
+        let stream = IoOptions {
+            kind: io,
             chunk_bytes: 8192,
             inject: Some(FaultPlan { short_every: Some(3), eio_every: None }),
-            ..StreamOptions::default()
+            ..IoOptions::default()
         };
         let (g, _, s) = streamed_with(&model, trunk.path(), &run_options(min, stream)).unwrap();
         assert!(same(&g, &base), "{io:?}");
@@ -138,10 +138,10 @@ fn injected_eio_fails_the_run_naming_file_and_offset() {
     let model = tiny_dir();
     let trunk = pack(&model);
     let min = minimum_budget(&model, trunk.path());
-    let stream = StreamOptions {
-        io: IoKind::Uring,
+    let stream = IoOptions {
+        kind: IoKind::Uring,
         inject: Some(FaultPlan { short_every: None, eio_every: Some(7) }),
-        ..StreamOptions::default()
+        ..IoOptions::default()
     };
     let err = streamed_with(&model, trunk.path(), &run_options(min, stream)).unwrap_err();
     assert!(
@@ -177,9 +177,10 @@ fn sim_every_seed_reproduces_the_output_or_fails_with_a_named_error() {
             sim.corrupt_ppm = 3_000;
         }
         sim.corruptible_files = vec![n_shards]; // the trunk pack, which is checksummed
-        let stream =
-            StreamOptions { io: IoKind::Sim, sim: Some(sim), verify_every_read: true, ..StreamOptions::default() };
-        match streamed_with(&model, trunk.path(), &run_options(min, stream)) {
+        let stream = IoOptions { kind: IoKind::Sim, sim: Some(sim), ..IoOptions::default() };
+        let mut run = run_options(min, stream);
+        run.store.verify_every_read = true;
+        match streamed_with(&model, trunk.path(), &run) {
             Ok((g, _, _)) => {
                 assert!(
                     same(&g, &base),
@@ -349,7 +350,7 @@ fn misaligned_device_needs_a_new_pack() {
     let trunk = pack(&model);
     let mut sim = SimOptions::fault_free(1);
     sim.align = 8192;
-    let stream = StreamOptions { io: IoKind::Sim, sim: Some(sim), ..StreamOptions::default() };
+    let stream = IoOptions { kind: IoKind::Sim, sim: Some(sim), ..IoOptions::default() };
     let err = streamed_with(&model, trunk.path(), &run_options(64_000_000, stream)).unwrap_err();
     assert!(err.contains("aligned to 4096 bytes but the device needs 8192"), "{err}");
 }

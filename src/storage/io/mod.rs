@@ -107,7 +107,7 @@ pub struct Completion {
 }
 
 /// Counters of one reader, for `--stats` and the tests. All are totals since construction.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct IoStats {
     /// Logical reads completed (successfully or not).
     pub ops: u64,

@@ -7,7 +7,7 @@
 //! `#` are comments; blank lines are skipped. `layer` is the model's layer index (dense layers
 //! have no lines).
 //!
-//! Simulation semantics follow the engine's pool (`StreamingSource::will_need_experts` and
+//! Simulation semantics follow the engine's pool (`Store::request_demand` and
 //! `expert`): the experts of one (token, layer) arrive as a batch; each resident one is a hit,
 //! each other one a miss. The misses are read in disk order (ascending expert id, the order the
 //! checkpoint stores a layer's experts), each evicting the policy's victim when the pool is full,

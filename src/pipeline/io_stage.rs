@@ -1,0 +1,618 @@
+//! The I/O stage: one thread that owns a read backend (an io_uring ring must be used by the
+//! thread that made it), takes batches of reads over a bounded channel, keeps the backend's queue
+//! busy with demand reads first, then trunk read-ahead, then guesses, and reports each batch's
+//! completion through a ticket table that compute threads test or wait on. It implements the
+//! store's [`ReadQueue`].
+//!
+//! Threads: the `k3ring-io` thread runs [`run`], the event loop; any thread may submit, test,
+//! wait or cancel. Allocation: the queues and the in-backend table grow to their high-water
+//! mark; each batch arrives as its own op list.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::storage::io::{
+    align::open_direct, sim::SimOptions, AlignedBuf, Completion, FaultPlan, IoError, IoStats, MappedReader,
+    PreadOptions, PreadReader, ReadBackend, RingOptions, SimReader, UringReader,
+};
+use crate::storage::stream::reads::{OpMeta, Priority, ReadQueue, SendOp, Ticket};
+use crate::storage::stream::StreamError;
+use crate::trace::{SpanArgs, Stage, Tracer};
+
+/// Which read backend serves the I/O stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum IoKind {
+    Uring,
+    Pread,
+    Mmap,
+    /// The seeded simulator (tests).
+    Sim,
+}
+
+impl IoKind {
+    pub fn parse(s: &str) -> Option<IoKind> {
+        match s {
+            "uring" => Some(IoKind::Uring),
+            "pread" => Some(IoKind::Pread),
+            "mmap" => Some(IoKind::Mmap),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            IoKind::Uring => "uring",
+            IoKind::Pread => "pread",
+            IoKind::Mmap => "mmap",
+            IoKind::Sim => "sim",
+        }
+    }
+}
+
+/// How to run the I/O stage.
+#[derive(Clone, Debug)]
+pub struct IoOptions {
+    pub kind: IoKind,
+    /// Reads in flight at most (SQEs, or pread calls).
+    pub queue_depth: u32,
+    /// Bytes per read the backend issues (a multiple of the alignment).
+    pub chunk_bytes: usize,
+    /// CPU the I/O thread is pinned to.
+    pub io_core: Option<usize>,
+    /// Fault injection for the real backends (tests).
+    pub inject: Option<FaultPlan>,
+    /// Options of the simulator when `kind` is `Sim`.
+    pub sim: Option<SimOptions>,
+    pub pread_threads: usize,
+}
+
+impl Default for IoOptions {
+    fn default() -> Self {
+        IoOptions {
+            kind: IoKind::Uring,
+            queue_depth: 32,
+            chunk_bytes: 1 << 20,
+            io_core: None,
+            inject: None,
+            sim: None,
+            pread_threads: 4,
+        }
+    }
+}
+
+/// Logical reads the backend accepts at once.
+const OPS_IN_BACKEND_MAX: usize = 256;
+
+/// Most batches waiting in the channel.
+const CHANNEL_BATCHES_MAX: usize = 1024;
+
+/// How often the backend's counters are copied out while reads complete.
+const STATS_PERIOD_MS: u128 = 5;
+
+/// The alignment every read must have for `files` (the simulator enforces its own).
+pub fn read_alignment(files: &[PathBuf], opts: &IoOptions) -> Result<u64, StreamError> {
+    if opts.kind == IoKind::Sim {
+        return Ok(opts.sim.as_ref().map_or(4096, |s| u64::from(s.align)).max(512));
+    }
+    let (_files, align) = open_direct(files, 0)?;
+    Ok(u64::from(align.strictest()).max(512))
+}
+
+/// How a batch ended.
+#[derive(Debug)]
+enum TicketState {
+    Pending { remaining: usize, error: Option<IoError> },
+    Done(Result<(), Arc<IoError>>),
+}
+
+#[derive(Default)]
+struct Tickets {
+    next: Ticket,
+    states: HashMap<Ticket, TicketState>,
+    /// Set when the I/O thread stopped (its backend failed as a whole); waiters get this.
+    dead: Option<String>,
+}
+
+/// Shared between the handle and the I/O thread.
+struct Shared {
+    tickets: Mutex<Tickets>,
+    done: Condvar,
+    stats: Mutex<IoStats>,
+    /// Bytes sent to the I/O thread and not yet completed (queued or in the device).
+    outstanding_bytes: AtomicUsize,
+    /// Bytes of cancelled reads that never entered the device.
+    cancelled_bytes: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding these locks leaves plain counters behind; keep going.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+enum Msg {
+    /// One submission: reads, each with the ticket that completes when all of its reads have.
+    Batch {
+        priority: Priority,
+        ops: Vec<(Ticket, SendOp)>,
+    },
+    /// Drop the reads of a ticket that are not in the backend yet.
+    Cancel(Ticket),
+    Stop,
+}
+
+/// Handle to the I/O thread.
+pub struct IoStage {
+    /// What the backend uses, as it described itself.
+    pub backend_info: String,
+    tx: SyncSender<Msg>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    /// Memory the reads target. Dropped only after `Drop` has joined the I/O thread (which
+    /// waits for every read in the backend), so no read can outlive its buffer.
+    _targets: Vec<Arc<AlignedBuf>>,
+}
+
+/// Marks the stage dead and wakes every waiter when the I/O thread exits for any reason,
+/// including a panic, so that no compute thread waits forever.
+struct DeadOnExit(Arc<Shared>);
+
+impl Drop for DeadOnExit {
+    fn drop(&mut self) {
+        let mut t = lock(&self.0.tickets);
+        if std::thread::panicking() {
+            t.dead = Some("the I/O thread panicked".to_owned());
+        } else {
+            t.dead.get_or_insert_with(|| "the I/O thread has stopped".to_owned());
+        }
+        drop(t);
+        self.0.done.notify_all();
+    }
+}
+
+/// Builds the backend on the I/O thread (a ring must live on the thread that uses it).
+type BackendFactory = Box<dyn FnOnce() -> Result<Box<dyn ReadBackend>, IoError> + Send>;
+
+impl IoStage {
+    /// Starts the I/O thread over `files`, reading into `arena` with reads aligned to `align`;
+    /// fails if its backend cannot be built.
+    pub fn start(
+        files: &[PathBuf],
+        opts: &IoOptions,
+        arena: &Arc<AlignedBuf>,
+        align: u64,
+        tracer: Arc<Tracer>,
+    ) -> Result<IoStage, IoError> {
+        let files = files.to_vec();
+        let qd = opts.queue_depth.max(1);
+        let chunk = (opts.chunk_bytes as u64).max(align) / align * align;
+        let (inject, kind, sim, threads) = (opts.inject, opts.kind, opts.sim.clone(), opts.pread_threads.max(1));
+        let registered = Arc::clone(arena);
+        let factory: BackendFactory = Box::new(move || -> Result<Box<dyn ReadBackend>, IoError> {
+            Ok(match kind {
+                IoKind::Uring => Box::new(UringReader::new(
+                    &files,
+                    RingOptions {
+                        queue_depth: qd,
+                        chunk_bytes: chunk as usize,
+                        ops_max: OPS_IN_BACKEND_MAX,
+                        register_files: true,
+                        register_buffers: vec![registered],
+                        align_min: align as u32,
+                        inject,
+                    },
+                )?),
+                IoKind::Pread => Box::new(PreadReader::new(
+                    &files,
+                    PreadOptions {
+                        threads,
+                        queue_depth: qd,
+                        chunk_bytes: chunk as usize,
+                        ops_max: OPS_IN_BACKEND_MAX,
+                        align_min: align as u32,
+                        inject,
+                    },
+                )?),
+                IoKind::Mmap => Box::new(MappedReader::new(&files, OPS_IN_BACKEND_MAX)?),
+                IoKind::Sim => {
+                    let opts = sim.unwrap_or_else(|| SimOptions::fault_free(0));
+                    Box::new(SimReader::new(&files, opts)?)
+                }
+            })
+        });
+        let window = qd as usize * chunk as usize;
+        IoStage::spawn(factory, window, opts.io_core, tracer, vec![Arc::clone(arena)])
+    }
+
+    /// Starts the thread; it keeps up to `bytes_in_backend_max` bytes of reads in the backend
+    /// (at least one read), so demand reads queued behind others wait for little more than the
+    /// device's queue.
+    fn spawn(
+        factory: BackendFactory,
+        bytes_in_backend_max: usize,
+        pin_to: Option<usize>,
+        tracer: Arc<Tracer>,
+        targets: Vec<Arc<AlignedBuf>>,
+    ) -> Result<IoStage, IoError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(CHANNEL_BATCHES_MAX);
+        let shared = Arc::new(Shared {
+            tickets: Mutex::default(),
+            done: Condvar::new(),
+            stats: Mutex::default(),
+            outstanding_bytes: AtomicUsize::new(0),
+            cancelled_bytes: AtomicU64::new(0),
+        });
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("k3ring-io".to_owned())
+            .spawn(move || {
+                let _dead_on_exit = DeadOnExit(Arc::clone(&thread_shared));
+                if let Some(cpu) = pin_to {
+                    if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
+                        tracing::warn!("could not pin the I/O thread to CPU {cpu}");
+                    }
+                }
+                match factory() {
+                    Ok(backend) => {
+                        let _ = ready_tx.send(Ok(backend.describe()));
+                        let limits = Limits { ops_max: OPS_IN_BACKEND_MAX, bytes_max: bytes_in_backend_max };
+                        run(backend, rx, &thread_shared, limits, &tracer);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|source| IoError::Setup { what: "the I/O thread".to_owned(), source })?;
+        match ready_rx.recv() {
+            Ok(Ok(backend_info)) => Ok(IoStage { backend_info, tx, shared, thread: Some(thread), _targets: targets }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => Err(IoError::Setup {
+                what: "the I/O thread".to_owned(),
+                source: std::io::Error::other("it exited before reporting"),
+            }),
+        }
+    }
+
+    /// Bytes of reads sent and not yet completed: above the device's window, the device is
+    /// saturated and a guess would only delay the reads compute is waiting for.
+    pub fn outstanding_bytes(&self) -> usize {
+        self.shared.outstanding_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of cancelled reads that never reached the device.
+    pub fn cancelled_bytes(&self) -> u64 {
+        self.shared.cancelled_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Tickets held (finished or not), for tests that check the table does not grow.
+    pub fn tickets_held(&self) -> usize {
+        lock(&self.shared.tickets).states.len()
+    }
+
+    /// The backend's counters as of its last report.
+    pub fn stats(&self) -> IoStats {
+        *lock(&self.shared.stats)
+    }
+
+    fn mark_dead(&self) {
+        let mut t = lock(&self.shared.tickets);
+        t.dead.get_or_insert_with(|| "the I/O thread has stopped".to_owned());
+        drop(t);
+        self.shared.done.notify_all();
+    }
+}
+
+impl ReadQueue for IoStage {
+    fn reserve(&self) -> Ticket {
+        let mut t = lock(&self.shared.tickets);
+        t.next += 1;
+        let ticket = t.next;
+        t.states.insert(ticket, TicketState::Pending { remaining: usize::MAX, error: None });
+        ticket
+    }
+
+    fn submit(&self, priority: Priority, groups: Vec<(Ticket, Vec<SendOp>)>) {
+        let mut ops = Vec::with_capacity(groups.iter().map(|g| g.1.len()).sum());
+        {
+            let mut t = lock(&self.shared.tickets);
+            for (ticket, group) in groups {
+                if group.is_empty() {
+                    // An unknown ticket is a finished success: keep nothing.
+                    t.states.remove(&ticket);
+                } else {
+                    t.states.insert(ticket, TicketState::Pending { remaining: group.len(), error: None });
+                    ops.extend(group.into_iter().map(|op| (ticket, op)));
+                }
+            }
+        }
+        let bytes: usize = ops.iter().map(|o| o.1.len()).sum();
+        self.shared.outstanding_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if ops.is_empty() {
+            self.shared.done.notify_all();
+        } else if self.tx.send(Msg::Batch { priority, ops }).is_err() {
+            self.mark_dead();
+        }
+    }
+
+    fn is_done(&self, ticket: Ticket) -> bool {
+        let t = lock(&self.shared.tickets);
+        !matches!(t.states.get(&ticket), Some(TicketState::Pending { .. }))
+    }
+
+    /// A success is forgotten once seen (several slots may share a ticket: an unknown ticket is
+    /// a finished success); a failure stays.
+    fn wait(&self, ticket: Ticket) -> Result<(), Arc<IoError>> {
+        let mut t = lock(&self.shared.tickets);
+        // The event loop of a waiter: bounded by the ticket completing or the stage dying.
+        loop {
+            match t.states.get(&ticket) {
+                Some(TicketState::Done(Err(e))) => return Err(Arc::clone(e)),
+                Some(TicketState::Done(Ok(()))) => {
+                    t.states.remove(&ticket);
+                    return Ok(());
+                }
+                None => return Ok(()),
+                Some(TicketState::Pending { .. }) => {
+                    if let Some(why) = &t.dead {
+                        return Err(Arc::new(IoError::Setup {
+                            what: "reads".to_owned(),
+                            source: std::io::Error::other(why.clone()),
+                        }));
+                    }
+                    t = self.shared.done.wait(t).unwrap_or_else(PoisonError::into_inner);
+                }
+            }
+        }
+    }
+
+    /// Failures are kept: whoever needed those bytes must see the error.
+    fn forget(&self, ticket: Ticket) {
+        let mut t = lock(&self.shared.tickets);
+        if matches!(t.states.get(&ticket), Some(TicketState::Done(Ok(())))) {
+            t.states.remove(&ticket);
+        }
+    }
+
+    fn cancel(&self, ticket: Ticket) {
+        if self.tx.send(Msg::Cancel(ticket)).is_err() {
+            self.mark_dead();
+        }
+    }
+}
+
+impl Drop for IoStage {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Stop);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// How much the I/O thread keeps in the backend.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    ops_max: usize,
+    bytes_max: usize,
+}
+
+/// One read in the backend.
+struct InBackend {
+    ticket: Ticket,
+    len: usize,
+    meta: OpMeta,
+    start_us: f64,
+    priority: Priority,
+}
+
+/// The I/O thread's queues, by priority, and what is in the backend.
+struct Queues {
+    demand: VecDeque<(Ticket, SendOp)>,
+    prefetch: VecDeque<(Ticket, SendOp)>,
+    guess: VecDeque<(Ticket, SendOp)>,
+    in_backend: HashMap<u64, InBackend>,
+    demand_in_backend: usize,
+    bytes_in_backend: usize,
+    next_tag: u64,
+}
+
+impl Queues {
+    fn new(ops_max: usize) -> Queues {
+        Queues {
+            demand: VecDeque::new(),
+            prefetch: VecDeque::new(),
+            guess: VecDeque::new(),
+            in_backend: HashMap::with_capacity(ops_max),
+            demand_in_backend: 0,
+            bytes_in_backend: 0,
+            next_tag: 0,
+        }
+    }
+
+    fn queued(&self) -> bool {
+        !(self.demand.is_empty() && self.prefetch.is_empty() && self.guess.is_empty())
+    }
+
+    fn queue(&mut self, priority: Priority) -> &mut VecDeque<(Ticket, SendOp)> {
+        match priority {
+            Priority::Demand => &mut self.demand,
+            Priority::Prefetch => &mut self.prefetch,
+            Priority::Guess => &mut self.guess,
+        }
+    }
+
+    /// The next read to put in the backend: demand first, then read-ahead; a guess only while
+    /// no demand read is queued or in the backend.
+    fn next(&mut self) -> Option<(Ticket, SendOp, Priority)> {
+        if let Some((t, op)) = self.demand.pop_front() {
+            return Some((t, op, Priority::Demand));
+        }
+        if let Some((t, op)) = self.prefetch.pop_front() {
+            return Some((t, op, Priority::Prefetch));
+        }
+        if self.demand_in_backend == 0 {
+            return self.guess.pop_front().map(|(t, op)| (t, op, Priority::Guess));
+        }
+        None
+    }
+}
+
+/// The I/O thread's loop: the event loop of the I/O stage (bounded by Stop or a closed channel).
+fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, limits: Limits, tracer: &Tracer) {
+    let mut q = Queues::new(limits.ops_max);
+    let mut done: Vec<Completion> = Vec::with_capacity(limits.ops_max);
+    let mut stopping = false;
+    let mut last_stats = Instant::now();
+    loop {
+        // Take new batches: block only when nothing is queued or in flight.
+        let idle = !q.queued() && backend.in_flight() == 0;
+        if stopping && idle {
+            break;
+        }
+        let first = if idle { rx.recv().ok() } else { None };
+        if idle && first.is_none() {
+            break;
+        }
+        stopping |= take_messages(first, &rx, &mut q, shared);
+        fill_backend(&mut *backend, &mut q, shared, limits, tracer);
+        if backend.in_flight() == 0 {
+            continue;
+        }
+        done.clear();
+        if let Err(e) = backend.reap(&mut done, 1) {
+            // The backend as a whole failed: fail every waiter, loudly.
+            let mut t = lock(&shared.tickets);
+            t.dead = Some(format!("the read backend failed: {e}"));
+            drop(t);
+            shared.done.notify_all();
+            break;
+        }
+        let now = tracer.now_us();
+        for c in done.drain(..) {
+            let entry = q.in_backend.remove(&c.tag);
+            assert!(entry.is_some(), "completion for unknown read tag {}", c.tag);
+            if let Some(r) = entry {
+                q.bytes_in_backend -= r.len;
+                q.demand_in_backend -= usize::from(r.priority == Priority::Demand);
+                shared.outstanding_bytes.fetch_sub(r.len, Ordering::Relaxed);
+                let mut args = SpanArgs::new().bytes(r.len as u64).kind(r.meta.kind);
+                args.layer = r.meta.layer;
+                args.expert = r.meta.expert;
+                tracer.complete(Stage::Io, r.meta.name, r.start_us, now.max(r.start_us), args);
+                finish_one(shared, r.ticket, c.result);
+            }
+        }
+        tracer.counter("bytes in flight", q.bytes_in_backend as f64);
+        if last_stats.elapsed().as_millis() >= STATS_PERIOD_MS || backend.in_flight() == 0 {
+            *lock(&shared.stats) = backend.stats();
+            last_stats = Instant::now();
+        }
+    }
+    *lock(&shared.stats) = backend.stats();
+}
+
+/// Moves `first` and every message waiting in the channel into the queues; returns whether the
+/// stage is stopping.
+fn take_messages(first: Option<Msg>, rx: &Receiver<Msg>, q: &mut Queues, shared: &Shared) -> bool {
+    let mut stopping = false;
+    let mut next = first;
+    loop {
+        let msg = match next.take() {
+            Some(m) => m,
+            None => match rx.try_recv() {
+                Ok(m) => m,
+                Err(TryRecvError::Empty) => return stopping,
+                Err(TryRecvError::Disconnected) => return true,
+            },
+        };
+        match msg {
+            Msg::Stop => {
+                // Reads not yet in the backend are dropped: the store is closing.
+                stopping = true;
+                for (ticket, op) in q.demand.drain(..).chain(q.prefetch.drain(..)).chain(q.guess.drain(..)) {
+                    shared.outstanding_bytes.fetch_sub(op.len(), Ordering::Relaxed);
+                    let closed = std::io::Error::other("the store closed");
+                    finish_one(shared, ticket, Err(IoError::Setup { what: "a read".to_owned(), source: closed }));
+                }
+            }
+            Msg::Batch { priority, ops } => q.queue(priority).extend(ops),
+            Msg::Cancel(ticket) => cancel_queued(q, shared, ticket),
+        }
+    }
+}
+
+/// Drops the queued reads of `ticket`; each counts as done (successfully: nobody reads a
+/// cancelled slot, and a success is forgotten when the slot is reused).
+fn cancel_queued(q: &mut Queues, shared: &Shared, ticket: Ticket) {
+    for queue in [&mut q.demand, &mut q.prefetch, &mut q.guess] {
+        let mut dropped = Vec::new();
+        queue.retain(|(t, op)| {
+            let keep = *t != ticket;
+            if !keep {
+                dropped.push(op.len());
+            }
+            keep
+        });
+        for len in dropped {
+            shared.outstanding_bytes.fetch_sub(len, Ordering::Relaxed);
+            shared.cancelled_bytes.fetch_add(len as u64, Ordering::Relaxed);
+            finish_one(shared, ticket, Ok(()));
+        }
+    }
+}
+
+/// Keeps the backend busy, demand first, up to the byte limit.
+fn fill_backend(backend: &mut dyn ReadBackend, q: &mut Queues, shared: &Shared, limits: Limits, tracer: &Tracer) {
+    while backend.in_flight() < limits.ops_max && (q.bytes_in_backend < limits.bytes_max || backend.in_flight() == 0) {
+        let Some((ticket, send, priority)) = q.next() else { break };
+        let (len, meta) = (send.len(), send.meta());
+        q.next_tag += 1;
+        let tag = q.next_tag;
+        match send.submit(backend, tag) {
+            Ok(()) => {
+                let start_us = tracer.now_us();
+                q.in_backend.insert(tag, InBackend { ticket, len, meta, start_us, priority });
+                q.demand_in_backend += usize::from(priority == Priority::Demand);
+                q.bytes_in_backend += len;
+                tracer.counter("bytes in flight", q.bytes_in_backend as f64);
+            }
+            Err(e) => {
+                shared.outstanding_bytes.fetch_sub(len, Ordering::Relaxed);
+                finish_one(shared, ticket, Err(e));
+            }
+        }
+    }
+}
+
+fn finish_one(shared: &Shared, ticket: Ticket, result: Result<(), IoError>) {
+    let mut t = lock(&shared.tickets);
+    let finished = match t.states.get_mut(&ticket) {
+        Some(TicketState::Pending { remaining, error }) => {
+            assert!(*remaining > 0, "ticket {ticket} completed more reads than it has");
+            *remaining -= 1;
+            if let Err(e) = result {
+                error.get_or_insert(e);
+            }
+            *remaining == 0
+        }
+        other => panic!("completion for ticket {ticket}, which is {other:?}"),
+    };
+    if finished {
+        if let Some(TicketState::Pending { error, .. }) = t.states.remove(&ticket) {
+            t.states.insert(ticket, TicketState::Done(error.map_or(Ok(()), |e| Err(Arc::new(e)))));
+        }
+        drop(t);
+        shared.done.notify_all();
+    }
+}

@@ -1,0 +1,493 @@
+//! The expert pool: routed experts read in place from the checkpoint's shards into a fixed set of
+//! arena slots, kept by a cache policy, handed out as guards.
+//!
+//! A request names experts; those not resident are read, each into a slot of its own under a
+//! ticket of its own, all in one submission in the order given (disk order for a layer's
+//! misses), so each expert can be computed as soon as its own bytes have arrived. A slot is
+//! chosen free first, else by the policy among idle slots (no guard, read complete); the
+//! experts of the layer being computed that have not been used yet are spared unless nothing
+//! else is left (they are then read again when used: slower, never wrong). A guess evicts only
+//! what its caller's [`Admission`] allows.
+//!
+//! Threads: called from the scheduler thread (and guard drops on compute threads) under the
+//! pool lock; the lock is never held while waiting for a read. Allocation: the slot table and
+//! maps are sized at open; a request allocates its op lists.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use super::arena::{Filled, Region, Slot};
+use super::policy::{CachePolicy, ExpertKey};
+use super::reads::{OpMeta, Priority, SendOp, Ticket};
+use super::{lock, Store};
+use crate::model::weights::{ExpertBytes, ExpertView, SourceError};
+use crate::storage::stream::arena::FileRange;
+use crate::storage::stream::layout::align_up;
+
+/// Where each of an expert's six tensors sits in its slot: (offset, len), in EXPERT_PARTS order.
+type PartPlaces = [(usize, usize); 6];
+
+/// Decides whether a guess may take a slot from the expert resident in it.
+pub trait Admission {
+    /// May guess number `guess` (in the order requested) evict `victim`?
+    fn admit(&self, guess: usize, victim: ExpertKey) -> bool;
+}
+
+/// Admits everything (demand reads, and guesses where eviction is left to the policy).
+pub struct AdmitAll;
+
+impl Admission for AdmitAll {
+    fn admit(&self, _guess: usize, _victim: ExpertKey) -> bool {
+        true
+    }
+}
+
+pub(super) struct ExpertSlot {
+    slot: Slot,
+    key: Option<ExpertKey>,
+    /// Guards alive over the slot's bytes.
+    users: usize,
+    parts: PartPlaces,
+    /// Read on a prediction and not used yet.
+    speculative: bool,
+    /// Tensor bytes of the expert held.
+    bytes: u64,
+}
+
+pub(super) struct ExpertPool {
+    slots: Vec<ExpertSlot>,
+    resident: HashMap<ExpertKey, usize>,
+    policy: Box<dyn CachePolicy>,
+    /// Experts of the current layer not read yet (no slot was free), in disk order.
+    pending: VecDeque<ExpertKey>,
+    /// Experts of the current layer not used yet: never evicted by a guess, and by a demand
+    /// read only when nothing else is left.
+    protected: HashSet<ExpertKey>,
+}
+
+impl ExpertPool {
+    pub fn new(slots: Vec<Slot>, policy: Box<dyn CachePolicy>) -> ExpertPool {
+        let n = slots.len();
+        ExpertPool {
+            slots: slots
+                .into_iter()
+                .map(|slot| ExpertSlot { slot, key: None, users: 0, parts: [(0, 0); 6], speculative: false, bytes: 0 })
+                .collect(),
+            resident: HashMap::with_capacity(n),
+            policy,
+            pending: VecDeque::with_capacity(n),
+            protected: HashSet::with_capacity(n),
+        }
+    }
+
+    pub fn set_policy(&mut self, policy: Box<dyn CachePolicy>) {
+        self.policy = policy;
+    }
+
+    /// Whether `key` is resident or being read.
+    pub fn has(&self, key: ExpertKey) -> bool {
+        self.resident.contains_key(&key)
+    }
+
+    /// The pool's invariant: the resident map and the slots' keys describe the same set.
+    fn debug_check(&self) {
+        if cfg!(debug_assertions) || std::env::var_os("K3_CHECK_POOL").is_some() {
+            let keyed = self.slots.iter().filter(|s| s.key.is_some()).count();
+            assert_eq!(keyed, self.resident.len(), "keyed slots vs resident map");
+            for (k, &slot) in &self.resident {
+                assert_eq!(self.slots[slot].key, Some(*k), "resident map points at a slot holding another key");
+            }
+        }
+    }
+}
+
+/// One expert held in a pool slot until dropped.
+pub struct ExpertGuard<'a> {
+    store: &'a Store,
+    slot: usize,
+    filled: Filled,
+    parts: PartPlaces,
+}
+
+impl ExpertView for ExpertGuard<'_> {
+    fn parts(&self) -> ExpertBytes<'_> {
+        let b = self.store.arena.bytes(self.filled);
+        let p = |k: usize| &b[self.parts[k].0..self.parts[k].0 + self.parts[k].1];
+        ExpertBytes::from_parts([p(0), p(1), p(2), p(3), p(4), p(5)])
+    }
+}
+
+impl Drop for ExpertGuard<'_> {
+    fn drop(&mut self) {
+        let mut pool = lock(&self.store.pool);
+        pool.slots[self.slot].users -= 1;
+        // The slot may now be evictable: start reads still waiting for one.
+        let _ = self.store.issue_pending(&mut pool, false);
+    }
+}
+
+impl Store {
+    /// The routing of `layer` is known: `experts` are the distinct experts it needs for the
+    /// chunk. Starts the reads of the missing ones (one submission, disk order) and reorders
+    /// `experts` into the order their bytes will be there: resident ones first, then the misses
+    /// in issue order. Returns the tickets of the reads started.
+    pub fn request_demand(&self, layer: usize, experts: &mut [usize]) -> Vec<Ticket> {
+        let mut pool = lock(&self.pool);
+        pool.protected.clear();
+        pool.pending.clear();
+        let mut misses = Vec::new();
+        {
+            let mut stats = lock(&self.stats);
+            for &e in experts.iter() {
+                let key = (layer, e);
+                pool.protected.insert(key);
+                stats.routed_experts += 1;
+                stats.layer(layer).routed_experts += 1;
+                match pool.resident.get(&key) {
+                    Some(&slot) => {
+                        stats.routed_recalled += 1;
+                        stats.layer(layer).routed_recalled += 1;
+                        if self.read_done(&pool.slots[slot].slot) {
+                            stats.expert_hits += 1;
+                            stats.layer(layer).expert_hits += 1;
+                        }
+                    }
+                    None => {
+                        stats.expert_misses += 1;
+                        misses.push(key);
+                    }
+                }
+            }
+        }
+        // One submission per layer, in disk order.
+        misses.sort_by_key(|k| self.disk_position(*k));
+        pool.pending.extend(misses.iter().copied());
+        let issued = self.issue_pending(&mut pool, false).unwrap_or_default();
+        drop(pool);
+        let rank = |e: &usize| misses.iter().position(|k| k.1 == *e).map_or(0, |p| p + 1);
+        experts.sort_by_key(rank);
+        issued
+    }
+
+    /// Reads the `keys` that are neither resident nor being read, in this order, at `priority`
+    /// (never `Demand`: see [`Store::request_demand`]): each into a free slot, else into the
+    /// policy's choice among idle slots that the current layer does not need, if `admission`
+    /// lets that guess evict it. Stops at the first key that gets no slot. Returns how many keys
+    /// were read.
+    pub fn request(&self, keys: &[ExpertKey], priority: Priority, admission: &dyn Admission) -> usize {
+        debug_assert!(priority != Priority::Demand, "demand reads go through request_demand");
+        let mut pool = lock(&self.pool);
+        let mut groups: Vec<(Ticket, Vec<SendOp>)> = Vec::new();
+        let mut read = 0;
+        for (i, &key) in keys.iter().enumerate() {
+            if pool.resident.contains_key(&key) {
+                continue;
+            }
+            let victim = match self.free_slot(&pool) {
+                Some(free) => Some(free),
+                None => self.victim_slot(&mut pool, false).filter(|&(_, v)| admission.admit(i, v)).map(|(s, _)| s),
+            };
+            let Some(slot) = victim else { break };
+            self.evict(&mut pool, slot);
+            match self.start_expert_read(&mut pool, key, slot, priority) {
+                Ok(group) => groups.push(group),
+                Err(_) => break,
+            }
+            read += 1;
+        }
+        self.submit_expert_reads(&pool, priority, groups);
+        read
+    }
+
+    /// Makes one routed expert resident and returns its bytes.
+    pub fn expert(&self, layer: usize, expert: usize) -> Result<ExpertGuard<'_>, SourceError> {
+        let key = (layer, expert);
+        let (slot, ticket) = {
+            let mut pool = self.make_resident(key)?;
+            let slot =
+                *pool.resident.get(&key).ok_or_else(|| SourceError::Internal(format!("expert {key:?} vanished")))?;
+            pool.protected.remove(&key);
+            let s = &mut pool.slots[slot];
+            s.users += 1;
+            if std::mem::replace(&mut s.speculative, false) {
+                lock(&self.stats).spec_used += 1;
+            }
+            let ticket = s.slot.ticket();
+            pool.policy.on_access(key);
+            (slot, ticket)
+        };
+        if let Some(t) = ticket {
+            if let Err(e) = self.wait_io(t, Some(layer)) {
+                let mut pool = lock(&self.pool);
+                let s = &mut pool.slots[slot];
+                s.users -= 1;
+                if s.slot.ticket() == Some(t) {
+                    s.slot.abandon();
+                }
+                s.key = None;
+                pool.resident.remove(&key);
+                pool.policy.on_evict(key);
+                return Err(self.read_error(format!("layer {layer} expert {expert}"), &e));
+            }
+        }
+        let mut pool = lock(&self.pool);
+        let s = &mut pool.slots[slot];
+        if ticket.is_some() && s.slot.ticket() == ticket {
+            s.slot.landed();
+        }
+        let filled = s.slot.filled().ok_or_else(|| {
+            SourceError::Internal(format!("layer {layer} expert {expert}: its slot is not filled after its read"))
+        })?;
+        Ok(ExpertGuard { store: self, slot, filled, parts: s.parts })
+    }
+
+    /// Whether `key` is resident or being read.
+    pub fn expert_requested(&self, key: ExpertKey) -> bool {
+        lock(&self.pool).has(key)
+    }
+
+    /// Whether a slot's read (if any) has completed.
+    fn read_done(&self, slot: &Slot) -> bool {
+        slot.ticket().is_none_or(|t| self.reads.is_done(t))
+    }
+
+    /// A slot holding nothing, with no read in flight.
+    fn free_slot(&self, pool: &ExpertPool) -> Option<usize> {
+        pool.slots.iter().position(|s| s.key.is_none() && self.read_done(&s.slot))
+    }
+
+    /// The policy's choice among idle slots (no guard, read complete), sparing experts the
+    /// current layer has yet to use unless `take_protected` and nothing else is left; with the
+    /// key it holds. Lists nothing: the policies walk their own order.
+    fn victim_slot(&self, pool: &mut ExpertPool, take_protected: bool) -> Option<(usize, ExpertKey)> {
+        let idle = |s: &ExpertSlot| s.users == 0 && self.read_done(&s.slot);
+        let any_spare = pool.slots.iter().any(|s| idle(s) && s.key.is_some_and(|k| !pool.protected.contains(&k)));
+        if !any_spare && !take_protected {
+            return None;
+        }
+        let ExpertPool { slots, resident, policy, protected, .. } = pool;
+        let evictable = |k: ExpertKey| {
+            resident.get(&k).is_some_and(|&i| idle(&slots[i])) && (!any_spare || !protected.contains(&k))
+        };
+        let key = policy.victim_where(&mut resident.keys().copied(), &evictable)?;
+        let slot = *resident.get(&key)?;
+        Some((slot, key))
+    }
+
+    /// Empties `slot` (a free one, or a victim just chosen): its expert leaves the pool.
+    fn evict(&self, pool: &mut ExpertPool, slot: usize) {
+        let s = &mut pool.slots[slot];
+        if let Some(t) = s.slot.ticket() {
+            self.reads.forget(t);
+            s.slot.abandon();
+        }
+        let Some(key) = s.key.take() else { return };
+        let removed = pool.resident.remove(&key);
+        assert_eq!(removed, Some(slot), "the resident map and the slots disagree");
+        pool.policy.on_evict(key);
+        let mut stats = lock(&self.stats);
+        stats.expert_evictions += 1;
+        if s.speculative {
+            stats.spec_wasted_bytes += s.bytes;
+        }
+    }
+
+    /// Tags `slot` with a new ticket for `key` and builds its reads.
+    fn start_expert_read(
+        &self,
+        pool: &mut ExpertPool,
+        key: ExpertKey,
+        slot: usize,
+        priority: Priority,
+    ) -> Result<(Ticket, Vec<SendOp>), SourceError> {
+        let bytes = self
+            .index
+            .experts
+            .get(key.0, key.1)
+            .map_or(0, |r| r.parts.iter().map(|&id| self.index.tensors[id].len).sum::<u64>());
+        let ticket = self.reads.reserve();
+        let s = &mut pool.slots[slot];
+        let target = s.slot.start_read(ticket);
+        let built = self.expert_ops(key, s.slot.region(), target, priority);
+        let (ops, parts) = match built {
+            Ok(b) => b,
+            Err(e) => {
+                // Nothing will be read into the slot: complete the ticket empty and leave it free.
+                self.reads.submit(priority, vec![(ticket, Vec::new())]);
+                s.slot.abandon();
+                return Err(e);
+            }
+        };
+        let window_bytes = ops.iter().map(|op| op.len() as u64).sum::<u64>();
+        s.key = Some(key);
+        s.parts = parts;
+        s.speculative = priority == Priority::Guess;
+        s.bytes = bytes;
+        let replaced = pool.resident.insert(key, slot);
+        assert!(replaced.is_none(), "expert {key:?} read into two slots");
+        pool.policy.on_insert(key);
+        let mut stats = lock(&self.stats);
+        stats.expert_window_bytes_read += window_bytes;
+        stats.expert_reads += 1;
+        stats.expert_bytes_read += bytes;
+        if priority == Priority::Guess {
+            stats.spec_reads += 1;
+            stats.spec_bytes += bytes;
+        }
+        let ls = stats.layer(key.0);
+        ls.expert_reads += 1;
+        ls.expert_bytes_read += bytes;
+        Ok((ticket, ops))
+    }
+
+    /// Sends the reads of one request as one submission.
+    fn submit_expert_reads(&self, pool: &ExpertPool, priority: Priority, groups: Vec<(Ticket, Vec<SendOp>)>) {
+        pool.debug_check();
+        if !groups.is_empty() {
+            self.tracer.counter("expert pool occupancy", pool.resident.len() as f64);
+            self.reads.submit(priority, groups);
+        }
+    }
+
+    /// Starts demand reads for as many pending experts as there are evictable slots, in one
+    /// batch. Only `take_protected` may evict an expert the layer has yet to use (for the first
+    /// read of the batch).
+    fn issue_pending(&self, pool: &mut ExpertPool, take_protected: bool) -> Result<Vec<Ticket>, SourceError> {
+        let mut groups: Vec<(Ticket, Vec<SendOp>)> = Vec::new();
+        // Each expert gets its own ticket, reserved as its slot is chosen, so a slot taken for
+        // one expert of this batch never looks evictable to the next. Whatever happens below,
+        // every reserved ticket is submitted, so nobody waits on one forever.
+        let mut failure = None;
+        while let Some(&key) = pool.pending.front() {
+            if pool.resident.contains_key(&key) {
+                pool.pending.pop_front();
+                continue;
+            }
+            let slot = match self.free_slot(pool) {
+                Some(free) => Some(free),
+                None => self.victim_slot(pool, take_protected && groups.is_empty()).map(|(s, _)| s),
+            };
+            let Some(slot) = slot else { break };
+            pool.pending.pop_front();
+            self.evict(pool, slot);
+            match self.start_expert_read(pool, key, slot, Priority::Demand) {
+                Ok(group) => groups.push(group),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let tickets: Vec<Ticket> = groups.iter().map(|g| g.0).collect();
+        self.submit_expert_reads(pool, Priority::Demand, groups);
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(tickets),
+        }
+    }
+
+    /// Ensures `key` has a slot (its read may still be in flight). When every slot is busy,
+    /// waits for a read to land, then evicts; bounded by the pool size.
+    fn make_resident(&self, key: ExpertKey) -> Result<std::sync::MutexGuard<'_, ExpertPool>, SourceError> {
+        let mut pool = lock(&self.pool);
+        for _ in 0..=2 * pool.slots.len() + 1 {
+            if pool.resident.contains_key(&key) {
+                return Ok(pool);
+            }
+            // Not announced, or no slot was free when it was: read it now.
+            pool.pending.retain(|k| *k != key);
+            pool.pending.push_front(key);
+            self.issue_pending(&mut pool, true)?;
+            if pool.resident.contains_key(&key) {
+                return Ok(pool);
+            }
+            // Every slot is held or still being read: wait for a read to land. If none is in
+            // flight any more, one landed since the victim search: search again.
+            let busy = pool
+                .slots
+                .iter()
+                .filter(|s| s.users == 0)
+                .find_map(|s| s.slot.ticket().filter(|&t| !self.reads.is_done(t)));
+            if let Some(ticket) = busy {
+                drop(pool);
+                // A failed read frees nothing; say why instead of searching on.
+                self.wait_io(ticket, Some(key.0))
+                    .map_err(|e| self.read_error(format!("layer {} expert {}", key.0, key.1), &e))?;
+                pool = lock(&self.pool);
+            }
+        }
+        let in_use = pool.slots.iter().filter(|s| s.users > 0).count();
+        let reading = pool.slots.iter().filter(|s| s.slot.ticket().is_some_and(|t| !self.reads.is_done(t))).count();
+        Err(SourceError::Internal(format!(
+            "no evictable slot for layer {} expert {} among {} (in use {in_use}, reading {reading}, protected {}, pending {})",
+            key.0,
+            key.1,
+            pool.slots.len(),
+            pool.protected.len(),
+            pool.pending.len()
+        )))
+    }
+
+    /// Read ops for one expert into a slot; returns the ops and the parts' places in the slot.
+    fn expert_ops(
+        &self,
+        key: ExpertKey,
+        region: Region,
+        target: super::arena::ReadTarget,
+        priority: Priority,
+    ) -> Result<(Vec<SendOp>, PartPlaces), SourceError> {
+        let meta = OpMeta {
+            name: "expert read",
+            kind: priority.kind(),
+            layer: Some(key.0 as u32),
+            expert: Some(key.1 as u32),
+        };
+        let r = self.index.experts.get(key.0, key.1).ok_or_else(|| SourceError::Corrupt {
+            what: format!("layer {} expert {}", key.0, key.1),
+            message: "not in the checkpoint".to_owned(),
+        })?;
+        let a = self.align;
+        let mut parts = [(0usize, 0usize); 6];
+        let mut windows: Vec<(usize, FileRange)> = Vec::with_capacity(6);
+        if let Some((shard, start, end)) = r.contiguous {
+            let ws = start / a * a;
+            let we = align_up(end, a);
+            for (k, &id) in r.parts.iter().enumerate() {
+                let t = &self.index.tensors[id];
+                parts[k] = ((t.offset - ws) as usize, t.len as usize);
+            }
+            let len = (we - ws) as usize;
+            windows.push((0, FileRange { file: shard, offset: ws, len, min_len: (end - ws) as usize }));
+        } else {
+            let mut cursor = 0usize;
+            for (k, &id) in r.parts.iter().enumerate() {
+                let t = &self.index.tensors[id];
+                let ws = t.offset / a * a;
+                let we = align_up(t.offset + t.len, a);
+                parts[k] = (cursor + (t.offset - ws) as usize, t.len as usize);
+                let len = (we - ws) as usize;
+                windows.push((
+                    cursor,
+                    FileRange { file: t.shard, offset: ws, len, min_len: (t.offset + t.len - ws) as usize },
+                ));
+                cursor += len;
+            }
+        }
+        let used = windows.iter().map(|w| w.1.len).sum::<usize>();
+        if used > region.len {
+            return Err(SourceError::Internal(format!(
+                "expert ({}, {}) needs {used} bytes, slot holds {}",
+                key.0, key.1, region.len
+            )));
+        }
+        Ok((windows.into_iter().map(|(at, w)| self.arena.op(target, at, w, meta)).collect(), parts))
+    }
+
+    /// Where an expert's first tensor sits (shard, offset): reads issued in this order sweep
+    /// the disk forwards. Unknown experts sort last (their read then fails with a named error).
+    pub fn disk_position(&self, key: ExpertKey) -> (usize, u64) {
+        self.index.experts.get(key.0, key.1).map_or((usize::MAX, 0), |r| {
+            let t = &self.index.tensors[r.parts[0]];
+            (t.shard, t.offset)
+        })
+    }
+}

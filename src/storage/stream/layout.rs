@@ -1,0 +1,208 @@
+//! Where everything is: the trunk pack's units and tensors (checked against the checkpoint), and
+//! the arena's regions (pinned units, trunk ring slots, expert slots, embedding rows) as the plan
+//! sizes them. Computed once at open; read-only afterwards.
+
+use std::path::PathBuf;
+
+use super::arena::Region;
+use super::StreamError;
+use crate::checkpoint::CheckpointIndex;
+use crate::config::Config;
+use crate::model::weights::{TensorId, TrunkUnit};
+use crate::storage::pack::{Manifest, PackUnit};
+use crate::storage::plan::Plan;
+
+/// Bytes of one expert slot: the largest read window of an expert, for contiguous experts the
+/// aligned window, for split ones six aligned windows.
+pub fn expert_slot_bytes(cfg: &Config, align: u64) -> u64 {
+    (cfg.expert_bytes() + 12 * align).div_ceil(align) * align
+}
+
+/// Bytes of the embedding row buffer for `rows` rows.
+pub fn embed_buffer_bytes(cfg: &Config, rows: usize, align: u64) -> u64 {
+    let row = 2 * cfg.hidden_size as u64;
+    rows as u64 * embed_row_window(row, align)
+}
+
+/// The aligned window one embedding row of `row` bytes is read through (it may start anywhere
+/// inside an alignment unit).
+pub fn embed_row_window(row: u64, align: u64) -> u64 {
+    align_up(row + 2 * align, align)
+}
+
+pub fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+/// A trunk unit of the pack.
+pub struct UnitPlace {
+    /// Per-row checksums (the embedding only).
+    pub row_checksums: Vec<u64>,
+    pub unit: PackUnit,
+    pub file_offset: u64,
+    pub len: u64,
+    pub checksum: String,
+}
+
+/// Where a trunk tensor is: unit index and byte range inside the unit.
+#[derive(Clone, Copy, Debug)]
+pub struct Loc {
+    pub unit: usize,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// The trunk pack as the store reads it.
+pub struct PackLayout {
+    pub pack_path: PathBuf,
+    /// Index of the pack in the I/O stage's file list (after the checkpoint's shards).
+    pub pack_file: usize,
+    pub units: Vec<UnitPlace>,
+    /// Per tensor id: its unit and place, for trunk tensors.
+    pub tensor_loc: Vec<Option<Loc>>,
+    pub unit_of_layer: Vec<usize>,
+    pub head_unit: usize,
+    pub embed: Loc,
+}
+
+impl PackLayout {
+    /// Places every unit and tensor of `manifest`, checking each tensor against `index`.
+    pub fn new(
+        manifest: &Manifest,
+        index: &CheckpointIndex,
+        cfg: &Config,
+        pack_path: PathBuf,
+        pack_file: usize,
+    ) -> Result<PackLayout, StreamError> {
+        let (units, tensor_loc) = place_units(manifest, index)?;
+        let unit_idx = |u: PackUnit| units.iter().position(|p| p.unit == u);
+        let missing = |what: &str| StreamError::Mismatch(format!("the trunk pack has no {what} unit"));
+        let unit_of_layer = (0..cfg.n_layers)
+            .map(|l| unit_idx(PackUnit::Layer(l)).ok_or_else(|| missing("layer")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let head_unit = unit_idx(PackUnit::Head).ok_or_else(|| missing("head"))?;
+        let embed_unit = unit_idx(PackUnit::Embed).ok_or_else(|| missing("embed"))?;
+        let embed_tensor = manifest.units.iter().find(|u| u.unit == "embed").and_then(|u| u.tensors.first());
+        let embed = Loc {
+            unit: embed_unit,
+            offset: embed_tensor.map_or(0, |t| t.offset as usize),
+            len: embed_tensor.map_or(0, |t| t.len as usize),
+        };
+        Ok(PackLayout { pack_path, pack_file, units, tensor_loc, unit_of_layer, head_unit, embed })
+    }
+
+    /// The unit index of a trunk unit; `None` for a layer the model does not have.
+    pub fn unit_index(&self, unit: TrunkUnit) -> Option<usize> {
+        match unit {
+            TrunkUnit::Head => Some(self.head_unit),
+            TrunkUnit::Layer(l) => self.unit_of_layer.get(l).copied(),
+        }
+    }
+
+    /// The layer a unit belongs to (`None` for the head and the embedding).
+    pub fn layer_of_unit(&self, unit: usize) -> Option<usize> {
+        match self.units[unit].unit {
+            PackUnit::Layer(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// Where tensor `id` is inside its unit.
+    pub fn loc(&self, id: TensorId) -> Option<Loc> {
+        self.tensor_loc.get(id).copied().flatten()
+    }
+}
+
+fn place_units(
+    manifest: &Manifest,
+    index: &CheckpointIndex,
+) -> Result<(Vec<UnitPlace>, Vec<Option<Loc>>), StreamError> {
+    let mut units = Vec::with_capacity(manifest.units.len());
+    let mut tensor_loc = vec![None; index.tensors.len()];
+    for (i, u) in manifest.units.iter().enumerate() {
+        let unit = PackUnit::parse(&u.unit).ok_or_else(|| StreamError::Mismatch(format!("unknown unit {}", u.unit)))?;
+        for t in &u.tensors {
+            let id = index.position(&t.name).ok_or_else(|| {
+                StreamError::Mismatch(format!(
+                    "the trunk pack holds {} which the checkpoint lacks: run `k3ring pack` again",
+                    t.name
+                ))
+            })?;
+            if index.tensors[id].len != t.len {
+                return Err(StreamError::Mismatch(format!(
+                    "{}: the pack and the checkpoint disagree on its size",
+                    t.name
+                )));
+            }
+            tensor_loc[id] = Some(Loc { unit: i, offset: t.offset as usize, len: t.len as usize });
+        }
+        units.push(UnitPlace {
+            row_checksums: u.row_checksums.clone(),
+            unit,
+            file_offset: u.offset,
+            len: u.len,
+            checksum: u.checksum.clone(),
+        });
+    }
+    Ok((units, tensor_loc))
+}
+
+/// Where each part of the arena goes.
+pub struct ArenaLayout {
+    /// Pinned units: unit index and region.
+    pub pinned: Vec<(usize, Region)>,
+    pub ring: Vec<Region>,
+    pub experts: Vec<Region>,
+    pub embed: Region,
+    pub total: usize,
+}
+
+impl ArenaLayout {
+    /// Assigns arena regions: pinned units, ring slots, expert slots, the embedding row buffer
+    /// (for `chunk_tokens` rows).
+    pub fn new(
+        pack: &PackLayout,
+        cfg: &Config,
+        plan: &Plan,
+        chunk_tokens: usize,
+        align: u64,
+    ) -> Result<ArenaLayout, StreamError> {
+        let mut off = 0u64;
+        let mut take = |len: u64| {
+            let r = Region { off: off as usize, len: len as usize };
+            off += align_up(len.max(1), align);
+            r
+        };
+        let mut pinned = Vec::with_capacity(plan.pinned_units.len());
+        for want in &plan.pinned_units {
+            let i =
+                pack.units.iter().position(|u| u.unit == *want).ok_or_else(|| {
+                    StreamError::Mismatch(format!("the plan pins {} which the pack lacks", want.name()))
+                })?;
+            pinned.push((i, take(pack.units[i].len)));
+        }
+        let is_pinned = |i: usize| pinned.iter().any(|p| p.0 == i);
+        let streamed_max = (0..pack.units.len())
+            .filter(|&i| !is_pinned(i) && pack.units[i].unit != PackUnit::Embed)
+            .map(|i| pack.units[i].len)
+            .max()
+            .unwrap_or(0);
+        if plan.ring_slots > 0 && streamed_max > plan.ring_slot_bytes || plan.ring_slots == 0 && streamed_max > 0 {
+            return Err(StreamError::Mismatch(format!(
+                "the plan's trunk slots ({} of {} bytes) cannot hold a streamed unit of {streamed_max} bytes",
+                plan.ring_slots, plan.ring_slot_bytes
+            )));
+        }
+        let ring = (0..plan.ring_slots).map(|_| take(plan.ring_slot_bytes)).collect();
+        let slot = expert_slot_bytes(cfg, align);
+        if slot > plan.expert_slot_bytes {
+            return Err(StreamError::Mismatch(format!(
+                "expert slots of {} bytes planned, {slot} needed",
+                plan.expert_slot_bytes
+            )));
+        }
+        let experts = (0..plan.expert_slots).map(|_| take(slot)).collect();
+        let embed = take(embed_buffer_bytes(cfg, chunk_tokens.max(1), align));
+        Ok(ArenaLayout { pinned, ring, experts, embed, total: off as usize })
+    }
+}

@@ -1,0 +1,83 @@
+//! What the store did, for the run report and `--json`: one counter set shared by the trunk ring,
+//! the expert pool, the embedding reads and the prefetcher, plus the I/O stage's own counters.
+
+use serde::Serialize;
+
+use crate::storage::io::IoStats;
+
+/// What the store did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StreamStats {
+    pub backend: String,
+    pub backend_info: String,
+    pub buffers: String,
+    pub trunk_pinned_units: usize,
+    pub trunk_streamed_units: usize,
+    pub trunk_bytes_read: u64,
+    pub trunk_reads: u64,
+    pub embed_bytes_read: u64,
+    pub expert_bytes_read: u64,
+    /// Bytes of the aligned windows read for experts (what the device delivered).
+    pub expert_window_bytes_read: u64,
+    pub expert_reads: u64,
+    /// Experts already resident before the layer that needed them asked.
+    pub expert_hits: u64,
+    pub expert_misses: u64,
+    pub expert_evictions: u64,
+    /// Experts read on a prediction, and their bytes.
+    pub spec_reads: u64,
+    pub spec_bytes: u64,
+    /// Predicted experts that a layer then used.
+    pub spec_used: u64,
+    /// Bytes of predicted experts evicted without being used.
+    pub spec_wasted_bytes: u64,
+    /// Layers whose speculation was skipped because the device was already saturated.
+    pub spec_skipped_busy: u64,
+    /// True routed experts, and those already requested (resident or in flight) when the
+    /// layer's routing was known: recall = recalled / routed.
+    pub routed_experts: u64,
+    pub routed_recalled: u64,
+    pub read_busy_seconds: f64,
+    pub read_bytes_per_second: f64,
+    /// The read backend's counters (proof of which backend did the reading).
+    pub io: IoStats,
+    /// Per MoE layer: reads, hits, recall and stalls.
+    pub per_layer: Vec<LayerStats>,
+}
+
+/// One layer's share of the store's work.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct LayerStats {
+    pub layer: usize,
+    pub expert_reads: u64,
+    pub expert_bytes_read: u64,
+    pub expert_hits: u64,
+    pub routed_experts: u64,
+    pub routed_recalled: u64,
+    /// Time compute waited for this layer's bytes (trunk and experts).
+    pub stall_us: f64,
+}
+
+impl StreamStats {
+    /// The counters of `layer`, created on first use.
+    pub fn layer(&mut self, layer: usize) -> &mut LayerStats {
+        if self.per_layer.len() <= layer {
+            let from = self.per_layer.len();
+            self.per_layer.extend((from..=layer).map(|l| LayerStats { layer: l, ..LayerStats::default() }));
+        }
+        &mut self.per_layer[layer]
+    }
+
+    /// Expert bytes the backend reads: whole aligned windows, not only the tensors.
+    pub fn expert_bytes_read_windows(&self) -> u64 {
+        self.expert_window_bytes_read
+    }
+
+    /// Takes the I/O stage's counters in.
+    pub fn with_io(mut self, io: IoStats) -> StreamStats {
+        self.read_busy_seconds = io.busy_ns as f64 / 1e9;
+        self.read_bytes_per_second = if io.busy_ns > 0 { io.bytes_read as f64 / self.read_busy_seconds } else { 0.0 };
+        self.io = io;
+        self
+    }
+}
