@@ -40,8 +40,10 @@ pub struct BenchArgs {
     /// Budgets in GB, e.g. 6,9,12.
     #[arg(long, value_name = "GB,...", value_delimiter = ',', required = true)]
     pub budgets: Vec<f64>,
-    /// Modes to compare: serial, pipelined, speculative (pipelined plus expert prediction).
-    #[arg(long, value_name = "MODE,...", value_delimiter = ',', default_value = "serial,pipelined", value_parser = ["serial", "pipelined", "speculative"])]
+    /// Modes to compare: serial (the C engine's order), no-spec (pipelined, experts read once
+    /// routed), pipelined (the default: plus adaptive expert prediction), fixed-spec (every
+    /// prediction read, no admission control).
+    #[arg(long, value_name = "MODE,...", value_delimiter = ',', default_value = "serial,no-spec,pipelined", value_parser = ["serial", "no-spec", "pipelined", "fixed-spec"])]
     pub modes: Vec<String>,
     /// Measure each cell, and the resident compute, this many times (the modes alternating) and
     /// keep the median.
@@ -84,9 +86,10 @@ struct Cell {
     device_read_rate_during: f64,
     floor_seconds_per_token: f64,
     efficiency: f64,
-    /// The floor without routing prediction (serial and pipelined cells; `None` for
-    /// speculative ones): a layer's expert reads start at its router and must end before its
-    /// weighted sum, so they overlap only the shared and routed experts' compute.
+    /// The floor without routing prediction (`None` when the resident run measured no spans): a
+    /// layer's expert reads start at its router and must end before its weighted sum, so they
+    /// overlap only the shared and routed experts' compute. A bound for the cells that do not
+    /// predict (serial, no-spec); the predicting ones can beat it.
     /// `max(floor, the rest of the resident compute + expert bytes / device rate)`.
     floor_no_prediction_seconds_per_token: Option<f64>,
     efficiency_no_prediction: Option<f64>,
@@ -106,7 +109,10 @@ struct Report {
     resident_overlappable_seconds_per_token: Option<f64>,
     page_cache_dropped: bool,
     cells: Vec<Cell>,
+    /// Per budget: serial s/token over pipelined (the default).
     speedups: Vec<(f64, f64)>,
+    /// Per budget: no-spec s/token over pipelined (above 1: speculation gained).
+    speculation_gains: Vec<(f64, f64)>,
     ids_identical: bool,
 }
 
@@ -179,15 +185,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let device: Vec<(u32, f64)> = device_before.iter().zip(&device_after).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
     let cells: Vec<Cell> = cells_raw.into_iter().map(|raw| cell(raw, &resident)).collect();
     let ids_identical = residents_agree && cells.iter().all(|c| c.m.ids == resident.ids);
-    let speedups: Vec<(f64, f64)> = args
-        .budgets
-        .iter()
-        .filter_map(|&b| {
-            let get =
-                |mode: &str| cells.iter().find(|c| c.budget_gb == b && c.mode == mode).map(|c| c.m.seconds_per_token);
-            Some((b, get("serial")? / get("pipelined")?))
-        })
-        .collect();
+    let ratios = |over: &str| -> Vec<(f64, f64)> {
+        args.budgets
+            .iter()
+            .filter_map(|&b| {
+                let get = |mode: &str| {
+                    cells.iter().find(|c| c.budget_gb == b && c.mode == mode).map(|c| c.m.seconds_per_token)
+                };
+                Some((b, get(over)? / get("pipelined")?))
+            })
+            .collect()
+    };
+    let (speedups, speculation_gains) = (ratios("serial"), ratios("no-spec"));
     let report = Report {
         device_read_rate: device,
         device_read_rate_before: device_before,
@@ -198,6 +207,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         page_cache_dropped: dropped,
         cells,
         speedups,
+        speculation_gains,
         ids_identical,
     };
     print_report(&report, &cfg, args);
@@ -232,7 +242,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 fn cell((budget_gb, mode, m, device_rate): CellResult, resident: &Measurement) -> Cell {
     let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
     let floor = (bytes / device_rate).max(resident.seconds_per_token);
-    let floor_no_prediction = resident.overlappable_seconds_per_token.filter(|_| !predicts_routing(&mode)).map(|o| {
+    let floor_no_prediction = resident.overlappable_seconds_per_token.map(|o| {
         let never_overlapped = resident.seconds_per_token - o;
         floor.max(never_overlapped + m.expert_bytes_per_token / device_rate)
     });
@@ -304,16 +314,16 @@ fn measure_cells(
     Ok((cells, dropped))
 }
 
-/// Whether the cells of `mode` read experts before their router has chosen them (so the
-/// floor without prediction does not bound them).
-fn predicts_routing(mode: &str) -> bool {
-    mode == "speculative"
-}
-
 /// The streaming run of one cell: serial is the C engine's order (no read-ahead, no overlap of
-/// a layer's reads with its compute); speculative adds expert prediction to pipelined.
+/// a layer's reads with its compute); no-spec pipelines without prediction; pipelined is the
+/// default (adaptive prediction); fixed-spec reads every prediction.
 fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> StreamingRun {
     let serial = mode == "serial";
+    let speculation = match mode {
+        "pipelined" => Speculation::default(),
+        "fixed-spec" => Speculation { adaptive: false, ..Speculation::default() },
+        _ => Speculation::OFF,
+    };
     StreamingRun {
         budget_bytes: (budget * GB) as u64,
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
@@ -323,7 +333,7 @@ fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> St
         pipeline: PipelineOptions {
             io: IoOptions { kind: IoKind::Uring, queue_depth: args.queue_depth, ..IoOptions::default() },
             mode: if serial { Mode::Serial } else { Mode::Pipelined },
-            speculation: Speculation { enabled: predicts_routing(mode), ..Speculation::default() },
+            speculation,
         },
         prefetch_window: None,
         placement: None,
@@ -355,7 +365,7 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         if r.page_cache_dropped { "dropped before every cell" } else { "not dropped (not root); reads are O_DIRECT" }
     );
     println!(
-        "{:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7} {:>7}",
+        "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7} {:>7} {:>10}",
         "budget",
         "mode",
         "s/token",
@@ -368,7 +378,8 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         "effic.",
         "floor*",
         "effic.*",
-        "recall"
+        "recall",
+        "wasted/tok"
     );
     let or_dash = |v: Option<f64>, width: usize, prec: usize| match v {
         Some(v) => format!("{v:>width$.prec$}"),
@@ -376,7 +387,7 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
     };
     for c in &r.cells {
         println!(
-            "{:>6}G {:>9} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {} {} {:>6.0}%",
+            "{:>6}G {:>10} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {} {} {:>6.0}% {:>9.2}G",
             c.budget_gb,
             c.mode,
             c.m.seconds_per_token,
@@ -389,16 +400,20 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
             c.efficiency,
             or_dash(c.floor_no_prediction_seconds_per_token, 8, 3),
             or_dash(c.efficiency_no_prediction, 7, 2),
-            100.0 * c.m.recall
+            100.0 * c.m.recall,
+            c.m.spec_wasted_bytes_per_token / 1e9
         );
     }
     for (b, s) in &r.speedups {
         println!("speedup at {b} GB: pipelined is {s:.2}x serial");
     }
+    for (b, s) in &r.speculation_gains {
+        println!("speculation at {b} GB: pipelined is {s:.2}x no-spec");
+    }
     println!("dev GB/s: the device at the engine's queue depth, probed around each budget's cells (the floor uses it)");
     println!(
         "floor*: the floor without routing prediction: a layer's expert reads start at its router, so they overlap \
-         only the experts' compute (- for speculative cells)"
+         only the experts' compute (cells that predict routing can beat it)"
     );
     println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
     let _ = args;

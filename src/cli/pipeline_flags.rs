@@ -21,11 +21,10 @@ pub struct PipelineArgs {
     /// Print the placement and exit.
     #[arg(long)]
     pub print_placement: bool,
-    /// Prefetch the experts the next layer's router predicts (off by default: the guesses cost
-    /// reads, which slow decoding where the device is the bottleneck; see docs/PIPELINE.md).
+    /// Prefetch the experts the next layer's router predicts (the default; see --no-spec).
     #[arg(long, overrides_with = "no_spec")]
     pub spec: bool,
-    /// Do not prefetch predicted experts (the default).
+    /// Do not prefetch predicted experts: a layer's experts are read once its routing is known.
     #[arg(long, overrides_with = "spec")]
     pub no_spec: bool,
     /// Experts predicted per token beyond top-k.
@@ -34,6 +33,11 @@ pub struct PipelineArgs {
     /// Also prefetch the experts the previous token used at the next layer.
     #[arg(long)]
     pub spec_prev_token: bool,
+    /// Read every prediction, evicting what the cache policy picks, whatever the device's load
+    /// (default: a guess evicts only less likely experts, and only as many guesses as the
+    /// device had idle time for at this layer are read).
+    #[arg(long)]
+    pub spec_fixed: bool,
     /// Expert cache policy: lru, s3fifo or lfu.
     #[arg(long, value_name = "NAME", default_value = "lru", value_parser = ["lru", "s3fifo", "lfu"])]
     pub policy: String,
@@ -76,6 +80,11 @@ impl PipelineArgs {
     /// Speculation as the flags ask (the pipeline allows none in serial mode: the C engine's
     /// design reads after routing).
     pub fn speculation(&self) -> Speculation {
-        Speculation { enabled: self.spec && !self.no_spec, margin: self.spec_margin, prev_token: self.spec_prev_token }
+        Speculation {
+            enabled: !self.no_spec,
+            margin: self.spec_margin,
+            prev_token: self.spec_prev_token,
+            adaptive: !self.spec_fixed,
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! `k3ring tune`: sweeps the pipeline's knobs at a fixed budget and recommends flags.
 //!
-//! First a grid of trunk/expert split x trunk read-ahead depth (the plot: s/token against
-//! read-ahead per split), then, from the best grid point, speculation margin, queue depth and
-//! I/O backend one at a time. Every point must produce the same ids.
+//! First a grid of trunk/expert split x trunk read-ahead depth with the default speculation
+//! (the plot: s/token against read-ahead per split), then, from the best grid point,
+//! speculation (off, then the adaptive default and the fixed setting at each margin), queue
+//! depth and I/O backend one at a time. Every point must produce the same ids.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -37,7 +38,8 @@ pub struct TuneArgs {
     /// Trunk read-ahead depths.
     #[arg(long, value_name = "N,...", value_delimiter = ',', default_value = "0,1,2")]
     pub readahead: Vec<usize>,
-    /// Speculation margins (experts beyond top-k).
+    /// Speculation margins (experts beyond top-k), each measured adaptive (the default) and
+    /// fixed (every prediction read).
     #[arg(long, value_name = "M,...", value_delimiter = ',', default_value = "0,4")]
     pub spec_margin: Vec<usize>,
     /// Queue depths.
@@ -73,6 +75,8 @@ pub struct TuneArgs {
 struct Knobs {
     split: f64,
     readahead: usize,
+    /// "adaptive" (the default), "fixed" (every prediction read) or "off".
+    spec: &'static str,
     spec_margin: usize,
     queue_depth: u32,
     io: String,
@@ -106,12 +110,16 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
     let base = Knobs {
         split: 1.0,
         readahead: 1,
+        spec: "adaptive",
         spec_margin: first(&args.spec_margin),
         queue_depth: args.queue_depth.last().copied().unwrap_or(32),
         io: args.io.first().cloned().unwrap_or_else(|| "uring".into()),
     };
-    let total =
-        args.splits.len() * args.readahead.len() + args.spec_margin.len() + args.queue_depth.len() + args.io.len();
+    let total = args.splits.len() * args.readahead.len()
+        + 1
+        + 2 * args.spec_margin.len()
+        + args.queue_depth.len()
+        + args.io.len();
     let bar = ProgressBar::new(total as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} tune [{bar:30}] {pos}/{len} {msg}")
@@ -121,8 +129,8 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
     let mut reference: Option<Vec<u32>> = None;
     let mut measure = |k: Knobs, points: &mut Vec<Point>| -> anyhow::Result<()> {
         bar.set_message(format!(
-            "split {} readahead {} margin {} qd {} {}",
-            k.split, k.readahead, k.spec_margin, k.queue_depth, k.io
+            "split {} readahead {} speculation {} margin {} qd {} {}",
+            k.split, k.readahead, k.spec, k.spec_margin, k.queue_depth, k.io
         ));
         let run = streaming_run(args, &k, &spec);
         let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
@@ -145,8 +153,11 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
         }
     }
     let best_grid = best(&points).knobs.clone();
+    measure(Knobs { spec: "off", ..best_grid.clone() }, &mut points)?;
     for &m in &args.spec_margin {
-        measure(Knobs { spec_margin: m, ..best_grid.clone() }, &mut points)?;
+        for spec in ["adaptive", "fixed"] {
+            measure(Knobs { spec, spec_margin: m, ..best_grid.clone() }, &mut points)?;
+        }
     }
     let best_spec = best(&points).knobs.clone();
     for &q in &args.queue_depth {
@@ -181,7 +192,11 @@ fn streaming_run(args: &TuneArgs, k: &Knobs, spec: &MeasureSpec) -> StreamingRun
                 queue_depth: k.queue_depth,
                 ..IoOptions::default()
             },
-            speculation: Speculation { enabled: true, margin: k.spec_margin, ..Speculation::default() },
+            speculation: match k.spec {
+                "off" => Speculation::OFF,
+                "fixed" => Speculation { margin: k.spec_margin, adaptive: false, ..Speculation::default() },
+                _ => Speculation { margin: k.spec_margin, ..Speculation::default() },
+            },
             ..PipelineOptions::default()
         },
         prefetch_window: None,
@@ -197,15 +212,16 @@ fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&serde_json::json!({"points": points, "best": b}))?);
     } else {
         println!(
-            "{:>6} {:>9} {:>6} {:>5} {:>6} {:>9} {:>10} {:>8} {:>7} {:>5}",
-            "split", "readahead", "margin", "qd", "io", "s/token", "GB/token", "overlap", "recall", "ids"
+            "{:>6} {:>9} {:>11} {:>6} {:>5} {:>6} {:>9} {:>10} {:>8} {:>7} {:>5}",
+            "split", "readahead", "speculation", "margin", "qd", "io", "s/token", "GB/token", "overlap", "recall", "ids"
         );
         for p in points {
             let k = &p.knobs;
             println!(
-                "{:>6} {:>9} {:>6} {:>5} {:>6} {:>9.3} {:>10.2} {:>7.0}% {:>6.0}% {:>5}",
+                "{:>6} {:>9} {:>11} {:>6} {:>5} {:>6} {:>9.3} {:>10.2} {:>7.0}% {:>6.0}% {:>5}",
                 k.split,
                 k.readahead,
+                k.spec,
                 k.spec_margin,
                 k.queue_depth,
                 k.io,
@@ -225,16 +241,22 @@ fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
     if k.split < 1.0 {
         let _ = write!(flags, " --trunk-share {}", k.split);
     }
+    match k.spec {
+        "off" => flags.push_str(" --no-spec"),
+        "fixed" => flags.push_str(" --spec-fixed"),
+        _ => {}
+    }
     eprintln!("recommended: k3ring run --model ... --trunk ... {flags}  ({:.3} s/token)", b.seconds_per_token);
     if let Some(path) = &args.csv {
-        let mut csv = String::from("split,readahead,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
+        let mut csv = String::from("split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
         for p in points {
             let k = &p.knobs;
             let _ = writeln!(
                 csv,
-                "{},{},{},{},{},{:.6},{:.0},{:.4},{:.4},{}",
+                "{},{},{},{},{},{},{:.6},{:.0},{:.4},{:.4},{}",
                 k.split,
                 k.readahead,
+                k.spec,
                 k.spec_margin,
                 k.queue_depth,
                 k.io,

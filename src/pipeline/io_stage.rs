@@ -129,6 +129,18 @@ struct Shared {
     outstanding_bytes: AtomicUsize,
     /// Bytes of cancelled reads that never entered the device.
     cancelled_bytes: AtomicU64,
+    /// Nanoseconds (since `epoch`) during which demand or read-ahead reads were queued or in
+    /// the device, closed periods only; and the start of the open period (0: none).
+    needed_busy_ns: AtomicU64,
+    needed_busy_since_ns: AtomicU64,
+    epoch: Instant,
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        // At least 1, so that 0 can mean "no open period".
+        (self.epoch.elapsed().as_nanos() as u64).max(1)
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -144,6 +156,8 @@ enum Msg {
     },
     /// Drop the reads of a ticket that are not in the backend yet.
     Cancel(Ticket),
+    /// Move the queued reads of a ticket ahead of every other queued read.
+    Promote(Ticket),
     Stop,
 }
 
@@ -227,15 +241,16 @@ impl IoStage {
             })
         });
         let window = qd as usize * chunk as usize;
-        IoStage::spawn(factory, window, opts.io_core, tracer, vec![Arc::clone(arena)])
+        IoStage::spawn(factory, window, chunk as usize, opts.io_core, tracer, vec![Arc::clone(arena)])
     }
 
     /// Starts the thread; it keeps up to `bytes_in_backend_max` bytes of reads in the backend
-    /// (at least one read), so demand reads queued behind others wait for little more than the
-    /// device's queue.
+    /// (at least one read), and hands read-ahead and guesses to it in pieces of `piece_bytes`
+    /// (see [`Limits`]).
     fn spawn(
         factory: BackendFactory,
         bytes_in_backend_max: usize,
+        piece_bytes: usize,
         pin_to: Option<usize>,
         tracer: Arc<Tracer>,
         targets: Vec<Arc<AlignedBuf>>,
@@ -247,6 +262,9 @@ impl IoStage {
             stats: Mutex::default(),
             outstanding_bytes: AtomicUsize::new(0),
             cancelled_bytes: AtomicU64::new(0),
+            needed_busy_ns: AtomicU64::new(0),
+            needed_busy_since_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
         });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread_shared = Arc::clone(&shared);
@@ -262,7 +280,7 @@ impl IoStage {
                 match factory() {
                     Ok(backend) => {
                         let _ = ready_tx.send(Ok(backend.describe()));
-                        let limits = Limits { ops_max: OPS_IN_BACKEND_MAX, bytes_max: bytes_in_backend_max };
+                        let limits = Limits::new(bytes_in_backend_max, piece_bytes);
                         run(backend, rx, &thread_shared, limits, &tracer);
                     }
                     Err(e) => {
@@ -293,6 +311,18 @@ impl IoStage {
     /// Bytes of cancelled reads that never reached the device.
     pub fn cancelled_bytes(&self) -> u64 {
         self.shared.cancelled_bytes.load(Ordering::Relaxed)
+    }
+
+    /// A clock reading and the device time spent so far on reads compute needs (demand and
+    /// trunk read-ahead queued or in the device), both in nanoseconds since the stage started:
+    /// between two readings, the difference of the second minus that of the first is the time
+    /// the device had for guesses.
+    pub fn needed_busy(&self) -> (u64, u64) {
+        let now = self.shared.now_ns();
+        let closed = self.shared.needed_busy_ns.load(Ordering::Acquire);
+        let since = self.shared.needed_busy_since_ns.load(Ordering::Acquire);
+        let open = if since > 0 { now.saturating_sub(since) } else { 0 };
+        (now, closed + open)
     }
 
     /// Tickets held (finished or not), for tests that check the table does not grow.
@@ -389,6 +419,12 @@ impl ReadQueue for IoStage {
             self.mark_dead();
         }
     }
+
+    fn promote(&self, ticket: Ticket) {
+        if self.tx.send(Msg::Promote(ticket)).is_err() {
+            self.mark_dead();
+        }
+    }
 }
 
 impl Drop for IoStage {
@@ -401,10 +437,36 @@ impl Drop for IoStage {
 }
 
 /// How much the I/O thread keeps in the backend.
+///
+/// Demand reads enter whole, as soon as they arrive, up to `bytes_max`. Read-ahead and guesses
+/// enter in pieces of `piece_bytes` (one chunk of the backend), only while no demand read waits
+/// in the queue and only up to `bytes_max` in all, so every piece in the backend is already in
+/// the device: a demand read that arrives waits for no queued piece, only for a chunk slot to
+/// free, which takes about one chunk. Guesses enter only while no demand read is in the backend
+/// either, and at most `guess_pieces_max` at once, so that the device still has room for the
+/// demand reads that come next.
 #[derive(Clone, Copy, Debug)]
 struct Limits {
     ops_max: usize,
     bytes_max: usize,
+    piece_bytes: usize,
+    guess_pieces_max: usize,
+}
+
+/// Share of the backend's window guesses may fill (as pieces in the device at once).
+const GUESS_WINDOW_DIVISOR: usize = 4;
+
+impl Limits {
+    fn new(bytes_max: usize, piece_bytes: usize) -> Limits {
+        let piece_bytes = piece_bytes.max(1);
+        let pieces = (bytes_max / piece_bytes).max(1);
+        Limits {
+            ops_max: OPS_IN_BACKEND_MAX,
+            bytes_max,
+            piece_bytes,
+            guess_pieces_max: (pieces / GUESS_WINDOW_DIVISOR).max(1),
+        }
+    }
 }
 
 /// One read in the backend.
@@ -422,9 +484,19 @@ struct Queues {
     prefetch: VecDeque<(Ticket, SendOp)>,
     guess: VecDeque<(Ticket, SendOp)>,
     in_backend: HashMap<u64, InBackend>,
-    demand_in_backend: usize,
+    /// Reads in the backend by priority (demand, read-ahead, guess), and their bytes.
+    in_backend_by_priority: [usize; 3],
+    bytes_in_backend_by_priority: [usize; 3],
     bytes_in_backend: usize,
     next_tag: u64,
+}
+
+fn priority_index(p: Priority) -> usize {
+    match p {
+        Priority::Demand => 0,
+        Priority::Prefetch => 1,
+        Priority::Guess => 2,
+    }
 }
 
 impl Queues {
@@ -434,7 +506,8 @@ impl Queues {
             prefetch: VecDeque::new(),
             guess: VecDeque::new(),
             in_backend: HashMap::with_capacity(ops_max),
-            demand_in_backend: 0,
+            in_backend_by_priority: [0; 3],
+            bytes_in_backend_by_priority: [0; 3],
             bytes_in_backend: 0,
             next_tag: 0,
         }
@@ -442,6 +515,11 @@ impl Queues {
 
     fn queued(&self) -> bool {
         !(self.demand.is_empty() && self.prefetch.is_empty() && self.guess.is_empty())
+    }
+
+    /// Reads compute needs (demand and read-ahead) queued or in the backend.
+    fn needed(&self) -> usize {
+        self.demand.len() + self.prefetch.len() + self.in_backend_by_priority[0] + self.in_backend_by_priority[1]
     }
 
     fn queue(&mut self, priority: Priority) -> &mut VecDeque<(Ticket, SendOp)> {
@@ -452,20 +530,31 @@ impl Queues {
         }
     }
 
-    /// The next read to put in the backend: demand first, then read-ahead; a guess only while
-    /// no demand read is queued or in the backend.
-    fn next(&mut self) -> Option<(Ticket, SendOp, Priority)> {
-        if let Some((t, op)) = self.demand.pop_front() {
-            return Some((t, op, Priority::Demand));
+    /// The next read to put in the backend, if the limits let one in (see [`Limits`]).
+    fn next(&mut self, limits: &Limits, backend_in_flight: usize) -> Option<(Ticket, SendOp, Priority)> {
+        if backend_in_flight >= limits.ops_max {
+            return None;
         }
-        if let Some((t, op)) = self.prefetch.pop_front() {
-            return Some((t, op, Priority::Prefetch));
+        let empty = backend_in_flight == 0;
+        if !self.demand.is_empty() {
+            if empty || self.bytes_in_backend_by_priority[0] < limits.bytes_max {
+                return self.demand.pop_front().map(|(t, op)| (t, op, Priority::Demand));
+            }
+            return None;
         }
-        if self.demand_in_backend == 0 {
+        let fits = |len: usize| empty || self.bytes_in_backend + len <= limits.bytes_max;
+        if self.prefetch.front().is_some_and(|(_, op)| fits(op.len())) {
+            return self.prefetch.pop_front().map(|(t, op)| (t, op, Priority::Prefetch));
+        }
+        let guess_may_enter = self.prefetch.is_empty()
+            && self.in_backend_by_priority[0] == 0
+            && self.in_backend_by_priority[2] < limits.guess_pieces_max;
+        if guess_may_enter && self.guess.front().is_some_and(|(_, op)| fits(op.len())) {
             return self.guess.pop_front().map(|(t, op)| (t, op, Priority::Guess));
         }
         None
     }
+
 }
 
 /// The I/O thread's loop: the event loop of the I/O stage (bounded by Stop or a closed channel).
@@ -484,8 +573,9 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, li
         if idle && first.is_none() {
             break;
         }
-        stopping |= take_messages(first, &rx, &mut q, shared);
-        fill_backend(&mut *backend, &mut q, shared, limits, tracer);
+        stopping |= take_messages(first, &rx, &mut q, shared, &limits);
+        account_needed(&q, shared);
+        fill_backend(&mut *backend, &mut q, shared, &limits, tracer);
         if backend.in_flight() == 0 {
             continue;
         }
@@ -504,7 +594,8 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, li
             assert!(entry.is_some(), "completion for unknown read tag {}", c.tag);
             if let Some(r) = entry {
                 q.bytes_in_backend -= r.len;
-                q.demand_in_backend -= usize::from(r.priority == Priority::Demand);
+                q.in_backend_by_priority[priority_index(r.priority)] -= 1;
+                q.bytes_in_backend_by_priority[priority_index(r.priority)] -= r.len;
                 shared.outstanding_bytes.fetch_sub(r.len, Ordering::Relaxed);
                 let mut args = SpanArgs::new().bytes(r.len as u64).kind(r.meta.kind);
                 args.layer = r.meta.layer;
@@ -513,18 +604,34 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, li
                 finish_one(shared, r.ticket, c.result);
             }
         }
+        account_needed(&q, shared);
         tracer.counter("bytes in flight", q.bytes_in_backend as f64);
         if last_stats.elapsed().as_millis() >= STATS_PERIOD_MS || backend.in_flight() == 0 {
             *lock(&shared.stats) = backend.stats();
             last_stats = Instant::now();
         }
     }
+    account_needed(&Queues::new(0), shared);
     *lock(&shared.stats) = backend.stats();
+}
+
+/// Opens or closes the period during which reads compute needs are outstanding.
+fn account_needed(q: &Queues, shared: &Shared) {
+    let since = shared.needed_busy_since_ns.load(Ordering::Relaxed);
+    match (q.needed() > 0, since > 0) {
+        (true, false) => shared.needed_busy_since_ns.store(shared.now_ns(), Ordering::Release),
+        (false, true) => {
+            let now = shared.now_ns();
+            shared.needed_busy_ns.fetch_add(now.saturating_sub(since), Ordering::AcqRel);
+            shared.needed_busy_since_ns.store(0, Ordering::Release);
+        }
+        _ => {}
+    }
 }
 
 /// Moves `first` and every message waiting in the channel into the queues; returns whether the
 /// stage is stopping.
-fn take_messages(first: Option<Msg>, rx: &Receiver<Msg>, q: &mut Queues, shared: &Shared) -> bool {
+fn take_messages(first: Option<Msg>, rx: &Receiver<Msg>, q: &mut Queues, shared: &Shared, limits: &Limits) -> bool {
     let mut stopping = false;
     let mut next = first;
     loop {
@@ -546,8 +653,18 @@ fn take_messages(first: Option<Msg>, rx: &Receiver<Msg>, q: &mut Queues, shared:
                     finish_one(shared, ticket, Err(IoError::Setup { what: "a read".to_owned(), source: closed }));
                 }
             }
-            Msg::Batch { priority, ops } => q.queue(priority).extend(ops),
+            Msg::Batch { priority: Priority::Demand, ops } => q.demand.extend(ops),
+            Msg::Batch { priority, ops } => {
+                // Read-ahead and guesses go in pieces, so a demand read that arrives jumps ahead
+                // of every piece not yet in the device.
+                for (ticket, op) in ops {
+                    let pieces = op.split(limits.piece_bytes);
+                    add_reads(shared, ticket, pieces.len() - 1);
+                    q.queue(priority).extend(pieces.into_iter().map(|p| (ticket, p)));
+                }
+            }
             Msg::Cancel(ticket) => cancel_queued(q, shared, ticket),
+            Msg::Promote(ticket) => promote_queued(q, ticket),
         }
     }
 }
@@ -572,10 +689,30 @@ fn cancel_queued(q: &mut Queues, shared: &Shared, ticket: Ticket) {
     }
 }
 
-/// Keeps the backend busy, demand first, up to the byte limit.
-fn fill_backend(backend: &mut dyn ReadBackend, q: &mut Queues, shared: &Shared, limits: Limits, tracer: &Tracer) {
-    while backend.in_flight() < limits.ops_max && (q.bytes_in_backend < limits.bytes_max || backend.in_flight() == 0) {
-        let Some((ticket, send, priority)) = q.next() else { break };
+/// Moves the queued reads of `ticket` to the front of the demand queue, in their order.
+fn promote_queued(q: &mut Queues, ticket: Ticket) {
+    let mut moved: Vec<(Ticket, SendOp)> = Vec::new();
+    for queue in [&mut q.prefetch, &mut q.guess] {
+        let mut i = 0;
+        while i < queue.len() {
+            if queue[i].0 == ticket {
+                if let Some(entry) = queue.remove(i) {
+                    moved.push(entry);
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+    for entry in moved.into_iter().rev() {
+        q.demand.push_front(entry);
+    }
+}
+
+/// Keeps the backend busy within the limits.
+fn fill_backend(backend: &mut dyn ReadBackend, q: &mut Queues, shared: &Shared, limits: &Limits, tracer: &Tracer) {
+    // Bounded: each turn moves one queued read into the backend or stops.
+    while let Some((ticket, send, priority)) = q.next(limits, backend.in_flight()) {
         let (len, meta) = (send.len(), send.meta());
         q.next_tag += 1;
         let tag = q.next_tag;
@@ -583,7 +720,8 @@ fn fill_backend(backend: &mut dyn ReadBackend, q: &mut Queues, shared: &Shared, 
             Ok(()) => {
                 let start_us = tracer.now_us();
                 q.in_backend.insert(tag, InBackend { ticket, len, meta, start_us, priority });
-                q.demand_in_backend += usize::from(priority == Priority::Demand);
+                q.in_backend_by_priority[priority_index(priority)] += 1;
+                q.bytes_in_backend_by_priority[priority_index(priority)] += len;
                 q.bytes_in_backend += len;
                 tracer.counter("bytes in flight", q.bytes_in_backend as f64);
             }
@@ -592,6 +730,18 @@ fn fill_backend(backend: &mut dyn ReadBackend, q: &mut Queues, shared: &Shared, 
                 finish_one(shared, ticket, Err(e));
             }
         }
+    }
+}
+
+/// A read of `ticket` was split: `extra` more reads now complete it.
+fn add_reads(shared: &Shared, ticket: Ticket, extra: usize) {
+    if extra == 0 {
+        return;
+    }
+    let mut t = lock(&shared.tickets);
+    match t.states.get_mut(&ticket) {
+        Some(TicketState::Pending { remaining, .. }) => *remaining += extra,
+        other => panic!("split a read of ticket {ticket}, which is {other:?}"),
     }
 }
 
@@ -614,5 +764,127 @@ fn finish_one(shared: &Shared, ticket: Ticket, result: Result<(), IoError>) {
         }
         drop(t);
         shared.done.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The I/O stage over a backend whose completions the test releases one at a time, so the
+    //! order reads enter the backend in is observable.
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::storage::io::gated::{Gate, GatedBackend};
+    use crate::storage::io::BufOptions;
+    use crate::storage::stream::arena::{Arena, FileRange, Region};
+
+    const PIECE: usize = 4096;
+
+    /// A stage whose window is 8 pieces (so guesses may hold 2), and an arena to read into.
+    fn stage() -> (IoStage, Arc<Gate>, Arena) {
+        let gate = Arc::new(Gate::default());
+        let g = Arc::clone(&gate);
+        let factory: BackendFactory =
+            Box::new(move || Ok(Box::new(GatedBackend::new(g, PIECE as u32)) as Box<dyn ReadBackend>));
+        let buf = Arc::new(AlignedBuf::new(1 << 20, &BufOptions::default()).unwrap());
+        let tracer = Arc::new(Tracer::new(false));
+        let io = IoStage::spawn(factory, 8 * PIECE, PIECE, None, tracer, vec![Arc::clone(&buf)]).unwrap();
+        (io, gate, Arena::new(buf, false))
+    }
+
+    /// Sends one read of `pieces` pieces at file offset `offset` into its own arena region.
+    fn send(io: &IoStage, arena: &Arena, priority: Priority, offset: u64, pieces: usize) -> Ticket {
+        let len = pieces * PIECE;
+        let mut slot = arena.slot(Region { off: offset as usize, len });
+        let ticket = io.reserve();
+        let target = slot.start_read(ticket);
+        let meta = OpMeta { name: "test read", kind: priority.kind(), layer: None, expert: None };
+        let op = arena.op(target, 0, FileRange { file: 0, offset, len, min_len: len }, meta);
+        io.submit(priority, vec![(ticket, vec![op])]);
+        ticket
+    }
+
+    fn wait_done(io: &IoStage, ticket: Ticket) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !io.is_done(ticket) {
+            assert!(Instant::now() < deadline, "ticket {ticket} never completed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        io.wait(ticket).unwrap();
+    }
+
+    #[test]
+    fn a_demand_read_jumps_ahead_of_every_guess_piece_not_yet_in_the_device() {
+        let (io, gate, arena) = stage();
+        let guess = send(&io, &arena, Priority::Guess, 0, 16);
+        assert_eq!(gate.offsets_after(2).len(), 2, "guesses hold a quarter of the window");
+        let demand = send(&io, &arena, Priority::Demand, 512 << 10, 2);
+        // One guess piece completes; the demand read enters before any other guess piece.
+        gate.release(1);
+        let log = gate.offsets_after(3);
+        assert_eq!(log[..3], [0, PIECE as u64, 512 << 10], "{log:?}");
+        gate.release(1000);
+        wait_done(&io, demand);
+        wait_done(&io, guess);
+        // 16 guess pieces and the demand read, which enters whole.
+        let log = gate.offsets_after(17);
+        assert_eq!(log.len(), 17, "{log:?}");
+        let guesses: Vec<u64> = log.iter().copied().filter(|&o| o < 512 << 10).collect();
+        let want: Vec<u64> = (0..16).map(|i| (i * PIECE) as u64).collect();
+        assert_eq!(guesses, want, "every piece read once, in order");
+    }
+
+    #[test]
+    fn a_cancelled_guess_reads_only_what_was_in_the_device() {
+        let (io, gate, arena) = stage();
+        let guess = send(&io, &arena, Priority::Guess, 0, 16);
+        assert_eq!(gate.offsets_after(2).len(), 2);
+        io.cancel(guess);
+        gate.release(2);
+        wait_done(&io, guess);
+        assert_eq!(io.cancelled_bytes(), (14 * PIECE) as u64);
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(gate.offsets_after(2).len(), 2, "nothing more was read");
+        assert_eq!(io.outstanding_bytes(), 0);
+        assert_eq!(io.tickets_held(), 0);
+    }
+
+    #[test]
+    fn a_promoted_guess_goes_ahead_of_queued_read_ahead() {
+        let (io, gate, arena) = stage();
+        let ahead = send(&io, &arena, Priority::Prefetch, 0, 16);
+        assert_eq!(gate.offsets_after(8).len(), 8, "read-ahead fills the window");
+        let guess = send(&io, &arena, Priority::Guess, 512 << 10, 2);
+        io.promote(guess);
+        gate.release(1);
+        let log = gate.offsets_after(9);
+        assert_eq!(log[8], 512 << 10, "the promoted guess is next: {log:?}");
+        gate.release(1000);
+        wait_done(&io, guess);
+        wait_done(&io, ahead);
+        // 16 read-ahead pieces and the promoted guess's 2.
+        assert_eq!(gate.offsets_after(18).len(), 18);
+    }
+
+    #[test]
+    fn needed_busy_time_counts_demand_and_read_ahead_not_guesses() {
+        let (io, gate, arena) = stage();
+        let (_, before) = io.needed_busy();
+        let demand = send(&io, &arena, Priority::Demand, 0, 1);
+        std::thread::sleep(Duration::from_millis(30));
+        gate.release(1);
+        wait_done(&io, demand);
+        std::thread::sleep(Duration::from_millis(5));
+        let (_, after_demand) = io.needed_busy();
+        assert!(after_demand - before >= 30_000_000, "the demand read was outstanding 30 ms or more");
+        let guess = send(&io, &arena, Priority::Guess, 64 << 10, 1);
+        std::thread::sleep(Duration::from_millis(30));
+        gate.release(1);
+        wait_done(&io, guess);
+        let (_, after_guess) = io.needed_busy();
+        assert_eq!(after_guess, after_demand, "guesses are not time compute needed the device for");
     }
 }

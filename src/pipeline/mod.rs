@@ -113,14 +113,18 @@ impl Pipeline {
         let window = opts.io.queue_depth.max(1) as usize * opts.io.chunk_bytes.max(1);
         let reads: Arc<dyn ReadQueue> = Arc::clone(&io) as Arc<dyn ReadQueue>;
         let store = Store::open(prepared, reads, opts.io.kind == IoKind::Uring, stats, tracer, policy)?;
+        let spec = opts.effective_speculation();
         let prefetcher =
-            Prefetcher::new(cfg, store_opts.chunk_tokens, opts.effective_speculation(), Arc::clone(&io), window);
+            Prefetcher::new(cfg, store_opts.chunk_tokens, spec, Arc::clone(&io), window, cfg.expert_bytes());
         Ok(Pipeline { store, io, prefetcher, mode: opts.mode })
     }
 
     /// Counters so far: the store's and the I/O stage's.
     pub fn stats(&self) -> StreamStats {
-        self.store.stats().with_io(self.io.stats())
+        let mut s = self.store.stats().with_io(self.io.stats());
+        // Cancelled guesses wasted the part of their reads that reached the device.
+        s.spec_wasted_bytes += s.spec_cancelled_window_bytes.saturating_sub(self.io.cancelled_bytes());
+        s
     }
 
     /// The tracer reads and stalls are recorded in.
@@ -160,11 +164,11 @@ impl WeightSource for Pipeline {
     }
 
     fn request(&self, layer: usize, experts: &mut [usize]) {
-        let issued = self.store.request_demand(layer, experts);
-        self.prefetcher.routed(&self.store, layer, experts);
+        let routed = self.store.request_demand(layer, experts);
+        self.prefetcher.routed(&self.store, layer, experts, &routed);
         if self.mode.waits_for_every_read() {
             // Read everything the layer needs before computing any of it.
-            for t in issued {
+            for &t in &routed.tickets {
                 let _ = self.store.wait_io(t, Some(layer));
             }
         }

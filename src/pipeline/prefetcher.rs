@@ -1,9 +1,10 @@
 //! The prefetcher: predicts the experts a layer will need before its routing is known, and asks
 //! the store to read them as guesses.
 //!
-//! Rules:
+//! Prediction rules:
 //! - Next-layer router: once layer L's MLP residual read is known, layer L+1's own norm and
-//!   router are applied to it, and each token's top-k plus `margin` experts are predicted.
+//!   router are applied to it, and each token's top-k plus `margin` experts are predicted, each
+//!   with its rank.
 //! - Block starts: when L+1 starts an attention-residual block its partial sum restarts, so
 //!   layer L's read says little of its routing; its prediction waits until layer L's partial
 //!   sum is final and uses L+1's MLP residual read with that sum as the newest snapshot and a
@@ -12,8 +13,27 @@
 //!   token used at L+1 are guessed too.
 //! - A prediction never waits: if L+1's trunk unit is not resident yet, it is skipped.
 //!
+//! Admission (`adaptive`, the default), so that guessing cannot slow a run down where the device
+//! is the bottleneck:
+//! - Each guess carries the chance that its layer's routing chooses it, measured per prediction
+//!   rank from every past prediction against the routing that followed (used or not).
+//! - A guess never evicts a resident expert more likely to be used than itself: a pending guess
+//!   by its own chance, any other expert by the share of its layer's cached experts that past
+//!   routings chose (the cache's own hit history).
+//! - The bytes guessed for a layer are capped by the device time that was free for them: per
+//!   layer, the time from its prediction to its routing minus the time demand reads and trunk
+//!   read-ahead kept the device busy (measured by the I/O stage), times the device's read rate.
+//!   A layer whose window the demand reads fill gets no guesses; one whose device idles during
+//!   attention gets as many as fit.
+//!
+//! The store then promotes a chosen guess still being read to the front of the device queue,
+//! and cancels a wrong one (see `Store::request_demand`); the I/O stage sends guesses to the
+//! device in pieces at the lowest priority, so a demand read jumps ahead of the pieces not yet
+//! in the device. With `adaptive` off, every prediction is read (in disk order) unless more
+//! than the device's window is outstanding, evicting whatever the cache policy picks.
+//!
 //! Threads: the scheduler thread (through the model's [`crate::model::LayerHook`] points and the
-//! store's requests). Allocation: its buffers are sized once for the chunk; a guess list is
+//! pipeline's requests). Allocation: buffers are sized once for the chunk; a guess list is
 //! allocated per prediction.
 
 use std::sync::{Arc, Mutex};
@@ -27,7 +47,7 @@ use crate::model::moe::{router_scores, top_k};
 use crate::model::weights::{f32_at, FfnWeights, TrunkUnit, TrunkView};
 use crate::model::{norm_rows, Model};
 use crate::storage::stream::reads::Priority;
-use crate::storage::stream::{lock, AdmitAll, ExpertKey, Store};
+use crate::storage::stream::{lock, Admission, AdmitAll, Guess, Routed, Store, Victim};
 use crate::trace::{SpanArgs, Stage};
 
 /// What the prefetcher guesses.
@@ -39,14 +59,73 @@ pub struct Speculation {
     pub margin: usize,
     /// Also guess the experts the previous token used at the next layer.
     pub prev_token: bool,
+    /// Admission control: guesses weighed against the experts they would evict, and capped by
+    /// the device time free for them. Off: every prediction is read.
+    pub adaptive: bool,
 }
 
 impl Default for Speculation {
-    /// Off: wrong guesses and the cached experts they evict cost reads, which slow decoding
-    /// wherever the device is the bottleneck (docs/PIPELINE.md).
+    /// On, adaptive: it reads only into device time demand reads leave free and never evicts a
+    /// likelier expert, so it is never a loss (docs/PIPELINE.md).
     fn default() -> Self {
-        Speculation { enabled: false, margin: 0, prev_token: false }
+        Speculation { enabled: true, margin: 0, prev_token: false, adaptive: true }
     }
+}
+
+impl Speculation {
+    /// No guesses at all.
+    pub const OFF: Speculation = Speculation { enabled: false, margin: 0, prev_token: false, adaptive: true };
+}
+
+/// Weight of the past in the measured rates: each new observation multiplies the old counts
+/// by this, so they reflect roughly the last 1 / (1 - DECAY) = 50 observations.
+const RATE_DECAY: f64 = 0.98;
+
+/// Weight of a new window in the per-layer idle time.
+const IDLE_EMA_WEIGHT: f64 = 0.25;
+
+/// A measured chance with a uniform prior: (hits + 1) / (total + 2), decayed.
+#[derive(Clone, Copy, Debug, Default)]
+struct Rate {
+    hits: f64,
+    total: f64,
+}
+
+impl Rate {
+    fn p(self) -> f32 {
+        ((self.hits + 1.0) / (self.total + 2.0)) as f32
+    }
+
+    fn add(&mut self, hits: usize, total: usize) {
+        self.hits = self.hits * RATE_DECAY + hits as f64;
+        self.total = self.total * RATE_DECAY + total as f64;
+    }
+}
+
+/// A prediction awaiting its layer's routing.
+#[derive(Default)]
+struct Pending {
+    /// (expert, best rank over the chunk's tokens).
+    experts: Vec<(usize, usize)>,
+    /// The I/O stage's clock and needed-busy time when it was made.
+    at_ns: u64,
+    busy_ns: u64,
+    live: bool,
+}
+
+/// What the prefetcher has learnt.
+struct History {
+    /// Per prediction rank: how often the routing chose an expert predicted at that rank.
+    ranks: Vec<Rate>,
+    /// How often the previous token's expert was chosen again at the same layer.
+    prev_token: Rate,
+    /// Per layer: how often a cached (not pending-guess) resident expert was chosen.
+    cached: Vec<Rate>,
+    /// Per layer: device seconds free for guesses between prediction and routing (EMA).
+    idle_s: Vec<Option<f64>>,
+    pending: Vec<Pending>,
+    /// The experts each layer used for the last chunk.
+    last_routed: Vec<Vec<usize>>,
 }
 
 /// Buffers of one prediction, sized for a chunk.
@@ -68,8 +147,22 @@ struct RouterScratch {
     biased: Vec<f32>,
     /// One token's experts by rank.
     ranked: Vec<usize>,
-    /// Distinct experts over the chunk, by token then rank.
-    predicted: Vec<usize>,
+    /// Distinct experts over the chunk with their best rank, by token then rank.
+    predicted: Vec<(usize, usize)>,
+}
+
+/// Lets a guess evict only an expert less likely to be used than itself.
+struct AdmitLikelier<'a> {
+    guesses: &'a [Guess],
+    /// Per layer: the chance a cached expert is chosen.
+    cached_p: &'a [f32],
+}
+
+impl Admission for AdmitLikelier<'_> {
+    fn admit(&self, guess: usize, victim: Victim) -> bool {
+        let p_victim = victim.pending_guess.unwrap_or_else(|| self.cached_p.get(victim.key.0).copied().unwrap_or(1.0));
+        self.guesses.get(guess).is_some_and(|g| g.p_use > p_victim)
+    }
 }
 
 /// The prefetcher's state.
@@ -78,17 +171,25 @@ pub struct Prefetcher {
     io: Arc<IoStage>,
     /// Tokens per forward pass at most.
     chunk: usize,
-    /// Outstanding bytes above which guesses wait (the device's window).
+    /// Bytes one expert's read costs the device (its slot).
+    expert_read_bytes: u64,
+    /// Without `adaptive`: outstanding bytes above which guesses wait (the device's window).
     busy_bytes: usize,
     scratch: Mutex<PredictScratch>,
-    /// The experts each layer used for the last chunk (for `prev_token`).
-    last_routed: Mutex<Vec<Vec<usize>>>,
+    history: Mutex<History>,
 }
 
 impl Prefetcher {
-    /// A prefetcher for chunks of up to `chunk` tokens; guesses wait while more than
-    /// `busy_bytes` are outstanding.
-    pub fn new(cfg: &Config, chunk: usize, spec: Speculation, io: Arc<IoStage>, busy_bytes: usize) -> Prefetcher {
+    /// A prefetcher for chunks of up to `chunk` tokens over the I/O stage `io`, whose window
+    /// is `busy_bytes`; an expert read costs `expert_read_bytes`.
+    pub fn new(
+        cfg: &Config,
+        chunk: usize,
+        spec: Speculation,
+        io: Arc<IoStage>,
+        busy_bytes: usize,
+        expert_read_bytes: u64,
+    ) -> Prefetcher {
         let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
         let blocks = cfg.block_starts().len();
         let scratch = PredictScratch {
@@ -103,13 +204,23 @@ impl Prefetcher {
                 predicted: Vec::with_capacity(chunk * e),
             },
         };
+        let layers = cfg.n_layers;
+        let history = History {
+            ranks: vec![Rate::default(); cfg.moe.top_k + spec.margin],
+            prev_token: Rate::default(),
+            cached: vec![Rate::default(); layers],
+            idle_s: vec![None; layers],
+            pending: (0..layers).map(|_| Pending::default()).collect(),
+            last_routed: vec![Vec::new(); layers],
+        };
         Prefetcher {
             spec,
             io,
             chunk,
+            expert_read_bytes,
             busy_bytes,
             scratch: Mutex::new(scratch),
-            last_routed: Mutex::new(vec![Vec::new(); cfg.n_layers]),
+            history: Mutex::new(history),
         }
     }
 
@@ -118,8 +229,8 @@ impl Prefetcher {
         let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
         let blocks = cfg.block_starts().len();
         let f32s = 3 * chunk * d + chunk * e + e + 2 * d + blocks + 2;
-        let usizes = e + chunk * e;
-        (4 * f32s + std::mem::size_of::<usize>() * usizes) as u64
+        let words = e + 2 * chunk * e;
+        (4 * f32s + std::mem::size_of::<usize>() * words) as u64
     }
 
     pub fn speculation(&self) -> Speculation {
@@ -181,28 +292,55 @@ impl Prefetcher {
         self.predict(store, model, next, t, &sc.y[..td], &mut sc.router);
     }
 
-    /// The routing of `layer` is known (`experts`, distinct): guess the experts the previous
-    /// token used at the next layer, if asked to.
-    pub fn routed(&self, store: &Store, layer: usize, experts: &[usize]) {
-        let mut last = lock(&self.last_routed);
-        if let Some(l) = last.get_mut(layer) {
-            l.clear();
-            l.extend_from_slice(experts);
+    /// The routing of `layer` chose `experts` (distinct) and found `routed` in the pool: learn
+    /// from it, then guess the experts the previous token used at the next layer, if asked to.
+    pub fn routed(&self, store: &Store, layer: usize, experts: &[usize], routed: &Routed) {
+        let mut h = lock(&self.history);
+        if layer >= h.last_routed.len() {
+            return;
         }
+        h.cached[layer].add(routed.cached_hits, routed.cached);
+        self.learn_prediction(&mut h, layer, experts);
+        let reused = h.last_routed[layer].iter().filter(|e| experts.contains(e)).count();
+        let before = h.last_routed[layer].len();
+        h.prev_token.add(reused, before);
+        h.last_routed[layer].clear();
+        h.last_routed[layer].extend_from_slice(experts);
         if !self.spec.prev_token {
             return;
         }
-        let next: Vec<usize> = last.get(layer + 1).cloned().unwrap_or_default();
-        drop(last);
-        if !next.is_empty() {
-            self.guess(store, layer + 1, &next);
+        let Some(next) = h.last_routed.get(layer + 1).filter(|n| !n.is_empty()) else { return };
+        let p_use = h.prev_token.p();
+        let guesses: Vec<Guess> = next.iter().map(|&e| Guess { key: (layer + 1, e), p_use }).collect();
+        let cached_p: Vec<f32> = h.cached.iter().map(|r| r.p()).collect();
+        drop(h);
+        self.guess(store, guesses, &cached_p, None);
+    }
+
+    /// Scores the pending prediction of `layer` against its routing: per-rank hit rates and the
+    /// device time that was free for its guesses.
+    fn learn_prediction(&self, h: &mut History, layer: usize, experts: &[usize]) {
+        let (now_ns, busy_ns) = self.io.needed_busy();
+        let History { ranks, pending, idle_s, .. } = h;
+        let p = &mut pending[layer];
+        if !p.live {
+            return;
         }
+        p.live = false;
+        for &(e, rank) in &p.experts {
+            if let Some(r) = ranks.get_mut(rank) {
+                r.add(usize::from(experts.contains(&e)), 1);
+            }
+        }
+        let window = now_ns.saturating_sub(p.at_ns) as f64;
+        let busy = busy_ns.saturating_sub(p.busy_ns) as f64;
+        let idle = (window - busy).max(0.0) / 1e9;
+        idle_s[layer] = Some(idle_s[layer].map_or(idle, |old| old + IDLE_EMA_WEIGHT * (idle - old)));
     }
 
     /// Predicts the experts of `next` from the residual read `y` ([t, D]) with `next`'s own
     /// norm and router, and guesses them. Skipped when `next` is not an MoE layer or its trunk
     /// is not resident (a prediction never waits).
-    #[allow(clippy::too_many_arguments)]
     fn predict(&self, store: &Store, model: &Model, next: usize, t: usize, y: &[f32], sc: &mut RouterScratch) {
         let Some(FfnWeights::Moe(w)) = model.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = store.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
@@ -224,30 +362,114 @@ impl Prefetcher {
                 *b = if v.is_finite() { v } else { f32::NEG_INFINITY };
             }
             top_k(&mut sc.biased, want, &mut sc.ranked);
-            for &x in &sc.ranked {
-                if !sc.predicted.contains(&x) {
-                    sc.predicted.push(x);
+            for (rank, &x) in sc.ranked.iter().enumerate() {
+                match sc.predicted.iter_mut().find(|p| p.0 == x) {
+                    Some(p) => p.1 = p.1.min(rank),
+                    None => sc.predicted.push((x, rank)),
                 }
             }
         }
         drop((span, view));
-        self.guess(store, next, &sc.predicted);
+        self.guess_prediction(store, next, &sc.predicted);
     }
 
-    /// Asks the store to read the guessed experts of `layer` that are not resident, in disk
-    /// order, using idle bandwidth only.
-    fn guess(&self, store: &Store, layer: usize, experts: &[usize]) {
-        // With more than the device's window already outstanding, a guess would delay reads
-        // compute is waiting for (and some guesses are wrong).
-        if self.io.outstanding_bytes() > self.busy_bytes {
-            store.count(|s| s.spec_skipped_busy += 1);
+    /// Records the prediction of `layer` and asks the store to read the guesses it admits.
+    fn guess_prediction(&self, store: &Store, layer: usize, predicted: &[(usize, usize)]) {
+        let mut h = lock(&self.history);
+        let (at_ns, busy_ns) = self.io.needed_busy();
+        let p = &mut h.pending[layer];
+        p.experts.clear();
+        p.experts.extend_from_slice(predicted);
+        (p.at_ns, p.busy_ns, p.live) = (at_ns, busy_ns, true);
+        let mut by_rank: Vec<(usize, usize)> = predicted.to_vec();
+        by_rank.sort_by_key(|&(_, rank)| rank);
+        let last_rank = h.ranks.len().saturating_sub(1);
+        let guesses: Vec<Guess> = by_rank
+            .iter()
+            .map(|&(e, rank)| Guess { key: (layer, e), p_use: h.ranks[rank.min(last_rank)].p() })
+            .collect();
+        let budget = self.budget_bytes(&h, layer);
+        let cached_p: Vec<f32> = h.cached.iter().map(|r| r.p()).collect();
+        drop(h);
+        self.guess(store, guesses, &cached_p, budget);
+    }
+
+    /// The bytes of guesses `layer` may get: the device time that was free for them at past
+    /// predictions of this layer times the device's read rate; `None` before anything is known.
+    fn budget_bytes(&self, h: &History, layer: usize) -> Option<u64> {
+        let idle_s = h.idle_s.get(layer).copied().flatten()?;
+        let io = self.io.stats();
+        if io.busy_ns == 0 {
+            return None;
+        }
+        let rate = io.bytes_read as f64 / (io.busy_ns as f64 / 1e9);
+        Some((idle_s * rate) as u64)
+    }
+
+    /// Asks the store to read `guesses` (likeliest first) that are not resident or being read.
+    fn guess(&self, store: &Store, mut guesses: Vec<Guess>, cached_p: &[f32], budget: Option<u64>) {
+        if !self.spec.adaptive {
+            // Every guess, in disk order, using idle bandwidth only: with more than the
+            // device's window already outstanding, a guess would delay reads compute is
+            // waiting for.
+            if self.io.outstanding_bytes() > self.busy_bytes {
+                store.count(|s| s.spec_skipped_busy += 1);
+                return;
+            }
+            guesses.retain(|g| !store.expert_requested(g.key));
+            guesses.sort_by_key(|g| g.key);
+            guesses.dedup_by_key(|g| g.key);
+            guesses.sort_by_key(|g| store.disk_position(g.key));
+            store.request(&guesses, Priority::Guess, &AdmitAll);
             return;
         }
-        let mut wanted: Vec<ExpertKey> =
-            experts.iter().map(|&e| (layer, e)).filter(|&k| !store.expert_requested(k)).collect();
-        wanted.sort_unstable();
-        wanted.dedup();
-        wanted.sort_by_key(|&k| store.disk_position(k));
-        store.request(&wanted, Priority::Guess, &AdmitAll);
+        guesses.retain(|g| !store.expert_requested(g.key));
+        if let Some(budget) = budget {
+            // Whole guesses, rounded: a guess not read by the routing is still worth its head
+            // start if chosen, and cancelled if not.
+            let per_guess = self.expert_read_bytes.max(1);
+            let fit = ((budget + per_guess / 2) / per_guess) as usize;
+            if fit == 0 && !guesses.is_empty() {
+                store.count(|s| s.spec_skipped_busy += 1);
+            }
+            guesses.truncate(fit);
+        }
+        let admission = AdmitLikelier { guesses: &guesses, cached_p };
+        store.request(&guesses, Priority::Guess, &admission);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_starts_even_and_follows_observations() {
+        let mut r = Rate::default();
+        assert!((r.p() - 0.5).abs() < 1e-6);
+        for _ in 0..200 {
+            r.add(9, 10);
+        }
+        assert!((r.p() - 0.9).abs() < 0.01, "{}", r.p());
+        for _ in 0..400 {
+            r.add(1, 10);
+        }
+        assert!((r.p() - 0.1).abs() < 0.01, "old observations fade: {}", r.p());
+    }
+
+    #[test]
+    fn a_guess_evicts_only_less_likely_experts() {
+        let guesses = [Guess { key: (3, 1), p_use: 0.6 }, Guess { key: (3, 2), p_use: 0.2 }];
+        let cached_p = [0.4, 0.4, 0.4, 0.4];
+        let a = AdmitLikelier { guesses: &guesses, cached_p: &cached_p };
+        let cached = Victim { key: (1, 7), pending_guess: None };
+        assert!(a.admit(0, cached), "0.6 beats a cached expert used 40% of the time");
+        assert!(!a.admit(1, cached), "0.2 does not");
+        let likely_guess = Victim { key: (3, 9), pending_guess: Some(0.7) };
+        assert!(!a.admit(0, likely_guess), "a pending guess at 0.7 stays");
+        let unlikely_guess = Victim { key: (3, 9), pending_guess: Some(0.5) };
+        assert!(a.admit(0, unlikely_guess));
+        let tie = Victim { key: (0, 0), pending_guess: Some(0.6) };
+        assert!(!a.admit(0, tie), "a tie keeps the resident expert");
     }
 }

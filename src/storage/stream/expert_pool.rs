@@ -26,19 +26,46 @@ use crate::storage::stream::layout::align_up;
 /// Where each of an expert's six tensors sits in its slot: (offset, len), in EXPERT_PARTS order.
 type PartPlaces = [(usize, usize); 6];
 
+/// A guessed expert: its key and the caller's estimate of the chance that its layer's routing
+/// will choose it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Guess {
+    pub key: ExpertKey,
+    pub p_use: f32,
+}
+
+/// The expert a guess would evict.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Victim {
+    pub key: ExpertKey,
+    /// `Some(p_use)` if it is itself a guess whose layer has not been routed yet.
+    pub pending_guess: Option<f32>,
+}
+
 /// Decides whether a guess may take a slot from the expert resident in it.
 pub trait Admission {
     /// May guess number `guess` (in the order requested) evict `victim`?
-    fn admit(&self, guess: usize, victim: ExpertKey) -> bool;
+    fn admit(&self, guess: usize, victim: Victim) -> bool;
 }
 
-/// Admits everything (demand reads, and guesses where eviction is left to the policy).
+/// Admits everything: eviction is left to the policy.
 pub struct AdmitAll;
 
 impl Admission for AdmitAll {
-    fn admit(&self, _guess: usize, _victim: ExpertKey) -> bool {
+    fn admit(&self, _guess: usize, _victim: Victim) -> bool {
         true
     }
+}
+
+/// What a layer's routing found in the pool.
+#[derive(Clone, Debug, Default)]
+pub struct Routed {
+    /// Tickets of the demand reads started.
+    pub tickets: Vec<Ticket>,
+    /// Experts of the layer resident before the routing that were not pending guesses, and how
+    /// many of them the routing chose: the cache's own hit history.
+    pub cached: usize,
+    pub cached_hits: usize,
 }
 
 pub(super) struct ExpertSlot {
@@ -49,8 +76,11 @@ pub(super) struct ExpertSlot {
     parts: PartPlaces,
     /// Read on a prediction and not used yet.
     speculative: bool,
-    /// Tensor bytes of the expert held.
+    /// A guess whose layer has not been routed since it was made, with its chance of use.
+    pending_guess: Option<f32>,
+    /// Tensor bytes of the expert held, and of its read windows.
     bytes: u64,
+    window_bytes: u64,
 }
 
 pub(super) struct ExpertPool {
@@ -70,7 +100,16 @@ impl ExpertPool {
         ExpertPool {
             slots: slots
                 .into_iter()
-                .map(|slot| ExpertSlot { slot, key: None, users: 0, parts: [(0, 0); 6], speculative: false, bytes: 0 })
+                .map(|slot| ExpertSlot {
+                    slot,
+                    key: None,
+                    users: 0,
+                    parts: [(0, 0); 6],
+                    speculative: false,
+                    pending_guess: None,
+                    bytes: 0,
+                    window_bytes: 0,
+                })
                 .collect(),
             resident: HashMap::with_capacity(n),
             policy,
@@ -127,11 +166,14 @@ impl Drop for ExpertGuard<'_> {
 
 impl Store {
     /// The routing of `layer` is known: `experts` are the distinct experts it needs for the
-    /// chunk. Starts the reads of the missing ones (one submission, disk order) and reorders
+    /// chunk. Settles the layer's pending guesses (a chosen one still being read is promoted to
+    /// the front of the queue, a wrong one still being read is cancelled and leaves the pool),
+    /// starts the reads of the missing experts (one submission, disk order) and reorders
     /// `experts` into the order their bytes will be there: resident ones first, then the misses
-    /// in issue order. Returns the tickets of the reads started.
-    pub fn request_demand(&self, layer: usize, experts: &mut [usize]) -> Vec<Ticket> {
+    /// in issue order.
+    pub fn request_demand(&self, layer: usize, experts: &mut [usize]) -> Routed {
         let mut pool = lock(&self.pool);
+        let (cached, cached_hits) = self.settle_guesses(&mut pool, layer, experts);
         pool.protected.clear();
         pool.pending.clear();
         let mut misses = Vec::new();
@@ -161,36 +203,78 @@ impl Store {
         // One submission per layer, in disk order.
         misses.sort_by_key(|k| self.disk_position(*k));
         pool.pending.extend(misses.iter().copied());
-        let issued = self.issue_pending(&mut pool, false).unwrap_or_default();
+        let tickets = self.issue_pending(&mut pool, false).unwrap_or_default();
         drop(pool);
         let rank = |e: &usize| misses.iter().position(|k| k.1 == *e).map_or(0, |p| p + 1);
         experts.sort_by_key(rank);
-        issued
+        Routed { tickets, cached, cached_hits }
     }
 
-    /// Reads the `keys` that are neither resident nor being read, in this order, at `priority`
-    /// (never `Demand`: see [`Store::request_demand`]): each into a free slot, else into the
-    /// policy's choice among idle slots that the current layer does not need, if `admission`
-    /// lets that guess evict it. Stops at the first key that gets no slot. Returns how many keys
-    /// were read.
-    pub fn request(&self, keys: &[ExpertKey], priority: Priority, admission: &dyn Admission) -> usize {
+    /// Settles the pending guesses of `layer` against its routing (`experts`); returns how many
+    /// other experts of the layer were resident and how many of those the routing chose.
+    fn settle_guesses(&self, pool: &mut ExpertPool, layer: usize, experts: &[usize]) -> (usize, usize) {
+        let (mut cached, mut cached_hits) = (0, 0);
+        for i in 0..pool.slots.len() {
+            let s = &mut pool.slots[i];
+            let Some(key) = s.key.filter(|k| k.0 == layer) else { continue };
+            let chosen = experts.contains(&key.1);
+            let in_flight = s.slot.ticket().filter(|&t| !self.reads.is_done(t));
+            match (s.pending_guess.take(), in_flight) {
+                (None, _) => {
+                    cached += 1;
+                    cached_hits += usize::from(chosen);
+                }
+                (Some(_), Some(t)) if chosen => self.reads.promote(t),
+                (Some(_), Some(t)) => {
+                    // A wrong guess still being read: drop what has not reached the device. The
+                    // slot stays in flight (so it is not reused) until the rest has landed.
+                    self.reads.cancel(t);
+                    s.key = None;
+                    let window = s.window_bytes;
+                    pool.resident.remove(&key);
+                    pool.policy.on_evict(key);
+                    let mut stats = lock(&self.stats);
+                    stats.spec_cancelled += 1;
+                    stats.spec_cancelled_window_bytes += window;
+                }
+                (Some(_), None) => {}
+            }
+        }
+        (cached, cached_hits)
+    }
+
+    /// Reads the guessed experts that are neither resident nor being read, in this order, at
+    /// `priority` (never `Demand`: see [`Store::request_demand`]): each into a free slot, else
+    /// into the policy's choice among idle slots that the current layer does not need, if
+    /// `admission` lets that guess evict it. Stops at the first guess that gets no slot.
+    /// Returns how many were read.
+    pub fn request(&self, guesses: &[Guess], priority: Priority, admission: &dyn Admission) -> usize {
         debug_assert!(priority != Priority::Demand, "demand reads go through request_demand");
         let mut pool = lock(&self.pool);
         let mut groups: Vec<(Ticket, Vec<SendOp>)> = Vec::new();
         let mut read = 0;
-        for (i, &key) in keys.iter().enumerate() {
-            if pool.resident.contains_key(&key) {
+        for (i, g) in guesses.iter().enumerate() {
+            if pool.resident.contains_key(&g.key) {
                 continue;
             }
-            let victim = match self.free_slot(&pool) {
+            let slot = match self.free_slot(&pool) {
                 Some(free) => Some(free),
-                None => self.victim_slot(&mut pool, false).filter(|&(_, v)| admission.admit(i, v)).map(|(s, _)| s),
+                None => self
+                    .victim_slot(&mut pool, false)
+                    .filter(|&(slot, key)| {
+                        let pending_guess = pool.slots[slot].pending_guess;
+                        admission.admit(i, Victim { key, pending_guess })
+                    })
+                    .map(|(s, _)| s),
             };
-            let Some(slot) = victim else { break };
+            let Some(slot) = slot else { break };
             self.evict(&mut pool, slot);
-            match self.start_expert_read(&mut pool, key, slot, priority) {
+            match self.start_expert_read(&mut pool, g.key, slot, priority) {
                 Ok(group) => groups.push(group),
                 Err(_) => break,
+            }
+            if priority == Priority::Guess {
+                pool.slots[slot].pending_guess = Some(g.p_use);
             }
             read += 1;
         }
@@ -276,6 +360,7 @@ impl Store {
     /// Empties `slot` (a free one, or a victim just chosen): its expert leaves the pool.
     fn evict(&self, pool: &mut ExpertPool, slot: usize) {
         let s = &mut pool.slots[slot];
+        s.pending_guess = None;
         if let Some(t) = s.slot.ticket() {
             self.reads.forget(t);
             s.slot.abandon();
@@ -321,7 +406,9 @@ impl Store {
         s.key = Some(key);
         s.parts = parts;
         s.speculative = priority == Priority::Guess;
+        s.pending_guess = None;
         s.bytes = bytes;
+        s.window_bytes = window_bytes;
         let replaced = pool.resident.insert(key, slot);
         assert!(replaced.is_none(), "expert {key:?} read into two slots");
         pool.policy.on_insert(key);

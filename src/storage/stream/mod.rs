@@ -47,7 +47,7 @@ use crate::config::Config;
 use crate::model::weights::SourceError;
 use crate::trace::{SpanArgs, Stage, Tracer};
 
-pub use self::expert_pool::{Admission, AdmitAll, ExpertGuard};
+pub use self::expert_pool::{Admission, AdmitAll, ExpertGuard, Guess, Routed, Victim};
 pub use self::layout::{embed_buffer_bytes, expert_slot_bytes};
 pub use self::policy::ExpertKey;
 pub use self::stats::{LayerStats, StreamStats};

@@ -78,6 +78,29 @@ impl SendOp {
         self.meta
     }
 
+    /// Splits the read into reads of at most `piece` bytes (a multiple of the alignment), in
+    /// file order, into the same slot; each must find the bytes the whole read had to find.
+    pub fn split(self, piece: usize) -> Vec<SendOp> {
+        assert!(piece > 0, "pieces of zero bytes");
+        if self.op.len <= piece {
+            return vec![self];
+        }
+        let mut pieces = Vec::with_capacity(self.op.len.div_ceil(piece));
+        let mut at = 0;
+        while at < self.op.len {
+            let len = piece.min(self.op.len - at);
+            let mut op = self.op;
+            op.offset += at as u64;
+            op.len = len;
+            op.min_len = len.min(self.op.min_len.saturating_sub(at));
+            // The pieces tile the original destination, which lies in one slot (see `SendOp`).
+            op.dst = self.op.dst.wrapping_add(at);
+            pieces.push(SendOp { op, meta: self.meta });
+            at += len;
+        }
+        pieces
+    }
+
     /// Hands the read to `backend` under `tag`.
     pub fn submit(self, backend: &mut dyn ReadBackend, tag: u64) -> Result<(), IoError> {
         let mut op = self.op;
@@ -111,6 +134,10 @@ pub trait ReadQueue: Send + Sync {
     /// Forgets a finished, successful batch nobody will wait on (a slot was retagged or
     /// evicted).
     fn forget(&self, ticket: Ticket);
+
+    /// The batch's bytes are needed now: its reads that have not entered the device yet go
+    /// ahead of every other queued read.
+    fn promote(&self, ticket: Ticket);
 
     /// Drops the reads of a batch that have not entered the device yet; the ticket then
     /// completes (successfully) when the reads already in the device have. Its bytes are then

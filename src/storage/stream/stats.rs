@@ -29,8 +29,14 @@ pub struct StreamStats {
     pub spec_bytes: u64,
     /// Predicted experts that a layer then used.
     pub spec_used: u64,
-    /// Bytes of predicted experts evicted without being used.
+    /// Bytes of predicted experts read and never used: evicted unused, or cancelled (the part
+    /// that reached the device).
     pub spec_wasted_bytes: u64,
+    /// Guesses still being read when their layer's routing did not choose them: the part of
+    /// their reads not yet in the device was dropped.
+    pub spec_cancelled: u64,
+    /// Read windows of those guesses, whole (the I/O stage counts what it dropped).
+    pub spec_cancelled_window_bytes: u64,
     /// Layers whose speculation was skipped because the device was already saturated.
     pub spec_skipped_busy: u64,
     /// True routed experts, and those already requested (resident or in flight) when the
