@@ -8,8 +8,10 @@
 //! never chosen for another read. Allocation: everything large is allocated in [`open`]; the
 //! per-token path allocates only small op lists.
 //!
-//! Errors: a failed read fails the run (exit 4, naming file and offset); a unit whose checksum
-//! does not match fails it with exit 3. No read failure ever drops an expert from a sum.
+//! Errors: a failed read fails the run naming file and offset, with the read layer's exit code
+//! (4 for an I/O failure, 3 for a file shorter than its index, 1 for a read built wrongly); a
+//! unit whose checksum does not match fails it with exit 3. No read failure ever drops an expert
+//! from a sum.
 //!
 //! [`open`]: StreamingSource::open
 
@@ -33,6 +35,7 @@ use super::pack::{Manifest, PackError, PackUnit, PACK_FILE};
 use super::plan::Plan;
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
+use crate::exit::{Classify, ExitCode};
 use crate::model::weights::{ExpertBytes, ExpertView, Mat, SourceError, TensorId, TrunkUnit, TrunkView, WeightSource};
 use crate::trace::{Stage, Tracer};
 
@@ -124,16 +127,21 @@ pub enum StreamError {
     Pack(#[from] PackError),
     #[error(transparent)]
     Io(#[from] IoError),
+    /// A read of the pinned trunk units failed. The I/O thread shares each read error between
+    /// its waiters, so the error stays behind its `Arc` and keeps its own classification.
+    #[error("reading pinned trunk units: {0}")]
+    PinnedRead(Arc<IoError>),
     #[error("{0}")]
     Mismatch(String),
 }
 
-impl StreamError {
-    pub fn exit_code(&self) -> u8 {
+impl Classify for StreamError {
+    fn exit_code(&self) -> ExitCode {
         match self {
             StreamError::Pack(e) => e.exit_code(),
             StreamError::Io(e) => e.exit_code(),
-            StreamError::Mismatch(_) => 3,
+            StreamError::PinnedRead(e) => e.exit_code(),
+            StreamError::Mismatch(_) => ExitCode::Data,
         }
     }
 }
@@ -489,7 +497,7 @@ impl StreamingSource {
         }
         let bytes: u64 = self.units.iter().filter(|u| u.pinned.is_some()).map(|u| u.len).sum();
         let ticket = self.io.submit(Priority::Demand, ops);
-        self.wait_io(ticket, None).map_err(|e| StreamError::Io(clone_io_error(&e)))?;
+        self.wait_io(ticket, None).map_err(StreamError::PinnedRead)?;
         for (i, u) in self.units.iter().enumerate() {
             if let Some(r) = u.pinned {
                 self.verify(i, r).map_err(StreamError::Pack)?;
@@ -1033,10 +1041,6 @@ fn start_io(
         })
     });
     Ok(IoService::start(factory, ops_max, qd as usize * chunk as usize, opts.io_core, tracer, vec![keep])?)
-}
-
-fn clone_io_error(e: &Arc<IoError>) -> IoError {
-    IoError::Setup { what: "reading pinned trunk units".to_owned(), source: std::io::Error::other(e.to_string()) }
 }
 
 /// A trunk unit made resident: pinned (no slot) or held in a ring slot until dropped.
