@@ -12,9 +12,13 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-/// Why a config was refused. Every variant maps to exit code 2.
+use crate::exit::{Classify, ExitCode};
+
+/// Why a config was refused: exit code 2 (config refused), except [`ConfigError::Read`], which is
+/// an I/O failure (4).
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The file could not be read (exit 4).
     #[error("cannot read {path}: {source}")]
     Read { path: PathBuf, source: std::io::Error },
     #[error("{path} is not valid JSON: {source}")]
@@ -25,6 +29,18 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
     #[error("{path}: unsupported model variant: {message}")]
     Unsupported { path: PathBuf, message: String },
+}
+
+impl Classify for ConfigError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            ConfigError::Read { .. } => ExitCode::Io,
+            ConfigError::Json { .. }
+            | ConfigError::Keys { .. }
+            | ConfigError::Invalid { .. }
+            | ConfigError::Unsupported { .. } => ExitCode::Usage,
+        }
+    }
 }
 
 /// Attention kind of one decoder layer.
@@ -765,5 +781,25 @@ mod tests {
             quant_format: "mxfp4-pack-quantized".into(),
             group_size: 32,
         }
+    }
+
+    #[test]
+    fn read_failures_exit_4_and_refusals_exit_2() {
+        let missing = Config::from_model_dir(Path::new("/nonexistent/k3ring-model")).unwrap_err();
+        assert!(matches!(missing, ConfigError::Read { .. }), "{missing}");
+        assert_eq!(missing.exit_code(), ExitCode::Io);
+
+        let path = Path::new("config.json");
+        let not_json = Config::from_json_str("{ not json", path).unwrap_err();
+        assert!(matches!(not_json, ConfigError::Json { .. }), "{not_json}");
+        assert_eq!(not_json.exit_code(), ExitCode::Usage);
+
+        let keys = Config::from_json_str("{}", path).unwrap_err();
+        assert_eq!(keys.exit_code(), ExitCode::Usage, "{keys}");
+
+        let invalid = ConfigError::Invalid { path: path.into(), message: "top-k above the expert count".into() };
+        assert_eq!(invalid.exit_code(), ExitCode::Usage);
+        let unsupported = ConfigError::Unsupported { path: path.into(), message: "bf16 experts".into() };
+        assert_eq!(unsupported.exit_code(), ExitCode::Usage);
     }
 }

@@ -2,13 +2,15 @@
 //! by streaming its weights from NVMe.
 //!
 //! Dependencies point one way: `cli -> engine -> pipeline -> {model, storage} -> kernels`;
-//! `config` and `checkpoint` are leaves.
+//! `config` and `checkpoint` depend only on `exit` (the exit codes and the `Classify` trait every
+//! error type implements), which depends on nothing.
 
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod exit;
 pub mod model;
 pub mod pipeline;
 pub mod storage;

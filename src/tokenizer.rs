@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 use rustc_hash::FxHashMap;
 
+use crate::exit::{Classify, ExitCode};
+
 /// The K3 pre-tokenizer: alternatives tried in order, first match wins.
 pub const K3_PATTERN: &str = concat!(
     r"[\p{Han}]+",
@@ -44,6 +46,17 @@ pub enum TokenizerError {
     Regex(String),
     #[error("token id {0} is not in the vocabulary")]
     UnknownId(u32),
+}
+
+impl Classify for TokenizerError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            TokenizerError::Io { .. } => ExitCode::Io,
+            TokenizerError::Vocab { .. } | TokenizerError::Config { .. } => ExitCode::Data,
+            TokenizerError::UnknownId(_) => ExitCode::Usage,
+            TokenizerError::Regex(_) => ExitCode::Internal,
+        }
+    }
 }
 
 /// A loaded K3 tokenizer.

@@ -37,6 +37,8 @@ use std::time::Instant;
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
+use crate::exit::{Classify, ExitCode};
+
 /// Lock shards; threads beyond this count share locks (never data races, only contention).
 pub const SHARD_COUNT: usize = 64;
 /// Threads that get their own track and open-guard stack; later threads share one track named
@@ -224,6 +226,17 @@ pub enum TraceError {
         #[source]
         source: io::Error,
     },
+}
+
+impl Classify for TraceError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            // The CLI keeps events whenever it will write them, so reaching this from the CLI is a
+            // bug; the message still tells a library caller what to change.
+            TraceError::DetailOff { .. } => ExitCode::Internal,
+            TraceError::Write { .. } => ExitCode::Io,
+        }
+    }
 }
 
 /// Tracer settings; [`TracerOptions::new`] gives the defaults.
@@ -1628,12 +1641,14 @@ mod tests {
             "cannot write trace /nonexistent/trace.json: this tracer keeps no events (it was created \
              with detail off); pass --trace FILE at startup so events are kept"
         );
+        assert_eq!(err.exit_code(), ExitCode::Internal);
         let t = Tracer::new(true);
         let err = t.write_chrome_json(Path::new("/nonexistent/trace.json")).unwrap_err();
         assert_eq!(
             err.to_string(),
             "cannot write trace /nonexistent/trace.json: check that its directory exists and is writable"
         );
+        assert_eq!(err.exit_code(), ExitCode::Io);
     }
 
     #[test]

@@ -16,6 +16,8 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 use serde::Serialize;
 
+use crate::exit::{Classify, ExitCode};
+
 pub use experts::{ExpertPart, ExpertRef, ExpertTable, EXPERT_PARTS};
 pub use schema::{expected_tensors, Census, ExpectedTensor, LayerCensus, Validation};
 
@@ -106,12 +108,18 @@ pub enum CheckpointError {
     Schema { tensor: String, message: String },
 }
 
-impl CheckpointError {
-    /// The documented exit code: 4 for I/O failures, 3 for invalid data.
-    pub fn exit_code(&self) -> u8 {
+impl Classify for CheckpointError {
+    fn exit_code(&self) -> ExitCode {
         match self {
-            CheckpointError::Io { .. } => 4,
-            _ => 3,
+            CheckpointError::Io { .. } => ExitCode::Io,
+            CheckpointError::NoShards { .. }
+            | CheckpointError::IndexInvalid { .. }
+            | CheckpointError::HeaderLength { .. }
+            | CheckpointError::HeaderJson { .. }
+            | CheckpointError::Tensor { .. }
+            | CheckpointError::Duplicate { .. }
+            | CheckpointError::Overlap { .. }
+            | CheckpointError::Schema { .. } => ExitCode::Data,
         }
     }
 }
@@ -484,4 +492,25 @@ fn check_weight_map(path: &Path, map: &WeightMap, index: &CheckpointIndex) -> Re
         return Err(invalid(format!("tensor {} in {} is not in the index", t.name, names[t.shard])));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CheckpointError;
+    use crate::exit::{Classify, ExitCode};
+    use std::path::PathBuf;
+
+    #[test]
+    fn io_exits_4_and_invalid_data_exits_3() {
+        let io = CheckpointError::Io {
+            path: PathBuf::from("/m/model-00001.safetensors"),
+            op: "open",
+            source: std::io::Error::from_raw_os_error(libc::ENOENT),
+        };
+        assert_eq!(io.exit_code(), ExitCode::Io);
+        let header = CheckpointError::HeaderLength { shard: PathBuf::from("/m/s"), message: "too long".into() };
+        assert_eq!(header.exit_code(), ExitCode::Data);
+        let schema = CheckpointError::Schema { tensor: "model.norm.weight".into(), message: "missing".into() };
+        assert_eq!(schema.exit_code(), ExitCode::Data);
+    }
 }

@@ -20,7 +20,8 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-use crate::error::{exit_code_for, ExitCode};
+use crate::error::exit_code_for;
+use crate::exit::ExitCode;
 
 /// Runs the Kimi K3 model on CPUs by streaming its weights from NVMe.
 #[derive(Debug, Parser)]
@@ -234,7 +235,7 @@ pub fn main() -> std::process::ExitCode {
         Err(e) => {
             // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
             let _ = e.print();
-            return std::process::ExitCode::from(if e.use_stderr() { ExitCode::Usage as u8 } else { 0 });
+            return (if e.use_stderr() { ExitCode::Usage } else { ExitCode::Ok }).into();
         }
     };
     let result = match cli.command {
@@ -252,7 +253,7 @@ pub fn main() -> std::process::ExitCode {
         Err(err) => {
             let code = exit_code_for(&err);
             eprintln!("k3ring: error: {}", error_text(&err));
-            std::process::ExitCode::from(code as u8)
+            code.into()
         }
     }
 }

@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 
-use crate::error::UsageError;
 use crate::pipeline::{Mode, Placement, PlacementRequest, Speculation};
 use crate::storage::io::topology::parse_cpulist;
 
@@ -70,7 +69,7 @@ impl PipelineArgs {
             io_cores: self.io_cores.as_ref().map(|c| c.0.clone()),
             threads,
         };
-        Placement::resolve(&topo, &req).map_err(|e| UsageError(e.to_string()).into())
+        Ok(Placement::resolve(&topo, &req)?)
     }
 
     pub fn mode(&self) -> Mode {

@@ -4,8 +4,7 @@ use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::error::UsageError;
-use crate::synth::{synth, SynthError, SynthOptions, SynthReport};
+use crate::synth::{synth, SynthOptions, SynthReport};
 
 #[derive(Debug, clap::Args)]
 pub struct SynthArgs {
@@ -35,15 +34,6 @@ pub struct SynthArgs {
     pub json: bool,
 }
 
-/// Keeps the exit code of a synth error: refused options become usage errors (2); I/O errors
-/// keep their `std::io::Error` source (4).
-fn classified(e: SynthError) -> anyhow::Error {
-    match e.exit_code() {
-        2 => UsageError(e.to_string()).into(),
-        _ => e.into(),
-    }
-}
-
 pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
     let opts = SynthOptions::from_flags(
         args.out.clone(),
@@ -53,8 +43,7 @@ pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
         args.topk,
         args.vocab,
         args.seed,
-    )
-    .map_err(classified)?;
+    )?;
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template(
@@ -71,8 +60,7 @@ pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
         if done > bar.position() {
             bar.set_position(done);
         }
-    })
-    .map_err(classified)?;
+    })?;
     bar.finish_and_clear();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

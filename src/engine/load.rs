@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::{Engine, EngineError};
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
+use crate::exit::{Classify, ExitCode};
 use crate::model::weights::{ModelWeights, WeightSource};
 use crate::model::{LayerHook, Model, ModelState, Scratch};
 use crate::pipeline::{Pipeline, PipelineOptions, Prefetcher};
@@ -44,6 +45,21 @@ pub enum OpenError {
     Plan(#[from] PlanError),
     #[error(transparent)]
     Stream(#[from] crate::storage::stream::StreamError),
+}
+
+impl Classify for OpenError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            OpenError::Config(e) => e.exit_code(),
+            OpenError::Checkpoint(e) => e.exit_code(),
+            OpenError::Store(e) => e.exit_code(),
+            OpenError::Tokenizer(e) => e.exit_code(),
+            OpenError::Engine(e) => e.exit_code(),
+            OpenError::Pack(e) => e.exit_code(),
+            OpenError::Plan(e) => e.exit_code(),
+            OpenError::Stream(e) => e.exit_code(),
+        }
+    }
 }
 
 struct Common {

@@ -10,6 +10,7 @@ use serde::Serialize;
 use super::load::{open_resident, open_streaming, OpenError, StreamingRun};
 use super::sampling::argmax;
 use super::{Engine, EngineError};
+use crate::exit::{Classify, ExitCode};
 use crate::model::weights::WeightSource;
 use crate::model::LogitRows;
 use crate::pipeline::Pipeline;
@@ -62,6 +63,15 @@ pub enum MeasureError {
     Open(#[from] OpenError),
     #[error(transparent)]
     Engine(#[from] EngineError),
+}
+
+impl Classify for MeasureError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            MeasureError::Open(e) => e.exit_code(),
+            MeasureError::Engine(e) => e.exit_code(),
+        }
+    }
 }
 
 /// Decodes greedily: prefill, warm-up, then `tokens` timed steps. Returns the ids and the

@@ -10,6 +10,7 @@ pub mod sampling;
 
 use std::time::Instant;
 
+use crate::exit::{Classify, ExitCode};
 use crate::model::weights::WeightSource;
 use crate::model::{LayerHook, LogitRows, Model, ModelError, ModelState, Probe, Scratch};
 pub use load::{open_resident, open_streaming, OpenError, Opened, StreamingRun};
@@ -30,6 +31,17 @@ pub enum EngineError {
     EmptyPrompt,
     #[error(transparent)]
     RouteLog(#[from] crate::storage::stream::cache_sim::TraceError),
+}
+
+impl Classify for EngineError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            EngineError::Model(e) => e.exit_code(),
+            EngineError::Memory { .. } | EngineError::EmptyPrompt => ExitCode::Usage,
+            EngineError::Threads { .. } => ExitCode::Internal,
+            EngineError::RouteLog(e) => e.exit_code(),
+        }
+    }
 }
 
 /// Options of one generation.

@@ -20,6 +20,7 @@ pub mod weights;
 use kernels::{KernelError, Kernels};
 
 use crate::config::{AttnKind, Config, FfnKind};
+use crate::exit::{Classify, ExitCode};
 use crate::trace::{SpanArgs, Stage};
 use attn_res::ResScratch;
 use dense::GluScratch;
@@ -46,6 +47,31 @@ pub enum ModelError {
     TokenOutOfRange { id: usize, vocab: usize },
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+impl Classify for ModelError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            ModelError::Source(e) => e.exit_code(),
+            ModelError::Expert { source, .. } => source.exit_code(),
+            ModelError::NonFinite { .. } => ExitCode::Data,
+            ModelError::ContextFull { .. } | ModelError::TokenOutOfRange { .. } => ExitCode::Usage,
+            ModelError::Internal(_) => ExitCode::Internal,
+        }
+    }
+}
+
+/// Kernel errors enter the crate here. The kernels crate cannot depend on this one, so its error
+/// is classified beside the first error type that wraps it.
+impl Classify for KernelError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            KernelError::BadScale { .. } => ExitCode::Data,
+            KernelError::IsaUnavailable(_) => ExitCode::Usage,
+            // `KernelError` is non-exhaustive: a later variant counts as a bug until classified here.
+            _ => ExitCode::Internal,
+        }
+    }
 }
 
 /// Receives intermediates of a forward pass (tests and debugging); costs nothing when absent.

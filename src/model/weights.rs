@@ -8,6 +8,7 @@
 
 use crate::checkpoint::{CheckpointError, CheckpointIndex, Dtype, ExpertPart, EXPERT_PARTS, LM_HEAD, MODEL_PREFIX};
 use crate::config::{AttnKind, Config, FfnKind};
+use crate::exit::{Classify, ExitCode};
 
 /// Position of a tensor in the checkpoint index.
 pub type TensorId = usize;
@@ -148,13 +149,26 @@ impl<'a> ExpertBytes<'a> {
 /// Failure to produce weight bytes: a failed read, corrupt data, or an engine bug.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
-    /// A read failed; `exit_code` is the storage layer's classification (4 I/O, 3 data).
+    /// A read failed; `exit_code` is the storage layer's classification of `source` (4 I/O, 3 a
+    /// file shorter than its index, 1 a read the engine built wrongly). The model cannot name the
+    /// storage error types (storage depends on the model, not the reverse), so the store
+    /// classifies the error when it builds this variant.
     #[error("reading {what}: {source}")]
-    Read { what: String, exit_code: u8, source: std::sync::Arc<dyn std::error::Error + Send + Sync> },
+    Read { what: String, exit_code: ExitCode, source: std::sync::Arc<dyn std::error::Error + Send + Sync> },
     #[error("{what}: {message}")]
     Corrupt { what: String, message: String },
     #[error("internal error in the weight store: {0}")]
     Internal(String),
+}
+
+impl Classify for SourceError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            SourceError::Read { exit_code, .. } => *exit_code,
+            SourceError::Corrupt { .. } => ExitCode::Data,
+            SourceError::Internal(_) => ExitCode::Internal,
+        }
+    }
 }
 
 /// Bytes of the trunk tensors of one unit (a layer or the globals), alive while the guard lives.

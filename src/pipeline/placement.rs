@@ -9,6 +9,7 @@
 
 use serde::Serialize;
 
+use crate::exit::{Classify, ExitCode};
 use crate::storage::io::Topology;
 
 /// Why a placement request cannot be met (exit 2).
@@ -20,6 +21,16 @@ pub enum PlacementError {
     NoCpu { flag: &'static str, cpu: usize, online: String },
     #[error("{flag} is empty")]
     Empty { flag: &'static str },
+}
+
+impl Classify for PlacementError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            PlacementError::NoNode { .. } | PlacementError::NoCpu { .. } | PlacementError::Empty { .. } => {
+                ExitCode::Usage
+            }
+        }
+    }
 }
 
 /// What the user asked for (all optional).

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use crate::checkpoint::{CheckpointIndex, EXPERT_PARTS};
+use crate::exit::{Classify, ExitCode};
 use crate::model::weights::{ExpertBytes, ExpertView, Mat, SourceError, TensorId, TrunkUnit, TrunkView, WeightSource};
 
 /// Why the store could not be opened.
@@ -18,6 +19,16 @@ pub enum StoreError {
     Map { path: std::path::PathBuf, source: std::io::Error },
     #[error("{path} changed size since it was indexed ({indexed} bytes, now {now})")]
     Changed { path: std::path::PathBuf, indexed: u64, now: u64 },
+}
+
+/// 4 when a shard cannot be mapped, 3 when it no longer matches its index.
+impl Classify for StoreError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            StoreError::Map { .. } => ExitCode::Io,
+            StoreError::Changed { .. } => ExitCode::Data,
+        }
+    }
 }
 
 /// All shards mapped.

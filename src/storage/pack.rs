@@ -22,6 +22,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::checkpoint::{expected_tensors, CheckpointIndex, Dtype, MODEL_PREFIX};
 use crate::config::Config;
+use crate::exit::{Classify, ExitCode};
 
 pub const MANIFEST_FILE: &str = "trunk.manifest.json";
 pub const PACK_FILE: &str = "trunk.pack";
@@ -50,12 +51,12 @@ pub enum PackError {
     Checksum { path: PathBuf, unit: String, want: String, got: String },
 }
 
-impl PackError {
-    /// 4 for I/O failures, 3 for a pack that is corrupt, stale or damaged.
-    pub fn exit_code(&self) -> u8 {
+/// 4 for I/O failures, 3 for a pack that is corrupt, stale or damaged.
+impl Classify for PackError {
+    fn exit_code(&self) -> ExitCode {
         match self {
-            PackError::Io { .. } => 4,
-            _ => 3,
+            PackError::Io { .. } => ExitCode::Io,
+            PackError::Corrupt { .. } | PackError::Stale { .. } | PackError::Checksum { .. } => ExitCode::Data,
         }
     }
 }
@@ -512,5 +513,30 @@ impl Manifest {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PackError;
+    use crate::exit::{Classify, ExitCode};
+    use std::path::PathBuf;
+
+    #[test]
+    fn io_exits_4_and_a_damaged_pack_exits_3() {
+        let io = PackError::Io {
+            op: "read",
+            path: PathBuf::from("/t/trunk.pack"),
+            source: std::io::Error::from_raw_os_error(libc::EIO),
+        };
+        assert_eq!(io.exit_code(), ExitCode::Io);
+        assert_eq!(PackError::Stale { dir: PathBuf::from("/t") }.exit_code(), ExitCode::Data);
+        let sum = PackError::Checksum {
+            path: PathBuf::from("/t/trunk.pack"),
+            unit: "layer.3".into(),
+            want: "00".into(),
+            got: "01".into(),
+        };
+        assert_eq!(sum.exit_code(), ExitCode::Data);
     }
 }

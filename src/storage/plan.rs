@@ -9,6 +9,7 @@
 use serde::Serialize;
 
 use super::pack::PackUnit;
+use crate::exit::{Classify, ExitCode};
 
 /// Why a budget was refused (exit 2).
 #[derive(Debug, thiserror::Error)]
@@ -19,6 +20,16 @@ pub enum PlanError {
     AboveAvailable { budget_gb: f64, available_gb: f64 },
     #[error("unknown preset {0:?}; choose from: laptop, desktop, workstation, server, max, auto")]
     UnknownPreset(String),
+}
+
+impl Classify for PlanError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            PlanError::BelowMinimum { .. } | PlanError::AboveAvailable { .. } | PlanError::UnknownPreset(_) => {
+                ExitCode::Usage
+            }
+        }
+    }
 }
 
 /// Bytes in a decimal gigabyte (budgets are given in GB).

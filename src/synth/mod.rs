@@ -23,6 +23,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::exit::{Classify, ExitCode};
+
 pub use files::synth_config;
 
 /// Name of the marker file an output directory carries.
@@ -58,13 +60,13 @@ pub enum SynthError {
     Internal(String),
 }
 
-impl SynthError {
-    /// The documented exit code: 2 for refused options or directory, 4 for I/O, 1 for a bug.
-    pub fn exit_code(&self) -> u8 {
+/// The documented exit code: 2 for refused options or directory, 4 for I/O, 1 for a bug.
+impl Classify for SynthError {
+    fn exit_code(&self) -> ExitCode {
         match self {
-            SynthError::Options { .. } | SynthError::NotEmpty { .. } => 2,
-            SynthError::Io { .. } => 4,
-            SynthError::Internal(_) => 1,
+            SynthError::Options { .. } | SynthError::NotEmpty { .. } => ExitCode::Usage,
+            SynthError::Io { .. } => ExitCode::Io,
+            SynthError::Internal(_) => ExitCode::Internal,
         }
     }
 }

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use super::testutil::{buffer_for, check_plan, pattern_byte, plan, run_plan, write_pattern};
 use super::*;
+use crate::exit::{Classify, ExitCode};
 
 /// Two pattern files: 3 MiB, and 5 MiB plus 1000 bytes (an unaligned tail).
 struct Fixture {
@@ -206,7 +207,7 @@ fn window_past_eof_succeeds_when_min_len_is_inside_the_file() {
         let err = out[1].result.as_ref().unwrap_err();
         assert!(matches!(err, IoError::ShortRead { got, .. } if *got == 4096 + tail), "{kind:?}: {err}");
         assert!(err.to_string().starts_with(&format!("{} ends early", fx.paths[1].display())), "{err}");
-        assert_eq!(err.exit_code(), 3);
+        assert_eq!(err.exit_code(), ExitCode::Data);
     }
 }
 
@@ -245,7 +246,7 @@ fn unaligned_or_malformed_ops_are_refused_without_panic() {
                 other => panic!("{kind:?}: expected Unaligned for {what}, got {other}"),
             }
             assert!(err.to_string().contains(&fx.paths[0].display().to_string()), "{err}");
-            assert_eq!(err.exit_code(), 1);
+            assert_eq!(err.exit_code(), ExitCode::Internal);
         }
         let bad = [
             ReadOp::new(9, 0, 4096, p, 4),

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use super::fmt_bytes;
+use crate::exit::{Classify, ExitCode};
 
 /// Why a read, a buffer or a ring could not be set up or completed.
 #[derive(Debug, thiserror::Error)]
@@ -15,7 +16,7 @@ pub enum IoError {
     #[error("read of {len} bytes at offset {offset} of {path} failed: {source}")]
     Read { path: PathBuf, offset: u64, len: usize, source: std::io::Error },
 
-    /// The file ended before the bytes the read required (`min_len`).
+    /// The file ended before the bytes the read required (`min_len`): the data is at fault (exit 3).
     #[error(
         "{path} ends early: a read at offset {offset} needs {wanted} bytes but the file holds only {got}; \
          the file is shorter than the checkpoint index says"
@@ -53,7 +54,8 @@ pub enum IoError {
     #[error("read {tag} refused: {queued} reads already queued, the limit is {max}; reap completions first")]
     QueueFull { tag: u64, queued: usize, max: usize },
 
-    /// A read op is malformed (bad file index, zero length, `min_len > len`, buffer mismatch).
+    /// A read op is malformed (bad file index, zero length, `min_len > len`, buffer mismatch): the
+    /// engine built it wrongly, so it is a bug (exit 1), not an I/O failure.
     #[error("read {tag} refused: {why}")]
     BadOp { tag: u64, why: String },
 
@@ -66,14 +68,14 @@ pub enum IoError {
     CpuList { path: PathBuf, text: String, why: String },
 }
 
-impl IoError {
-    /// The process exit code this error maps to (README "Exit codes"): 3 when the data is at
-    /// fault (a file shorter than the checkpoint says), 1 for a caller's bug (unaligned or
-    /// malformed op, queue overrun), 4 for every I/O or system failure.
-    pub fn exit_code(&self) -> u8 {
+/// README "Exit codes": 3 when the data is at fault (a file shorter than the checkpoint says), 1
+/// for the engine's own bug (an unaligned or malformed op, a queue overrun: the engine built or
+/// queued the request wrongly), 4 for every I/O or system failure.
+impl Classify for IoError {
+    fn exit_code(&self) -> ExitCode {
         match self {
-            IoError::ShortRead { .. } => 3,
-            IoError::Unaligned { .. } | IoError::QueueFull { .. } | IoError::BadOp { .. } => 1,
+            IoError::ShortRead { .. } => ExitCode::Data,
+            IoError::Unaligned { .. } | IoError::QueueFull { .. } | IoError::BadOp { .. } => ExitCode::Internal,
             IoError::Open { .. }
             | IoError::Read { .. }
             | IoError::MemLock { .. }
@@ -82,10 +84,12 @@ impl IoError {
             | IoError::Setup { .. }
             | IoError::Enter { .. }
             | IoError::Sysfs { .. }
-            | IoError::CpuList { .. } => 4,
+            | IoError::CpuList { .. } => ExitCode::Io,
         }
     }
+}
 
+impl IoError {
     /// The OS error behind this error, if there is one (for EIO vs ENOSPC decisions).
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {
@@ -104,6 +108,7 @@ impl IoError {
 #[cfg(test)]
 mod tests {
     use super::IoError;
+    use crate::exit::{Classify, ExitCode};
     use std::path::PathBuf;
 
     #[test]
@@ -113,7 +118,7 @@ mod tests {
             e.to_string(),
             "RLIMIT_MEMLOCK is 8 MiB; the buffers need 3.2 GiB: raise `ulimit -l` or set LimitMEMLOCK=infinity"
         );
-        assert_eq!(e.exit_code(), 4);
+        assert_eq!(e.exit_code(), ExitCode::Io);
     }
 
     #[test]
@@ -126,7 +131,7 @@ mod tests {
         };
         let text = e.to_string();
         assert!(text.starts_with("read of 4096 bytes at offset 1048576 of /nvme/k3/shard-00007.safetensors failed: "));
-        assert_eq!(e.exit_code(), 4);
+        assert_eq!(e.exit_code(), ExitCode::Io);
         assert_eq!(e.raw_os_error(), Some(libc::EIO));
 
         let e = IoError::ShortRead { path: PathBuf::from("/x/shard.bin"), offset: 8192, wanted: 4096, got: 100 };
@@ -135,6 +140,18 @@ mod tests {
             "/x/shard.bin ends early: a read at offset 8192 needs 4096 bytes but the file holds only 100; \
              the file is shorter than the checkpoint index says"
         );
-        assert_eq!(e.exit_code(), 3);
+        assert_eq!(e.exit_code(), ExitCode::Data);
+    }
+
+    #[test]
+    fn malformed_ops_are_bugs_and_setup_failures_are_io() {
+        let e = IoError::BadOp { tag: 7, why: "min_len 8192 > len 4096".into() };
+        assert_eq!(e.exit_code(), ExitCode::Internal);
+        let e = IoError::Unaligned { what: "offset".into(), value: 100, align: 4096 };
+        assert_eq!(e.exit_code(), ExitCode::Internal);
+        let e = IoError::QueueFull { tag: 9, queued: 64, max: 64 };
+        assert_eq!(e.exit_code(), ExitCode::Internal);
+        let e = IoError::Setup { what: "the I/O thread".into(), source: std::io::Error::other("it exited") };
+        assert_eq!(e.exit_code(), ExitCode::Io);
     }
 }

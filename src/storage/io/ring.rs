@@ -512,6 +512,7 @@ fn build_entry(req: &ChunkReq, fd: RawFd, fixed_files: bool) -> squeue::Entry {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
 mod tests {
     use super::*;
+    use crate::exit::{Classify, ExitCode};
     use crate::storage::io::testutil::{buffer_for, check_plan, plan, run_plan, write_pattern};
     use crate::storage::io::BufOptions;
 
@@ -627,6 +628,6 @@ mod tests {
             err.to_string().starts_with(&format!("cannot open {} for O_DIRECT reads", missing[0].display())),
             "{err}"
         );
-        assert_eq!(err.exit_code(), 4);
+        assert_eq!(err.exit_code(), ExitCode::Io);
     }
 }

@@ -537,6 +537,7 @@ fn check_options(files: &[PathBuf], opts: &SimOptions) -> Result<(), IoError> {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+    use crate::exit::{Classify, ExitCode};
     use crate::storage::io::testutil::{pattern_byte, plan, write_pattern, Planned as PlannedRead};
     use crate::storage::io::{AlignedBuf, BufOptions};
 
@@ -719,7 +720,7 @@ mod tests {
                     Err(e) => {
                         let path = fx.paths[p.file].display().to_string();
                         assert!(e.to_string().contains(&path), "seed {seed}: {e}");
-                        assert_eq!(e.exit_code(), 4, "seed {seed}: {e}");
+                        assert_eq!(e.exit_code(), ExitCode::Io, "seed {seed}: {e}");
                         let errno = e.raw_os_error();
                         assert!(errno == Some(libc::EIO) || errno == Some(libc::ECANCELED), "seed {seed}: {e}");
                     }
@@ -758,7 +759,7 @@ mod tests {
                 let want = format!("read of {} bytes at offset {} of {path} failed: ", p.len, p.offset);
                 assert!(e.to_string().starts_with(&want), "seed {seed}: {e}");
                 assert_eq!(e.raw_os_error(), Some(errno), "seed {seed}: {e}");
-                assert_eq!(e.exit_code(), 4);
+                assert_eq!(e.exit_code(), ExitCode::Io);
             }
             assert!(buf.as_slice().iter().all(|&b| b == 0), "seed {seed}: a failed read wrote into dst");
             let (faults, stats) = (sim.injected(), sim.stats());
@@ -868,7 +869,7 @@ mod tests {
         let err = out[1].result.as_ref().unwrap_err();
         assert!(matches!(err, IoError::ShortRead { got, .. } if *got == 4096 + tail), "{err}");
         assert!(err.to_string().starts_with(&format!("{} ends early", fx.paths[1].display())), "{err}");
-        assert_eq!(err.exit_code(), 3);
+        assert_eq!(err.exit_code(), ExitCode::Data);
 
         // SAFETY: `buf` outlives the reader's use of it.
         unsafe { sim.submit(ReadOp::new(0, 8 << 20, 8192, buf.as_mut_ptr(), 5)) }.unwrap();
@@ -900,7 +901,7 @@ mod tests {
                 other => panic!("expected Unaligned for {what}, got {other}"),
             }
             assert!(err.to_string().contains(&fx.paths[0].display().to_string()), "{err}");
-            assert_eq!(err.exit_code(), 1);
+            assert_eq!(err.exit_code(), ExitCode::Internal);
         }
         let bad = [
             ReadOp::new(9, 0, 4096, p, 4),

@@ -28,6 +28,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
 use super::policy::{CachePolicy, ExpertKey};
+use crate::exit::{Classify, ExitCode};
 
 /// Layers a trace may declare.
 pub const TRACE_LAYERS_MAX: usize = 4096;
@@ -67,12 +68,12 @@ pub enum TraceError {
     Invalid { reason: String },
 }
 
-impl TraceError {
-    /// The documented exit code: 4 for I/O, 3 for invalid data.
-    pub fn exit_code(&self) -> u8 {
+/// The documented exit code: 4 for I/O, 3 for invalid data.
+impl Classify for TraceError {
+    fn exit_code(&self) -> ExitCode {
         match self {
-            TraceError::Io { .. } => 4,
-            TraceError::Malformed { .. } | TraceError::Invalid { .. } => 3,
+            TraceError::Io { .. } => ExitCode::Io,
+            TraceError::Malformed { .. } | TraceError::Invalid { .. } => ExitCode::Data,
         }
     }
 }
@@ -85,6 +86,16 @@ pub enum SimError {
     /// A policy named a victim that is not resident or is protected (a bug in the policy).
     #[error("policy {policy} chose {victim:?} at batch {batch}, which is {why}")]
     BadVictim { policy: &'static str, victim: Option<ExpertKey>, batch: usize, why: &'static str },
+}
+
+/// A capacity below top-k is a refused request (2); a bad victim is a bug in a policy (1).
+impl Classify for SimError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            SimError::CapacityBelowTopK { .. } => ExitCode::Usage,
+            SimError::BadVictim { .. } => ExitCode::Internal,
+        }
+    }
 }
 
 /// One routing decision of a trace.
@@ -842,7 +853,7 @@ mod tests {
         w.record(4, 0, &[2]).unwrap();
         let e = w.finish().unwrap_err();
         assert_eq!(e.to_string(), "expert trace: token 4 layer 0 recorded after token 7 layer 0 was written");
-        assert_eq!(e.exit_code(), 3);
+        assert_eq!(e.exit_code(), ExitCode::Data);
     }
 
     fn read_text(text: &str) -> Result<Trace, TraceError> {
@@ -877,7 +888,7 @@ mod tests {
         ];
         for (body, want) in body_cases {
             let e = read_text(&format!("{head}{body}")).unwrap_err();
-            assert_eq!(e.exit_code(), 3);
+            assert_eq!(e.exit_code(), ExitCode::Data);
             assert!(e.to_string().contains(want), "{e} does not contain {want}");
         }
         let ok = read_text(&format!("{head}0 0 1 2\n\n0 1 3 4")).unwrap();
@@ -887,7 +898,7 @@ mod tests {
     #[test]
     fn reader_reports_a_missing_file_as_io() {
         let e = read_trace(Path::new("/nonexistent/k3ring.trace")).unwrap_err();
-        assert_eq!(e.exit_code(), 4);
+        assert_eq!(e.exit_code(), ExitCode::Io);
         assert!(e.to_string().starts_with("opening expert trace /nonexistent/k3ring.trace: "), "{e}");
     }
 }

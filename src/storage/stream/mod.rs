@@ -18,8 +18,10 @@
 //! counters' lock is taken last. Allocation: everything large is allocated at open; the
 //! per-token path allocates only small op lists.
 //!
-//! Errors: a failed read fails the run (exit 4, naming file and offset); a unit whose checksum
-//! does not match fails it with exit 3. No read failure ever drops an expert from a sum.
+//! Errors: a failed read fails the run naming file and offset, with the read layer's exit code
+//! (4 for an I/O failure, 3 for a file shorter than its index, 1 for a read built wrongly); a
+//! unit whose checksum does not match fails it with exit 3. No read failure ever drops an expert
+//! from a sum.
 
 pub mod arena;
 pub mod cache_sim;
@@ -44,6 +46,7 @@ use super::pack::{Manifest, PackError, PACK_FILE};
 use super::plan::Plan;
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
+use crate::exit::{Classify, ExitCode};
 use crate::model::weights::SourceError;
 use crate::trace::{SpanArgs, Stage, Tracer};
 
@@ -88,16 +91,21 @@ pub enum StreamError {
     Pack(#[from] PackError),
     #[error(transparent)]
     Io(#[from] IoError),
+    /// A read of the pinned trunk units failed. The I/O thread shares each read error between
+    /// its waiters, so the error stays behind its `Arc` and keeps its own classification.
+    #[error("reading pinned trunk units: {0}")]
+    PinnedRead(Arc<IoError>),
     #[error("{0}")]
     Mismatch(String),
 }
 
-impl StreamError {
-    pub fn exit_code(&self) -> u8 {
+impl Classify for StreamError {
+    fn exit_code(&self) -> ExitCode {
         match self {
             StreamError::Pack(e) => e.exit_code(),
             StreamError::Io(e) => e.exit_code(),
-            StreamError::Mismatch(_) => 3,
+            StreamError::PinnedRead(e) => e.exit_code(),
+            StreamError::Mismatch(_) => ExitCode::Data,
         }
     }
 }
@@ -263,7 +271,7 @@ impl Store {
             })
             .collect();
         self.reads.submit(Priority::Demand, vec![(ticket, ops)]);
-        self.wait_io(ticket, None).map_err(|e| StreamError::Io(clone_io_error(&e)))?;
+        self.wait_io(ticket, None).map_err(StreamError::PinnedRead)?;
         let mut bytes = 0;
         for (u, slot) in &mut slots {
             slot.landed();
@@ -321,8 +329,4 @@ impl Store {
             source: Arc::clone(e) as Arc<dyn std::error::Error + Send + Sync>,
         }
     }
-}
-
-fn clone_io_error(e: &Arc<IoError>) -> IoError {
-    IoError::Setup { what: "reading pinned trunk units".to_owned(), source: std::io::Error::other(e.to_string()) }
 }
