@@ -2,7 +2,7 @@
 //! by streaming its weights from NVMe.
 //!
 //! Dependencies point one way: `cli -> engine -> pipeline -> {model, storage} -> kernels`;
-//! `config` and `checkpoint` are leaves.
+//! `config`, `checkpoint` and `rng` are leaves.
 
 pub mod checkpoint;
 pub mod cli;
@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod model;
 pub mod pipeline;
+pub mod rng;
 pub mod storage;
 pub mod synth;
 pub mod tokenizer;
