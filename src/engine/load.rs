@@ -132,7 +132,7 @@ pub fn open_streaming(
     stream.chunk_tokens = chunk;
     if let Some(p) = &run.placement {
         stream.numa_node = Some(p.numa_node);
-        stream.io_core = p.io_cores.first().copied();
+        stream.io_core = Some(p.io_core);
     }
     let tracer = Arc::new(Tracer::new(run.trace_detail));
     let src = StreamingSource::open(dir, trunk_dir, Arc::clone(&c.index), &c.cfg, &plan, &stream, Arc::clone(&tracer))?;
