@@ -9,6 +9,7 @@ mod cache_sim;
 mod demo;
 mod embedded;
 mod inspect;
+mod logging;
 mod pack;
 pub mod pipeline_flags;
 mod run;
@@ -28,6 +29,10 @@ use crate::error::{exit_code_for, ExitCode};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// More log output on stderr: -v info, -vv debug, -vvv trace (default: warnings and errors).
+    /// RUST_LOG, when set, replaces it (e.g. RUST_LOG=k3ring::storage=debug).
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
 }
 
 #[derive(Debug, Subcommand)]
@@ -208,13 +213,17 @@ fn error_text(err: &anyhow::Error) -> String {
 /// The kernels named by `--isa` (auto = the best this CPU has).
 pub fn kernels_for(isa: &str) -> anyhow::Result<kernels::Kernels> {
     if isa == "auto" {
-        return Ok(kernels::Kernels::detect());
+        let k = kernels::Kernels::detect();
+        tracing::info!("using {} kernels (--isa auto: the best this CPU has)", k.isa().name());
+        return Ok(k);
     }
     let names: Vec<&str> = kernels::Isa::available().iter().map(|i| i.name()).collect();
     let chosen = kernels::Isa::from_name(isa).ok_or_else(|| {
         crate::error::UsageError(format!("--isa {isa:?} is unknown; choose from: auto, {}", names.join(", ")))
     })?;
-    kernels::Kernels::with_isa(chosen).map_err(|e| crate::error::UsageError(format!("--isa {isa}: {e}")).into())
+    let k = kernels::Kernels::with_isa(chosen).map_err(|e| crate::error::UsageError(format!("--isa {isa}: {e}")))?;
+    tracing::info!("using {} kernels (--isa {isa})", k.isa().name());
+    Ok(k)
 }
 
 #[derive(Debug, clap::Args)]
@@ -237,6 +246,7 @@ pub fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(if e.use_stderr() { ExitCode::Usage as u8 } else { 0 });
         }
     };
+    logging::install(cli.verbose);
     let result = match cli.command {
         Command::Demo(args) => demo::run(&args),
         Command::Inspect(args) => inspect::run(&args),

@@ -34,6 +34,7 @@ struct RunReport<'a> {
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let kernels = super::kernels_for(&args.isa)?;
+    warn_unused_sampling_flags(args);
     let model_dir: PathBuf = match &args.model {
         Some(dir) => dir.clone(),
         None => super::embedded::tiny_model_dir()?,
@@ -64,6 +65,22 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let s = opened.engine.src.stats();
     eprintln!("k3ring: reads: {} | buffers: {}", s.backend_info, s.buffers);
     generate(args, &model_dir, &opened, &prompt, Some(&plan), |src| Some(src.stats()))
+}
+
+/// Greedy decoding takes the most likely token, which every top-k and top-p set contains, so the
+/// filters change nothing at temperature 0. Harmless, hence a warning and not a refusal.
+fn warn_unused_sampling_flags(args: &RunArgs) {
+    let filters: Vec<&str> = [(args.top_k.is_some(), "--top-k"), (args.top_p.is_some(), "--top-p")]
+        .into_iter()
+        .filter_map(|(given, name)| given.then_some(name))
+        .collect();
+    if args.temperature == 0.0 && !filters.is_empty() {
+        let verb = if filters.len() == 1 { "has" } else { "have" };
+        tracing::warn!(
+            "{} {verb} no effect at --temperature 0 (greedy decoding); give a temperature above 0 to sample",
+            filters.join(" and ")
+        );
+    }
 }
 
 fn streaming_run(args: &RunArgs, st: &StorageArgs, context: usize) -> anyhow::Result<StreamingRun> {
