@@ -19,7 +19,8 @@ mod tune;
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::error::{exit_code_for, ExitCode};
 
@@ -124,6 +125,10 @@ pub struct RunArgs {
     /// Write prompt_ids, generated_ids, text, seconds_per_token and peak_rss_bytes as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Ids of the flags given on the command line (filled by `main` from clap's matches: a flag
+    /// given its default value, such as `--io uring`, is otherwise indistinguishable from none).
+    #[arg(skip)]
+    pub given: Vec<String>,
 }
 
 /// Flags of the streaming store (`run --trunk DIR ...`).
@@ -236,16 +241,29 @@ pub struct InspectArgs {
     pub json: bool,
 }
 
+/// Ids of the arguments in `m` whose value came from the command line (not a default).
+fn given_ids(m: &ArgMatches) -> Vec<String> {
+    m.ids()
+        .map(|id| id.as_str())
+        .filter(|id| m.value_source(id) == Some(ValueSource::CommandLine))
+        .map(str::to_owned)
+        .collect()
+}
+
 /// Parses `std::env::args`, runs the command and returns the documented exit code.
 pub fn main() -> std::process::ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command().try_get_matches().and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
+    let (mut cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
             let _ = e.print();
             return std::process::ExitCode::from(if e.use_stderr() { ExitCode::Usage as u8 } else { 0 });
         }
     };
+    if let (Command::Run(args), Some(("run", m))) = (&mut cli.command, matches.subcommand()) {
+        args.given = given_ids(m);
+    }
     logging::install(cli.verbose);
     let result = match cli.command {
         Command::Demo(args) => demo::run(&args),

@@ -168,3 +168,76 @@ fn debug_lines_name_their_module() {
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains("k3ring: debug:"), "{err}");
 }
+
+// See: issue 12 (streaming flags were silently ignored without --trunk).
+#[test]
+fn a_resident_run_refuses_streaming_flags_even_at_their_defaults() {
+    let dir = tiny_dir();
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("t.json");
+    let trace = trace.to_str().unwrap();
+    let flags: [&[&str]; 21] = [
+        &["--mem-gb", "1"],
+        &["--preset", "laptop"],
+        &["--io", "uring"],
+        &["--io", "pread"],
+        &["--queue-depth", "32"],
+        &["--readahead", "1"],
+        &["--no-mlock"],
+        &["--verify-reads"],
+        &["--trunk-share", "0.5"],
+        &["--numa-node", "0"],
+        &["--compute-cores", "0"],
+        &["--io-cores", "0"],
+        &["--spec"],
+        &["--no-spec"],
+        &["--spec-margin", "0"],
+        &["--spec-prev-token"],
+        &["--policy", "lru"],
+        &["--policy", "s3fifo"],
+        &["--mode", "pipelined"],
+        &["--mode", "serial"],
+        &["--trace", trace],
+    ];
+    let run = ["run", "--model", dir.to_str().unwrap(), "--prompt", "x", "--gen", "2"];
+    for flag in flags {
+        let (code, out, err) = k3ring(&[&run[..], flag].concat());
+        assert_eq!(code, 2, "{flag:?}: {err}");
+        assert_eq!(
+            err,
+            format!(
+                "k3ring: error: {} needs --trunk DIR (a streaming run, from a pack made by `k3ring pack`); \
+                 add --trunk DIR or drop the flag\n",
+                flag[0]
+            ),
+            "{flag:?}"
+        );
+        assert!(out.is_empty(), "{flag:?} refused before generating: {out}");
+    }
+    let (code, _, err) = k3ring(&[&run[..], &["--mode", "serial", "--io", "uring", "--no-spec"]].concat());
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(
+        err,
+        "k3ring: error: --io, --no-spec and --mode need --trunk DIR (a streaming run, from a pack made by \
+         `k3ring pack`); add --trunk DIR or drop these flags\n"
+    );
+}
+
+#[test]
+fn a_resident_run_keeps_the_flags_it_honours() {
+    let dir = tiny_dir();
+    let tmp = tempfile::tempdir().unwrap();
+    let dump = tmp.path().join("routes.txt");
+    let run = ["run", "--model", dir.to_str().unwrap(), "--prompt", "x", "--gen", "2", "--ignore-eos"];
+    let (code, _, err) = k3ring(&[&run[..], &["--threads", "1", "--dump-trace", dump.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("2 generated tokens"), "{err}");
+    let routes = std::fs::read_to_string(&dump).unwrap();
+    assert!(routes.starts_with("# k3ring expert trace v1 layers=13 experts=16 top_k=4"), "{routes}");
+    // --print-placement shows what the placement flags would do, so they are accepted with it.
+    let (code, out, err) = k3ring(
+        &[&run[..], &["--print-placement", "--compute-cores", "0", "--io-cores", "1", "--io", "pread"]].concat(),
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "placement: NUMA node 0 | compute 1 threads on CPUs 0 | I/O on CPU 1\n");
+}
