@@ -3,7 +3,7 @@
 //!
 //! Dependencies point one way: `cli -> engine -> pipeline -> {model, storage} -> kernels`;
 //! `config` and `checkpoint` depend only on `exit` (the exit codes and the `Classify` trait every
-//! error type implements), which depends on nothing.
+//! error type implements); `exit` and `rng` depend on nothing.
 
 pub mod checkpoint;
 pub mod cli;
@@ -13,6 +13,7 @@ pub mod error;
 pub mod exit;
 pub mod model;
 pub mod pipeline;
+pub mod rng;
 pub mod storage;
 pub mod synth;
 pub mod tokenizer;

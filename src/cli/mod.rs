@@ -9,6 +9,7 @@ mod cache_sim;
 mod demo;
 mod embedded;
 mod inspect;
+mod logging;
 mod pack;
 pub mod pipeline_flags;
 mod run;
@@ -18,7 +19,8 @@ mod tune;
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::error::exit_code_for;
 use crate::exit::ExitCode;
@@ -29,6 +31,10 @@ use crate::exit::ExitCode;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// More log output on stderr: -v info, -vv debug, -vvv trace (default: warnings and errors).
+    /// RUST_LOG, when set, replaces it (e.g. RUST_LOG=k3ring::storage=debug).
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
 }
 
 #[derive(Debug, Subcommand)]
@@ -120,6 +126,10 @@ pub struct RunArgs {
     /// Write prompt_ids, generated_ids, text, seconds_per_token and peak_rss_bytes as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Ids of the flags given on the command line (filled by `main` from clap's matches: a flag
+    /// given its default value, such as `--io uring`, is otherwise indistinguishable from none).
+    #[arg(skip)]
+    pub given: Vec<String>,
 }
 
 /// Flags of the streaming store (`run --trunk DIR ...`).
@@ -209,13 +219,17 @@ fn error_text(err: &anyhow::Error) -> String {
 /// The kernels named by `--isa` (auto = the best this CPU has).
 pub fn kernels_for(isa: &str) -> anyhow::Result<kernels::Kernels> {
     if isa == "auto" {
-        return Ok(kernels::Kernels::detect());
+        let k = kernels::Kernels::detect();
+        tracing::info!("using {} kernels (--isa auto: the best this CPU has)", k.isa().name());
+        return Ok(k);
     }
     let names: Vec<&str> = kernels::Isa::available().iter().map(|i| i.name()).collect();
     let chosen = kernels::Isa::from_name(isa).ok_or_else(|| {
         crate::error::UsageError(format!("--isa {isa:?} is unknown; choose from: auto, {}", names.join(", ")))
     })?;
-    kernels::Kernels::with_isa(chosen).map_err(|e| crate::error::UsageError(format!("--isa {isa}: {e}")).into())
+    let k = kernels::Kernels::with_isa(chosen).map_err(|e| crate::error::UsageError(format!("--isa {isa}: {e}")))?;
+    tracing::info!("using {} kernels (--isa {isa})", k.isa().name());
+    Ok(k)
 }
 
 #[derive(Debug, clap::Args)]
@@ -228,16 +242,30 @@ pub struct InspectArgs {
     pub json: bool,
 }
 
+/// Ids of the arguments in `m` whose value came from the command line (not a default).
+fn given_ids(m: &ArgMatches) -> Vec<String> {
+    m.ids()
+        .map(|id| id.as_str())
+        .filter(|id| m.value_source(id) == Some(ValueSource::CommandLine))
+        .map(str::to_owned)
+        .collect()
+}
+
 /// Parses `std::env::args`, runs the command and returns the documented exit code.
 pub fn main() -> std::process::ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command().try_get_matches().and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
+    let (mut cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
             let _ = e.print();
             return (if e.use_stderr() { ExitCode::Usage } else { ExitCode::Ok }).into();
         }
     };
+    if let (Command::Run(args), Some(("run", m))) = (&mut cli.command, matches.subcommand()) {
+        args.given = given_ids(m);
+    }
+    logging::install(cli.verbose);
     let result = match cli.command {
         Command::Demo(args) => demo::run(&args),
         Command::Inspect(args) => inspect::run(&args),

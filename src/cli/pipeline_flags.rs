@@ -14,9 +14,9 @@ pub struct PipelineArgs {
     /// CPUs of the compute threads, e.g. 0-6,8 (default: the node's CPUs but the I/O one).
     #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
     pub compute_cores: Option<CpuList>,
-    /// CPUs of the I/O thread (default: the node's last CPU).
-    #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
-    pub io_cores: Option<CpuList>,
+    /// CPU of the I/O thread, one only (default: the node's last CPU).
+    #[arg(long, value_name = "CPU", value_parser = parse_io_core)]
+    pub io_cores: Option<usize>,
     /// Print the placement and exit.
     #[arg(long)]
     pub print_placement: bool,
@@ -59,6 +59,20 @@ fn parse_cpus(s: &str) -> Result<CpuList, String> {
     parse_cpulist(s, std::path::Path::new("(flag)")).map(CpuList).map_err(|e| e.to_string())
 }
 
+/// `--io-cores` takes a CPU list for its syntax (and its old form) but must name exactly one CPU:
+/// the I/O stage is a single thread, so any further CPU would sit unused.
+fn parse_io_core(s: &str) -> Result<usize, String> {
+    let cpus = parse_cpus(s)?.0;
+    match cpus[..] {
+        [cpu] => Ok(cpu),
+        [] => Err("give one CPU for the I/O thread, e.g. --io-cores 3".to_owned()),
+        [first, ..] => Err(format!(
+            "the I/O stage is one thread, pinned to one CPU, but {} CPUs were given: give one, e.g. --io-cores {first}",
+            cpus.len()
+        )),
+    }
+}
+
 impl PipelineArgs {
     /// Resolves the placement against this machine's topology.
     pub fn placement(&self, threads: usize) -> anyhow::Result<Placement> {
@@ -66,7 +80,7 @@ impl PipelineArgs {
         let req = PlacementRequest {
             numa_node: self.numa_node,
             compute_cores: self.compute_cores.as_ref().map(|c| c.0.clone()),
-            io_cores: self.io_cores.as_ref().map(|c| c.0.clone()),
+            io_core: self.io_cores,
             threads,
         };
         Ok(Placement::resolve(&topo, &req)?)

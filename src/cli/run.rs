@@ -4,8 +4,10 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
+use clap::Args as _;
 use serde::Serialize;
 
+use super::pipeline_flags::PipelineArgs;
 use super::{RunArgs, StorageArgs};
 use crate::engine::{open_resident, open_streaming, peak_rss_bytes, GenerateOptions, Opened, Sampling, StreamingRun};
 use crate::error::UsageError;
@@ -36,6 +38,10 @@ struct RunReport<'a> {
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let kernels = super::kernels_for(&args.isa)?;
+    if args.storage.trunk.is_none() && !args.pipeline.print_placement {
+        refuse_streaming_flags(&args.given)?;
+    }
+    warn_unused_sampling_flags(args);
     let model_dir: PathBuf = match &args.model {
         Some(dir) => dir.clone(),
         None => super::embedded::tiny_model_dir()?,
@@ -46,9 +52,6 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let Some(trunk) = &args.storage.trunk else {
-        if args.pipeline.trace.is_some() || args.storage.mem_gb.is_some() || args.storage.preset.is_some() {
-            return Err(UsageError("--trace, --mem-gb and --preset need --trunk DIR (a streaming run)".into()).into());
-        }
         let opened = open_resident(&model_dir, args.threads, kernels)
             .with_context(|| format!("opening model {}", model_dir.display()))?;
         let prompt = prompt_ids(args, &opened.tokenizer)?;
@@ -66,6 +69,49 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let s = opened.engine.src.stats();
     eprintln!("k3ring: reads: {} | buffers: {}", s.backend_info, s.buffers);
     generate(args, &model_dir, &opened, &prompt, Some(&plan), |src| Some(src.stats()))
+}
+
+/// Flags of the storage and pipeline groups that a resident run (no `--trunk`) honours. Every
+/// other flag of those groups only shapes a streaming run, so it is refused without `--trunk`
+/// rather than silently ignored; a flag added to either group is refused until listed here.
+const RESIDENT_FLAGS: [&str; 3] = ["trunk", "print_placement", "dump_trace"];
+
+const STREAMING: &str = "--trunk DIR (a streaming run, from a pack made by `k3ring pack`)";
+
+/// Fails (exit 2) when `given` (the ids of the flags on the command line) names a flag that only
+/// a streaming run uses. Ids, not values, because `--io uring` looks like no `--io` at all.
+fn refuse_streaming_flags(given: &[String]) -> anyhow::Result<()> {
+    let groups = PipelineArgs::augment_args(StorageArgs::augment_args(clap::Command::new("run")));
+    let refused: Vec<String> = groups
+        .get_arguments()
+        .filter(|arg| !RESIDENT_FLAGS.contains(&arg.get_id().as_str()))
+        .filter(|arg| given.iter().any(|id| id == arg.get_id().as_str()))
+        .filter_map(|arg| arg.get_long().map(|long| format!("--{long}")))
+        .collect();
+    let message = match &refused[..] {
+        [] => return Ok(()),
+        [one] => format!("{one} needs {STREAMING}; add --trunk DIR or drop the flag"),
+        [init @ .., last] => {
+            format!("{} and {last} need {STREAMING}; add --trunk DIR or drop these flags", init.join(", "))
+        }
+    };
+    Err(UsageError(message).into())
+}
+
+/// Greedy decoding takes the most likely token, which every top-k and top-p set contains, so the
+/// filters change nothing at temperature 0. Harmless, hence a warning and not a refusal.
+fn warn_unused_sampling_flags(args: &RunArgs) {
+    let filters: Vec<&str> = [(args.top_k.is_some(), "--top-k"), (args.top_p.is_some(), "--top-p")]
+        .into_iter()
+        .filter_map(|(given, name)| given.then_some(name))
+        .collect();
+    if args.temperature == 0.0 && !filters.is_empty() {
+        let verb = if filters.len() == 1 { "has" } else { "have" };
+        tracing::warn!(
+            "{} {verb} no effect at --temperature 0 (greedy decoding); give a temperature above 0 to sample",
+            filters.join(" and ")
+        );
+    }
 }
 
 fn streaming_run(args: &RunArgs, st: &StorageArgs, context: usize) -> anyhow::Result<StreamingRun> {

@@ -151,7 +151,7 @@ pub fn open_streaming(
     let mut pipeline = run.pipeline.clone();
     if let Some(p) = &run.placement {
         store.numa_node = Some(p.numa_node);
-        pipeline.io.io_core = p.io_cores.first().copied();
+        pipeline.io.io_core = Some(p.io_core);
     }
     let tracer = Arc::new(Tracer::new(run.trace_detail));
     let index = Arc::clone(&c.index);

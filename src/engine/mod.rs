@@ -227,7 +227,7 @@ impl<S: WeightSource + LayerHook> Engine<S> {
         let chunk = opts.prefill_chunk.clamp(1, capacity);
         let mut sess = self.session(capacity, chunk)?;
         let mut out = Generation { prompt_ids: prompt.to_vec(), ..Default::default() };
-        let mut rng = sampling::Rng::new(opts.sampling.seed);
+        let mut rng = crate::rng::SplitMix64::new(opts.sampling.seed);
         let mut candidates = Vec::new();
         let cfg = &self.model.cfg;
         let mut log = match &opts.route_log {

@@ -2,6 +2,8 @@
 //! seeded generator, so a given seed reproduces a run exactly.
 #![forbid(unsafe_code)]
 
+use crate::rng::SplitMix64;
+
 /// Sampling settings. `temperature == 0` means greedy.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampling {
@@ -34,31 +36,8 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
-/// SplitMix64: tiny, seedable, and identical on every platform.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1) with 53 random bits.
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Picks the next token. `candidates` is reusable scratch (no allocation once it has grown).
-pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng, candidates: &mut Vec<(usize, f64)>) -> usize {
+pub fn sample(logits: &[f32], s: &Sampling, rng: &mut SplitMix64, candidates: &mut Vec<(usize, f64)>) -> usize {
     if s.is_greedy() {
         return argmax(logits);
     }
@@ -117,7 +96,7 @@ mod tests {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
         let s = Sampling { temperature: 0.8, top_k: Some(5), top_p: Some(0.9), seed: 42 };
         let run = || {
-            let mut rng = Rng::new(s.seed);
+            let mut rng = SplitMix64::new(s.seed);
             let mut c = Vec::new();
             (0..20).map(|_| sample(&logits, &s, &mut rng, &mut c)).collect::<Vec<_>>()
         };

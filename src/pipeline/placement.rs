@@ -38,7 +38,7 @@ impl Classify for PlacementError {
 pub struct PlacementRequest {
     pub numa_node: Option<u32>,
     pub compute_cores: Option<Vec<usize>>,
-    pub io_cores: Option<Vec<usize>>,
+    pub io_core: Option<usize>,
     /// Compute threads; 0 = every compute core.
     pub threads: usize,
 }
@@ -50,8 +50,8 @@ pub struct Placement {
     pub numa_node: u32,
     /// One compute thread per entry, pinned to it.
     pub compute_cores: Vec<usize>,
-    /// The I/O thread(s), pinned.
-    pub io_cores: Vec<usize>,
+    /// The one I/O thread, pinned to this CPU.
+    pub io_core: usize,
     /// Nodes the chosen cores belong to (more than one means some reads cross nodes).
     pub nodes_used: Vec<u32>,
 }
@@ -85,20 +85,20 @@ impl Placement {
         };
         let cpus = &node.cpus;
         let shared_io = cpus.len() < 4;
-        let io_cores = match &req.io_cores {
+        let io_core = match req.io_core {
             Some(c) => {
-                check("--io-cores", c)?;
-                c.clone()
+                check("--io-cores", &[c])?;
+                c
             }
-            None => cpus.last().map(|&c| vec![c]).ok_or(PlacementError::Empty { flag: "--numa-node" })?,
+            None => cpus.last().copied().ok_or(PlacementError::Empty { flag: "--numa-node" })?,
         };
         let mut compute_cores = match &req.compute_cores {
             Some(c) => {
                 check("--compute-cores", c)?;
                 c.clone()
             }
-            None if shared_io || req.io_cores.is_some() => {
-                cpus.iter().copied().filter(|c| shared_io || !io_cores.contains(c)).collect()
+            None if shared_io || req.io_core.is_some() => {
+                cpus.iter().copied().filter(|&c| shared_io || c != io_core).collect()
             }
             None => cpus[..cpus.len() - 1].to_vec(),
         };
@@ -106,20 +106,20 @@ impl Placement {
             compute_cores.truncate(req.threads);
         }
         let mut nodes_used: Vec<u32> =
-            compute_cores.iter().chain(&io_cores).filter_map(|&c| topo.node_of_cpu(c)).collect();
+            compute_cores.iter().chain([&io_core]).filter_map(|&c| topo.node_of_cpu(c)).collect();
         nodes_used.sort_unstable();
         nodes_used.dedup();
-        Ok(Placement { numa_node: node.id, compute_cores, io_cores, nodes_used })
+        Ok(Placement { numa_node: node.id, compute_cores, io_core, nodes_used })
     }
 
     /// One line for the console.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "placement: NUMA node {} | compute {} threads on CPUs {} | I/O on CPUs {}",
+            "placement: NUMA node {} | compute {} threads on CPUs {} | I/O on CPU {}",
             self.numa_node,
             self.compute_cores.len(),
             cpulist(&self.compute_cores),
-            cpulist(&self.io_cores)
+            self.io_core
         );
         if self.nodes_used.len() > 1 {
             s.push_str(&format!(
@@ -177,7 +177,7 @@ mod tests {
         let p = Placement::resolve(&t, &PlacementRequest::default()).unwrap();
         assert_eq!(p.numa_node, 0);
         assert_eq!(p.compute_cores, (0..63).collect::<Vec<_>>());
-        assert_eq!(p.io_cores, vec![63]);
+        assert_eq!(p.io_core, 63);
         assert_eq!(p.nodes_used, vec![0]);
         assert_eq!(cpulist(&p.compute_cores), "0-62");
     }
@@ -188,7 +188,7 @@ mod tests {
         let p =
             Placement::resolve(&t, &PlacementRequest { numa_node: Some(1), threads: 8, ..Default::default() }).unwrap();
         assert_eq!(p.compute_cores, (64..72).collect::<Vec<_>>());
-        assert_eq!(p.io_cores, vec![127]);
+        assert_eq!(p.io_core, 127);
         assert_eq!(p.nodes_used, vec![1]);
     }
 
@@ -203,14 +203,13 @@ mod tests {
         let t = topo(&[(0, 0..2)]);
         let p = Placement::resolve(&t, &PlacementRequest::default()).unwrap();
         assert_eq!(p.compute_cores, vec![0, 1]);
-        assert_eq!(p.io_cores, vec![1]);
+        assert_eq!(p.io_core, 1);
     }
 
     #[test]
     fn explicit_cores_are_checked_and_cross_node_use_is_reported() {
         let t = topo(&[(0, 0..4), (1, 4..8)]);
-        let req =
-            PlacementRequest { compute_cores: Some(vec![0, 1, 4]), io_cores: Some(vec![7]), ..Default::default() };
+        let req = PlacementRequest { compute_cores: Some(vec![0, 1, 4]), io_core: Some(7), ..Default::default() };
         let p = Placement::resolve(&t, &req).unwrap();
         assert_eq!(p.nodes_used, vec![0, 1]);
         assert!(p.describe().contains("warning: cores span nodes [0, 1]"));
@@ -224,6 +223,19 @@ mod tests {
     }
 
     #[test]
+    fn an_explicit_io_core_leaves_the_compute_pool_and_is_checked() {
+        let t = topo(&[(0, 0..8)]);
+        let p = Placement::resolve(&t, &PlacementRequest { io_core: Some(2), ..Default::default() }).unwrap();
+        assert_eq!(p.io_core, 2);
+        assert_eq!(p.compute_cores, vec![0, 1, 3, 4, 5, 6, 7]);
+        assert_eq!(p.describe(), "placement: NUMA node 0 | compute 7 threads on CPUs 0-1,3-7 | I/O on CPU 2");
+        let e = Placement::resolve(&t, &PlacementRequest { io_core: Some(8), ..Default::default() })
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "--io-cores: CPU 8 is not online; online CPUs: 0-7");
+    }
+
+    #[test]
     fn sysfs_fixture_of_two_packages() {
         let dir = tempfile::tempdir().unwrap();
         for (n, list) in [(0, "0-63"), (1, "64-127")] {
@@ -234,7 +246,7 @@ mod tests {
         let t = Topology::from_sysfs(dir.path()).unwrap();
         let p = Placement::resolve(&t, &PlacementRequest { numa_node: Some(1), ..Default::default() }).unwrap();
         assert_eq!(cpulist(&p.compute_cores), "64-126");
-        assert_eq!(p.io_cores, vec![127]);
+        assert_eq!(p.io_core, 127);
     }
 }
 
@@ -253,7 +265,7 @@ mod hwloc_tests {
         let p = Placement::resolve(&t, &PlacementRequest::default()).unwrap();
         assert_eq!(p.numa_node, 0);
         assert_eq!(cpulist(&p.compute_cores), "0-62");
-        assert_eq!(p.io_cores, vec![63]);
+        assert_eq!(p.io_core, 63);
         assert_eq!(p.nodes_used, vec![0]);
     }
 
@@ -263,7 +275,7 @@ mod hwloc_tests {
         let p = Placement::resolve(&t, &PlacementRequest { numa_node: Some(1), ..Default::default() }).unwrap();
         assert_eq!(p.numa_node, 1);
         assert_eq!(cpulist(&p.compute_cores), "64-126");
-        assert_eq!(p.io_cores, vec![127]);
+        assert_eq!(p.io_core, 127);
         assert_eq!(p.nodes_used, vec![1]);
     }
 
@@ -274,7 +286,7 @@ mod hwloc_tests {
         let p = Placement::resolve(&t, &PlacementRequest::default()).unwrap();
         assert_eq!(p.numa_node, 0);
         assert_eq!(p.compute_cores, vec![0, 1]);
-        assert_eq!(p.io_cores, vec![1]);
+        assert_eq!(p.io_core, 1);
     }
 
     #[test]

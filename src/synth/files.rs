@@ -7,10 +7,10 @@ use std::collections::HashSet;
 use base64::Engine as _;
 use serde_json::{json, Map, Value};
 
-use super::fill::SplitMix64;
 use super::layout::ShardPlan;
 use super::{SynthError, SynthOptions, ADDED_TOKENS};
 use crate::checkpoint::INDEX_FILE;
+use crate::rng::SplitMix64;
 use crate::tokenizer::{TOKENIZER_CONFIG_FILE, VOCAB_FILE};
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -176,11 +176,11 @@ pub fn vocab_ranks(n_ranks: usize, seed: u64) -> Result<Vec<Vec<u8>>, SynthError
         if attempts > attempts_max {
             return Err(SynthError::Internal(format!("could not draw {n_extra} distinct extra tokens")));
         }
-        let c = alphabet[rng.below(alphabet.len())];
+        let c = alphabet[rng.index(alphabet.len())];
         let token = if pairs.len() < n_pairs {
-            vec![alphabet[rng.below(alphabet.len())], c]
+            vec![alphabet[rng.index(alphabet.len())], c]
         } else {
-            let mut t = pairs[rng.below(pairs.len())].clone();
+            let mut t = pairs[rng.index(pairs.len())].clone();
             t.push(c);
             t
         };

@@ -1,7 +1,7 @@
 //! Weight values: which distribution each tensor gets, and a counter-based generator that
 //! produces any byte range of a tensor independently of every other range.
 //!
-//! Word `i` of a tensor is `mix64(key + (i + 1) * GOLDEN)` with `key` derived from the seed and the
+//! Word `i` of a tensor is `splitmix64_at(key, i)` with `key` derived from the seed and the
 //! tensor name: the SplitMix64 stream, addressed by position, so segments can be generated in
 //! parallel and in any order with identical output. A word becomes 8 table entries (one random
 //! byte each): 16 bytes of bf16 or 32 bytes of f32, or 8 raw bytes for MXFP4 nibbles.
@@ -13,47 +13,9 @@
 //! with an E8M0 scale per group of 32 chosen so the decoded weights have std ~1/sqrt(fan_in).
 
 use crate::checkpoint::{Dtype, ExpectedTensor};
+use crate::rng::{mix64, splitmix64_at};
 
 use super::SynthError;
-
-/// The SplitMix64 increment (2^64 / golden ratio).
-const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
-
-/// SplitMix64's output function.
-#[inline(always)]
-pub fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// A sequential SplitMix64 stream (tokenizer, expert order).
-pub struct SplitMix64 {
-    state: u64,
-}
-
-impl SplitMix64 {
-    pub fn new(seed: u64) -> SplitMix64 {
-        SplitMix64 { state: seed }
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(GOLDEN);
-        mix64(self.state)
-    }
-
-    /// Uniform in 0..n (Lemire's multiply-shift; the bias is below 2^-32 for the n used here).
-    pub fn below(&mut self, n: usize) -> usize {
-        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
-    }
-
-    /// Fisher-Yates.
-    pub fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            v.swap(i, self.below(i + 1));
-        }
-    }
-}
 
 /// FNV-1a of a name: decorrelates the per-tensor keys.
 fn fnv1a(s: &str) -> u64 {
@@ -143,7 +105,7 @@ impl Fill {
     fn fill_words(&self, key: u64, first: u64, out: &mut [u8]) {
         let bpw = self.bytes_per_word();
         debug_assert_eq!(out.len() % bpw, 0);
-        let word = |i: usize| mix64(key.wrapping_add((first + i as u64 + 1).wrapping_mul(GOLDEN)));
+        let word = |i: usize| splitmix64_at(key, first + i as u64);
         match self {
             Fill::Bf16Table(table) => {
                 for (i, chunk) in out.chunks_exact_mut(16).enumerate() {

@@ -7,8 +7,9 @@
 
 use crate::checkpoint::{Dtype, ExpectedTensor, MODEL_PREFIX};
 use crate::config::Config;
+use crate::rng::SplitMix64;
 
-use super::fill::{fill_for, tensor_key, Fill, FillContext, SplitMix64};
+use super::fill::{fill_for, tensor_key, Fill, FillContext};
 use super::{SynthError, SynthOptions, SHARD_BYTES_MAX};
 
 /// A shard closes at the next layer boundary once it holds this much (tiny dims share shards).

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use k3ring::rng::SplitMix64;
 use k3ring::storage::stream::cache_sim::TraceWriter;
 use serde_json::Value;
 
@@ -14,35 +15,18 @@ const TOP_K: usize = 4;
 const TOKENS: u64 = 300;
 const POLICIES: [&str; 4] = ["lru", "s3fifo", "lfu", "belady"];
 
-/// A seeded splitmix64 stream.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Writes a trace where each layer's expert of popularity rank r is drawn with weight
 /// 1/(r+1)^skew (0 = flat), ranks shuffled per layer; layer 0 is dense (no lines).
 fn write_trace(dir: &Path, name: &str, skew: f64, seed: u64) -> PathBuf {
     let path = dir.join(name);
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64::new(seed);
     let weights: Vec<f64> = (0..EXPERTS).map(|r| 1.0 / ((r + 1) as f64).powf(skew)).collect();
     let total: f64 = weights.iter().sum();
     let ranks: Vec<Vec<usize>> = (0..LAYERS)
         .map(|_| {
             let mut p: Vec<usize> = (0..EXPERTS).collect();
             for i in (1..EXPERTS).rev() {
-                p.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+                p.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
             }
             p
         })
@@ -52,7 +36,7 @@ fn write_trace(dir: &Path, name: &str, skew: f64, seed: u64) -> PathBuf {
         for (layer, ranks) in ranks.iter().enumerate() {
             let mut picked: Vec<usize> = Vec::new();
             while picked.len() < TOP_K {
-                let mut x = rng.unit() * total;
+                let mut x = rng.next_f64() * total;
                 let rank = weights.iter().position(|w| {
                     x -= w;
                     x < 0.0

@@ -27,7 +27,8 @@ pub fn copy_tiny() -> (tempfile::TempDir, PathBuf) {
 
 /// Runs the binary; returns (exit code, stdout, stderr).
 pub fn k3ring(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_k3ring")).args(args).output().unwrap();
+    // Without RUST_LOG from the caller's shell, so the stderr the tests pin has only warnings.
+    let out = Command::new(env!("CARGO_BIN_EXE_k3ring")).args(args).env_remove("RUST_LOG").output().unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),

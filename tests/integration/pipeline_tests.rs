@@ -48,8 +48,8 @@ fn output_is_identical_across_every_pipeline_setting() {
     let (base, base_stats, _) = go(trunk.path(), &base_run());
     assert!(base_stats.trunk_streamed_units > 0, "the budget should stream: {base_stats:?}");
     assert!(base_stats.spec_reads > 0, "speculation should read ahead: {base_stats:?}");
-    let one_core = Placement { numa_node: 0, compute_cores: vec![0], io_cores: vec![0], nodes_used: vec![0] };
-    let other = Placement { numa_node: 0, compute_cores: vec![1, 0], io_cores: vec![1], nodes_used: vec![0] };
+    let one_core = Placement { numa_node: 0, compute_cores: vec![0], io_core: 0, nodes_used: vec![0] };
+    let other = Placement { numa_node: 0, compute_cores: vec![1, 0], io_core: 1, nodes_used: vec![0] };
     let mut variants: Vec<(String, StreamingRun)> = Vec::new();
     let mut add = |name: &str, f: &dyn Fn(&mut StreamingRun)| {
         let mut r = base_run();
@@ -221,6 +221,24 @@ fn print_placement_exits_after_printing() {
     let (code, _, err) = k3ring(&["run", "--prompt", "x", "--print-placement", "--compute-cores", "4096"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--compute-cores: CPU 4096 is not online"), "{err}");
+}
+
+// See: issue 12 (--io-cores took a list but used only its first CPU).
+#[test]
+fn io_cores_takes_exactly_one_cpu() {
+    let (code, out, err) = k3ring(&["run", "--prompt", "x", "--print-placement", "--io-cores", "0"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("| I/O on CPU 0"), "{out}");
+    for (list, why) in [
+        ("0,1", "the I/O stage is one thread, pinned to one CPU, but 2 CPUs were given: give one, e.g. --io-cores 0"),
+        ("2-5", "the I/O stage is one thread, pinned to one CPU, but 4 CPUs were given: give one, e.g. --io-cores 2"),
+        ("", "give one CPU for the I/O thread, e.g. --io-cores 3"),
+    ] {
+        let (code, _, err) = k3ring(&["run", "--prompt", "x", "--print-placement", "--io-cores", list]);
+        assert_eq!(code, 2, "{list:?}: {err}");
+        let want = format!("error: invalid value '{list}' for '--io-cores <CPU>': {why}\n");
+        assert!(err.starts_with(&want), "{list:?}: {err}");
+    }
 }
 
 #[test]

@@ -68,6 +68,7 @@ use super::error::IoError;
 use super::ops::{ChunkReq, OpTable, TableLimits};
 use super::{Completion, DioAlign, IoStats, ReadBackend, ReadOp};
 use super::{CHUNK_BYTES_MAX, QUEUE_DEPTH_MAX, READS_IN_FLIGHT_MAX, RETRIES_MAX};
+use crate::rng::SplitMix64;
 
 /// Probabilities are in parts per million.
 pub const PPM: u32 = 1_000_000;
@@ -166,29 +167,9 @@ pub struct SimFaultCounts {
     pub corrupt: u64,
 }
 
-/// SplitMix64 (Steele, Lea, Flood 2014): tiny, fast, and every seed (including 0) is fine.
-#[derive(Clone, Debug)]
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (multiply-shift; the bias is below 2^-32 for the ranges used here).
-    fn below(&mut self, n: u64) -> u64 {
-        assert!(n > 0);
-        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
-    }
-
-    /// True with chance `ppm` out of [`PPM`].
-    fn chance(&mut self, ppm: u32) -> bool {
-        self.below(u64::from(PPM)) < u64::from(ppm)
-    }
+/// True with chance `ppm` out of [`PPM`].
+fn chance(rng: &mut SplitMix64, ppm: u32) -> bool {
+    rng.below(u64::from(PPM)) < u64::from(ppm)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -268,7 +249,7 @@ impl SimReader {
         };
         let table = OpTable::new(files.to_vec(), limits, None);
         Ok(SimReader {
-            rng: SplitMix64(opts.seed),
+            rng: SplitMix64::new(opts.seed),
             opts,
             files: opened,
             corruptible,
@@ -313,7 +294,7 @@ impl SimReader {
         assert!(id < self.chunks.len(), "chunk id {id} outside the sim's table");
         let spread = u64::from(self.opts.latency_max - self.opts.latency_min) + 1;
         let latency = u64::from(self.opts.latency_min) + self.rng.below(spread);
-        let tie = self.rng.next();
+        let tie = self.rng.next_u64();
         let planned = match self.chunks[id] {
             SimChunk::Scheduled(_) => unreachable!("chunk {id} scheduled twice"),
             SimChunk::AwaitingRemainder => Planned { req, failure: Failure::None, cut: None, corrupt: None },
@@ -327,12 +308,12 @@ impl SimReader {
 
     /// Draws the faults of a fresh chunk read: always the same number of draws, whatever applies.
     fn draw_faults(&mut self, req: ChunkReq) -> Planned {
-        let eio = self.rng.chance(self.opts.eio_ppm);
-        let ecanceled = self.rng.chance(self.opts.ecanceled_ppm);
-        let short = self.rng.chance(self.opts.short_ppm);
-        let corrupt = self.rng.chance(self.opts.corrupt_ppm);
-        let cut_draw = self.rng.next();
-        let corrupt_seed = self.rng.next();
+        let eio = chance(&mut self.rng, self.opts.eio_ppm);
+        let ecanceled = chance(&mut self.rng, self.opts.ecanceled_ppm);
+        let short = chance(&mut self.rng, self.opts.short_ppm);
+        let corrupt = chance(&mut self.rng, self.opts.corrupt_ppm);
+        let cut_draw = self.rng.next_u64();
+        let corrupt_seed = self.rng.next_u64();
         let failure = match (eio, ecanceled) {
             (true, _) => Failure::Eio,
             (false, true) => Failure::Ecanceled,
@@ -425,7 +406,7 @@ impl SimReader {
 /// its own equal segment and is XORed with a non-zero mask, so the result always differs.
 fn flip_bytes(bytes: &mut [u8], seed: u64) {
     assert!(!bytes.is_empty());
-    let mut rng = SplitMix64(seed);
+    let mut rng = SplitMix64::new(seed);
     let count = (1 + rng.below(4) as usize).min(bytes.len());
     let segment = bytes.len() / count;
     for k in 0..count {

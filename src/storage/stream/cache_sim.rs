@@ -656,24 +656,12 @@ pub fn default_capacities(trace: &Trace) -> Vec<usize> {
 mod tests {
     use super::super::policy::{policy_by_name, POLICY_NAMES};
     use super::*;
-
-    /// A seeded splitmix64 stream.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-    }
+    use crate::rng::SplitMix64;
 
     /// Tokens routing to `top_k` of `experts` per layer, expert e drawn with weight 1/(e+1)
     /// (skewed) or uniformly.
     fn synthetic(seed: u64, tokens: u64, layers: usize, experts: usize, top_k: usize, skewed: bool) -> Trace {
-        let mut rng = Rng(seed);
+        let mut rng = SplitMix64::new(seed);
         let weights: Vec<f64> = (0..experts).map(|e| if skewed { 1.0 / (e + 1) as f64 } else { 1.0 }).collect();
         let total: f64 = weights.iter().sum();
         let mut t = Trace::new(layers, experts, top_k).unwrap();
@@ -681,7 +669,7 @@ mod tests {
             for layer in 0..layers {
                 let mut picked = Vec::new();
                 while picked.len() < top_k {
-                    let mut x = (rng.next() >> 11) as f64 / (1u64 << 53) as f64 * total;
+                    let mut x = rng.next_f64() * total;
                     let e = weights.iter().position(|w| {
                         x -= w;
                         x < 0.0
