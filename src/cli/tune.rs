@@ -213,7 +213,17 @@ fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
     } else {
         println!(
             "{:>6} {:>9} {:>11} {:>6} {:>5} {:>6} {:>9} {:>10} {:>8} {:>7} {:>5}",
-            "split", "readahead", "speculation", "margin", "qd", "io", "s/token", "GB/token", "overlap", "recall", "ids"
+            "split",
+            "readahead",
+            "speculation",
+            "margin",
+            "qd",
+            "io",
+            "s/token",
+            "GB/token",
+            "overlap",
+            "recall",
+            "ids"
         );
         for p in points {
             let k = &p.knobs;

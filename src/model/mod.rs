@@ -21,7 +21,7 @@ use kernels::{KernelError, Kernels};
 
 use crate::config::{AttnKind, Config, FfnKind};
 use crate::exit::{Classify, ExitCode};
-use crate::trace::{SpanArgs, Stage};
+use crate::trace::{ComputeOp, SpanArgs};
 use attn_res::ResScratch;
 use dense::GluScratch;
 use head::HeadScratch;
@@ -247,7 +247,7 @@ impl Model {
             n_snap = self.layer(src, hook, st, sc, l, t, n_snap, &mut probe)?;
         }
         let g = src.trunk(TrunkUnit::Head)?;
-        let head_span = self.tracer.as_ref().map(|t| t.span(Stage::Compute, "head"));
+        let head_span = self.tracer.as_ref().map(|t| t.span(ComputeOp::Head));
         let out_rows = match rows {
             LogitRows::Last => t - 1..t,
             LogitRows::All => 0..t,
@@ -319,7 +319,7 @@ impl Model {
         }
         // 3. a = Attention(RMSNorm(x)); p += a.
         let attn_span =
-            self.tracer.as_ref().map(|t| t.span_args(Stage::Compute, "attention", SpanArgs::new().layer(l as u32)));
+            self.tracer.as_ref().map(|t| t.span_args(ComputeOp::Attention, SpanArgs::new().layer(l as u32)));
         norm_rows(k, view.bytes(lw.input_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match (&lw.attn, &mut st.layers[l]) {
             (AttnWeights::Kda(w), LayerState::Kda(s)) => {
@@ -340,10 +340,8 @@ impl Model {
         norm_rows(k, view.bytes(lw.post_attention_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
         match &lw.ffn {
             FfnWeights::Dense(w) => {
-                let _s = self
-                    .tracer
-                    .as_ref()
-                    .map(|t| t.span_args(Stage::Compute, "dense ffn", SpanArgs::new().layer(l as u32)));
+                let _s =
+                    self.tracer.as_ref().map(|t| t.span_args(ComputeOp::DenseFfn, SpanArgs::new().layer(l as u32)));
                 dense::glu_mlp(k, &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a)
             }
             FfnWeights::Moe(w) => {

@@ -13,23 +13,17 @@ use super::dense::{self, GluScratch};
 use super::weights::{f32_at, vector_into, ExpertView, MoeWeights, TrunkView, WeightSource};
 use super::ModelError;
 use crate::config::Config;
-use crate::trace::{SpanArgs, Stage, Tracer};
+use crate::trace::{ComputeOp, SpanArgs, Tracer};
 
 /// Renormalisation guard added to the weight sum (spec 5, step 3).
 const RENORM_EPS: f32 = 1e-20;
 
-/// Trace span of the shared experts and the latent down projection.
-const SPAN_SHARED: &str = "shared experts, latent down";
-/// Trace span of one routed expert's compute (its wait for bytes excluded).
-const SPAN_EXPERT: &str = "expert";
-/// Trace span of the weighted sum, the latent norm and the up projection.
-const SPAN_LATENT_UP: &str = "latent norm, up";
 /// The spans of the compute a layer's expert reads can overlap without routing prediction:
 /// the reads start after the router has chosen, and must be done before the weighted sum
-/// (`SPAN_LATENT_UP`) and the next layer. Counting every routed expert is generous (the last
+/// (`ComputeOp::LatentUp`) and the next layer. Counting every routed expert is generous (the last
 /// expert read cannot overlap that expert's own compute), so a floor built on it stays a
 /// lower bound.
-pub const SPANS_READS_CAN_OVERLAP: [&str; 2] = [SPAN_SHARED, SPAN_EXPERT];
+pub const SPANS_READS_CAN_OVERLAP: [ComputeOp; 2] = [ComputeOp::SharedExperts, ComputeOp::Expert];
 
 /// The routing decision of one token: experts in the fixed top-k order and their weights.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -107,7 +101,7 @@ pub fn forward<S: WeightSource>(
     let m = &cfg.moe;
     let d = cfg.hidden_size;
     let (lat, e) = (m.latent, m.n_experts);
-    let router_span = tracer.map(|t| t.span_args(Stage::Compute, "router", SpanArgs::new().layer(layer as u32)));
+    let router_span = tracer.map(|t| t.span_args(ComputeOp::Router, SpanArgs::new().layer(layer as u32)));
     router_scores(k, view, w, &x[..t * d], t, &mut s.scores[..t * e]);
     let bias = view.bytes(w.e_score_correction_bias.id);
     for (i, b) in s.bias.iter_mut().enumerate() {
@@ -121,7 +115,7 @@ pub fn forward<S: WeightSource>(
     // Start the expert reads first, then do the work that does not need them (the shared
     // experts and the latent down projection) while they are in flight.
     src.request(layer, &mut s.distinct);
-    let shared_span = tracer.map(|t| t.span_args(Stage::Compute, SPAN_SHARED, SpanArgs::new().layer(layer as u32)));
+    let shared_span = tracer.map(|t| t.span_args(ComputeOp::SharedExperts, SpanArgs::new().layer(layer as u32)));
     if let Some(shared) = &w.shared {
         dense::glu_mlp(k, view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
     }
@@ -131,7 +125,7 @@ pub fn forward<S: WeightSource>(
     for i in 0..s.distinct.len() {
         run_expert(k, cfg, src, layer, s.distinct[i], t, s, tracer)?;
     }
-    let _latent_span = tracer.map(|t| t.span_args(Stage::Compute, SPAN_LATENT_UP, SpanArgs::new().layer(layer as u32)));
+    let _latent_span = tracer.map(|t| t.span_args(ComputeOp::LatentUp, SpanArgs::new().layer(layer as u32)));
     // y_t = sum_i w_i E_i(u_t) in the token's own top-k order.
     for tok in 0..t {
         let y = &mut s.y[tok * lat..(tok + 1) * lat];
@@ -239,8 +233,8 @@ fn run_expert<S: WeightSource>(
     // Wait for the bytes first, so that the span holds all of this expert's compute and none
     // of the wait (`k3ring bench` sums these spans as the compute expert reads can overlap).
     let guard = src.expert(layer, expert)?;
-    let _span = tracer
-        .map(|t| t.span_args(Stage::Compute, SPAN_EXPERT, SpanArgs::new().layer(layer as u32).expert(expert as u32)));
+    let _span =
+        tracer.map(|t| t.span_args(ComputeOp::Expert, SpanArgs::new().layer(layer as u32).expert(expert as u32)));
     s.users.clear();
     for tok in 0..t {
         if let Some(slot) = s.routes[tok].experts.iter().position(|&e| e == expert) {

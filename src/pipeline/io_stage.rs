@@ -24,7 +24,7 @@ use crate::storage::io::{
 };
 use crate::storage::stream::reads::{OpMeta, Priority, ReadQueue, SendOp, Ticket};
 use crate::storage::stream::StreamError;
-use crate::trace::{SpanArgs, Stage, Tracer};
+use crate::trace::{SpanArgs, SpanKind, Tracer};
 
 /// Which read backend serves the I/O stage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -554,7 +554,6 @@ impl Queues {
         }
         None
     }
-
 }
 
 /// The I/O thread's loop: the event loop of the I/O stage (bounded by Stop or a closed channel).
@@ -600,7 +599,7 @@ fn run(mut backend: Box<dyn ReadBackend>, rx: Receiver<Msg>, shared: &Shared, li
                 let mut args = SpanArgs::new().bytes(r.len as u64).kind(r.meta.kind);
                 args.layer = r.meta.layer;
                 args.expert = r.meta.expert;
-                tracer.complete(Stage::Io, r.meta.name, r.start_us, now.max(r.start_us), args);
+                tracer.complete(SpanKind::Io(r.meta.name), r.start_us, now.max(r.start_us), args);
                 finish_one(shared, r.ticket, c.result);
             }
         }

@@ -48,7 +48,7 @@ use crate::model::weights::{f32_at, FfnWeights, TrunkUnit, TrunkView};
 use crate::model::{norm_rows, Model};
 use crate::storage::stream::reads::Priority;
 use crate::storage::stream::{lock, Admission, AdmitAll, Guess, Routed, Store, Victim};
-use crate::trace::{SpanArgs, Stage};
+use crate::trace::{ComputeOp, SpanArgs};
 
 /// What the prefetcher guesses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -274,7 +274,7 @@ impl Prefetcher {
             let _span = model
                 .tracer
                 .as_ref()
-                .map(|tr| tr.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32)));
+                .map(|tr| tr.span_args(ComputeOp::Speculation, SpanArgs::new().layer(next as u32)));
             attn_res::forward_with_newest(
                 &model.kernels,
                 &view,
@@ -344,10 +344,8 @@ impl Prefetcher {
     fn predict(&self, store: &Store, model: &Model, next: usize, t: usize, y: &[f32], sc: &mut RouterScratch) {
         let Some(FfnWeights::Moe(w)) = model.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = store.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
-        let span = model
-            .tracer
-            .as_ref()
-            .map(|tr| tr.span_args(Stage::Compute, "speculation", SpanArgs::new().layer(next as u32)));
+        let span =
+            model.tracer.as_ref().map(|tr| tr.span_args(ComputeOp::Speculation, SpanArgs::new().layer(next as u32)));
         let (k, cfg) = (&model.kernels, &model.cfg);
         let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
         let norm = view.bytes(model.weights.layers[next].post_attention_layernorm.id);

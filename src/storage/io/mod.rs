@@ -33,9 +33,9 @@ pub mod topology;
 #[cfg(test)]
 mod backend_tests;
 #[cfg(test)]
-pub(crate) mod gated;
-#[cfg(test)]
 mod bench_tests;
+#[cfg(test)]
+pub(crate) mod gated;
 #[cfg(test)]
 mod testutil;
 

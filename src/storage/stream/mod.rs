@@ -48,7 +48,7 @@ use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::exit::{Classify, ExitCode};
 use crate::model::weights::SourceError;
-use crate::trace::{SpanArgs, Stage, Tracer};
+use crate::trace::{SpanArgs, SpanKind, Tracer};
 
 pub use self::expert_pool::{Admission, AdmitAll, ExpertGuard, Guess, Routed, Victim};
 pub use self::layout::{embed_buffer_bytes, expert_slot_bytes};
@@ -313,7 +313,7 @@ impl Store {
         let mut args = SpanArgs::new();
         args.layer = layer.map(|l| l as u32);
         let start = self.tracer.now_us();
-        let stall = self.tracer.span_args(Stage::Scheduler, "wait", args);
+        let stall = self.tracer.span_args(SpanKind::Wait, args);
         let r = self.reads.wait(t);
         drop(stall);
         if let Some(l) = layer {
