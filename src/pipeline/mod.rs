@@ -29,6 +29,7 @@ pub mod io_stage;
 pub mod mode;
 pub mod placement;
 pub mod prefetcher;
+pub mod trial;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -124,6 +125,7 @@ impl Pipeline {
         let mut s = self.store.stats().with_io(self.io.stats());
         // Cancelled guesses wasted the part of their reads that reached the device.
         s.spec_wasted_bytes += s.spec_cancelled_window_bytes.saturating_sub(self.io.cancelled_bytes());
+        (s.spec_trials_won, s.spec_trials_lost) = self.prefetcher.trials();
         s
     }
 

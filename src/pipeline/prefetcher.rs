@@ -41,6 +41,7 @@ use std::sync::{Arc, Mutex};
 use serde::Serialize;
 
 use super::io_stage::IoStage;
+use super::trial::Trial;
 use crate::config::Config;
 use crate::model::attn_res::{self, ResScratch};
 use crate::model::moe::{router_scores, top_k};
@@ -153,15 +154,33 @@ struct RouterScratch {
 
 /// Lets a guess evict only an expert less likely to be used than itself.
 struct AdmitLikelier<'a> {
+    /// The guesses being read.
     guesses: &'a [Guess],
+    /// The whole prediction they come from, resident experts included.
+    predicted: &'a [Guess],
     /// Per layer: the chance a cached expert is chosen.
     cached_p: &'a [f32],
+    /// A layer whose routing comes before the guessed layer's: its experts are needed first, so
+    /// no guess evicts them.
+    spare_layer: Option<usize>,
+}
+
+impl AdmitLikelier<'_> {
+    /// The chance `victim` is used: its own guess's, the prediction's, or its layer's cached rate,
+    /// whichever is highest.
+    fn p_victim(&self, victim: Victim) -> f32 {
+        let cached = self.cached_p.get(victim.key.0).copied().unwrap_or(1.0);
+        let predicted = self.predicted.iter().find(|g| g.key == victim.key).map_or(0.0, |g| g.p_use);
+        cached.max(predicted).max(victim.pending_guess.unwrap_or(0.0))
+    }
 }
 
 impl Admission for AdmitLikelier<'_> {
     fn admit(&self, guess: usize, victim: Victim) -> bool {
-        let p_victim = victim.pending_guess.unwrap_or_else(|| self.cached_p.get(victim.key.0).copied().unwrap_or(1.0));
-        self.guesses.get(guess).is_some_and(|g| g.p_use > p_victim)
+        if self.spare_layer == Some(victim.key.0) {
+            return false;
+        }
+        self.guesses.get(guess).is_some_and(|g| g.p_use > self.p_victim(victim))
     }
 }
 
@@ -177,6 +196,8 @@ pub struct Prefetcher {
     busy_bytes: usize,
     scratch: Mutex<PredictScratch>,
     history: Mutex<History>,
+    /// With `adaptive`: whether guessing pays, tried pass by pass.
+    trial: Mutex<Trial>,
 }
 
 impl Prefetcher {
@@ -221,7 +242,19 @@ impl Prefetcher {
             busy_bytes,
             scratch: Mutex::new(scratch),
             history: Mutex::new(history),
+            trial: Mutex::new(Trial::new()),
         }
+    }
+
+    /// Whether guesses are read now: always when not adaptive, else as the trial decides.
+    fn guessing(&self) -> bool {
+        !self.spec.adaptive || lock(&self.trial).guessing()
+    }
+
+    /// Trials decided for guessing and against it so far.
+    pub fn trials(&self) -> (u64, u64) {
+        let t = lock(&self.trial);
+        (t.decided_on, t.decided_off)
     }
 
     /// Bytes of the buffers [`Prefetcher::new`] allocates (for the memory plan).
@@ -245,7 +278,8 @@ impl Prefetcher {
             return;
         }
         let mut sc = lock(&self.scratch);
-        self.predict(store, model, next, t, y, &mut sc.router);
+        // `layer`'s routing comes next: its cached experts are needed before `next`'s guesses.
+        self.predict(store, model, next, t, y, &mut sc.router, Some(layer));
     }
 
     /// Layer `layer` is done: if `layer + 1` starts a block, predict it from its MLP residual
@@ -260,6 +294,9 @@ impl Prefetcher {
         partial: &[f32],
     ) {
         let next = layer + 1;
+        if next == model.cfg.n_layers && self.spec.enabled {
+            lock(&self.trial).pass_end(t);
+        }
         if !self.spec.enabled || t > self.chunk || !model.cfg.layers.get(next).is_some_and(|n| n.block_start) {
             return;
         }
@@ -289,7 +326,7 @@ impl Prefetcher {
             );
         }
         drop(view);
-        self.predict(store, model, next, t, &sc.y[..td], &mut sc.router);
+        self.predict(store, model, next, t, &sc.y[..td], &mut sc.router, None);
     }
 
     /// The routing of `layer` chose `experts` (distinct) and found `routed` in the pool: learn
@@ -314,7 +351,7 @@ impl Prefetcher {
         let guesses: Vec<Guess> = next.iter().map(|&e| Guess { key: (layer + 1, e), p_use }).collect();
         let cached_p: Vec<f32> = h.cached.iter().map(|r| r.p()).collect();
         drop(h);
-        self.guess(store, guesses, &cached_p, None);
+        self.guess(store, guesses, &cached_p, None, None);
     }
 
     /// Scores the pending prediction of `layer` against its routing: per-rank hit rates and the
@@ -341,7 +378,17 @@ impl Prefetcher {
     /// Predicts the experts of `next` from the residual read `y` ([t, D]) with `next`'s own
     /// norm and router, and guesses them. Skipped when `next` is not an MoE layer or its trunk
     /// is not resident (a prediction never waits).
-    fn predict(&self, store: &Store, model: &Model, next: usize, t: usize, y: &[f32], sc: &mut RouterScratch) {
+    #[allow(clippy::too_many_arguments)]
+    fn predict(
+        &self,
+        store: &Store,
+        model: &Model,
+        next: usize,
+        t: usize,
+        y: &[f32],
+        sc: &mut RouterScratch,
+        spare_layer: Option<usize>,
+    ) {
         let Some(FfnWeights::Moe(w)) = model.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = store.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
         let span =
@@ -368,11 +415,11 @@ impl Prefetcher {
             }
         }
         drop((span, view));
-        self.guess_prediction(store, next, &sc.predicted);
+        self.guess_prediction(store, next, &sc.predicted, spare_layer);
     }
 
     /// Records the prediction of `layer` and asks the store to read the guesses it admits.
-    fn guess_prediction(&self, store: &Store, layer: usize, predicted: &[(usize, usize)]) {
+    fn guess_prediction(&self, store: &Store, layer: usize, predicted: &[(usize, usize)], spare_layer: Option<usize>) {
         let mut h = lock(&self.history);
         let (at_ns, busy_ns) = self.io.needed_busy();
         let p = &mut h.pending[layer];
@@ -389,7 +436,7 @@ impl Prefetcher {
         let budget = self.budget_bytes(&h, layer);
         let cached_p: Vec<f32> = h.cached.iter().map(|r| r.p()).collect();
         drop(h);
-        self.guess(store, guesses, &cached_p, budget);
+        self.guess(store, guesses, &cached_p, budget, spare_layer);
     }
 
     /// The bytes of guesses `layer` may get: the device time that was free for them at past
@@ -405,7 +452,14 @@ impl Prefetcher {
     }
 
     /// Asks the store to read `guesses` (likeliest first) that are not resident or being read.
-    fn guess(&self, store: &Store, mut guesses: Vec<Guess>, cached_p: &[f32], budget: Option<u64>) {
+    fn guess(
+        &self,
+        store: &Store,
+        mut guesses: Vec<Guess>,
+        cached_p: &[f32],
+        budget: Option<u64>,
+        spare_layer: Option<usize>,
+    ) {
         if !self.spec.adaptive {
             // Every guess, in disk order, using idle bandwidth only: with more than the
             // device's window already outstanding, a guess would delay reads compute is
@@ -421,6 +475,10 @@ impl Prefetcher {
             store.request(&guesses, Priority::Guess, &AdmitAll);
             return;
         }
+        if !self.guessing() {
+            return;
+        }
+        let predicted = guesses.clone();
         guesses.retain(|g| !store.expert_requested(g.key));
         if let Some(budget) = budget {
             // Whole guesses, rounded: a guess not read by the routing is still worth its head
@@ -432,7 +490,7 @@ impl Prefetcher {
             }
             guesses.truncate(fit);
         }
-        let admission = AdmitLikelier { guesses: &guesses, cached_p };
+        let admission = AdmitLikelier { guesses: &guesses, predicted: &predicted, cached_p, spare_layer };
         store.request(&guesses, Priority::Guess, &admission);
     }
 }
@@ -459,7 +517,8 @@ mod tests {
     fn a_guess_evicts_only_less_likely_experts() {
         let guesses = [Guess { key: (3, 1), p_use: 0.6 }, Guess { key: (3, 2), p_use: 0.2 }];
         let cached_p = [0.4, 0.4, 0.4, 0.4];
-        let a = AdmitLikelier { guesses: &guesses, cached_p: &cached_p };
+        let predicted = [Guess { key: (3, 5), p_use: 0.9 }];
+        let a = AdmitLikelier { guesses: &guesses, predicted: &predicted, cached_p: &cached_p, spare_layer: Some(2) };
         let cached = Victim { key: (1, 7), pending_guess: None };
         assert!(a.admit(0, cached), "0.6 beats a cached expert used 40% of the time");
         assert!(!a.admit(1, cached), "0.2 does not");
@@ -469,5 +528,9 @@ mod tests {
         assert!(a.admit(0, unlikely_guess));
         let tie = Victim { key: (0, 0), pending_guess: Some(0.6) };
         assert!(!a.admit(0, tie), "a tie keeps the resident expert");
+        let predicted_too = Victim { key: (3, 5), pending_guess: None };
+        assert!(!a.admit(0, predicted_too), "a resident expert the prediction ranks at 0.9 stays");
+        let imminent = Victim { key: (2, 0), pending_guess: None };
+        assert!(!a.admit(0, imminent), "the layer routed before the guessed one keeps its experts");
     }
 }

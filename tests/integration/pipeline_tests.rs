@@ -83,12 +83,20 @@ fn output_is_identical_across_every_pipeline_setting() {
     }
 }
 
+/// The prediction itself, measured with every prediction read (`adaptive` off): whether the
+/// adaptive default reads them depends on timing (tested in the pipeline's unit tests).
+fn every_prediction_read() -> StreamingRun {
+    let mut run = base_run();
+    run.pipeline.speculation.adaptive = false;
+    run
+}
+
 #[test]
 fn speculation_raises_recall() {
     let trunk = pack(&tiny_dir());
     let mut off = base_run();
     off.pipeline.speculation.enabled = false;
-    let mut on = base_run();
+    let mut on = every_prediction_read();
     on.pipeline.speculation.margin = 2;
     let (_, s_off, _) = go(trunk.path(), &off);
     let (_, s_on, _) = go(trunk.path(), &on);
@@ -112,7 +120,7 @@ fn speculation_predicts_block_starts_too() {
     let mut off = base_run();
     off.pipeline.speculation.enabled = false;
     let (_, s_off, _) = go(trunk.path(), &off);
-    let (_, s_on, _) = go(trunk.path(), &base_run());
+    let (_, s_on, _) = go(trunk.path(), &every_prediction_read());
     let recall = |s: &StreamStats, block_start: bool| {
         let layers = s.per_layer.iter().filter(|l| starts.contains(&l.layer) == block_start);
         let (hit, all) = layers.fold((0, 0), |(h, a), l| (h + l.routed_recalled, a + l.routed_experts));
@@ -145,7 +153,7 @@ fn the_trace_is_valid_chrome_json_with_overlapping_reads_and_compute() {
         "--gen",
         "8",
         "--ignore-eos",
-        "--spec",
+        "--spec-fixed",
         "--trace",
         trace.to_str().unwrap(),
     ]);

@@ -37,8 +37,12 @@ pub struct StreamStats {
     pub spec_cancelled: u64,
     /// Read windows of those guesses, whole (the I/O stage counts what it dropped).
     pub spec_cancelled_window_bytes: u64,
-    /// Layers whose speculation was skipped because the device was already saturated.
+    /// Predictions whose guesses were skipped because the device had no time for them.
     pub spec_skipped_busy: u64,
+    /// Trials of adaptive speculation (passes with and without guesses compared) that decided
+    /// for guessing, and against it.
+    pub spec_trials_won: u64,
+    pub spec_trials_lost: u64,
     /// True routed experts, and those already requested (resident or in flight) when the
     /// layer's routing was known: recall = recalled / routed.
     pub routed_experts: u64,
