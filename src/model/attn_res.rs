@@ -7,6 +7,7 @@
 
 use kernels::Kernels;
 
+use super::buffers::Buffers;
 use super::weights::{vector_into, ResWeights, TrunkView};
 use crate::config::ATTN_RES_EPS;
 
@@ -21,8 +22,8 @@ pub struct ResScratch {
 }
 
 impl ResScratch {
-    pub fn new(hidden: usize, max_candidates: usize) -> ResScratch {
-        ResScratch { gw: vec![0.0; hidden], scores: vec![0.0; max_candidates], tmp: vec![0.0; hidden] }
+    pub fn new(hidden: usize, max_candidates: usize, b: &mut impl Buffers) -> ResScratch {
+        ResScratch { gw: b.zeros(hidden), scores: b.zeros(max_candidates), tmp: b.zeros(hidden) }
     }
 }
 

@@ -3,6 +3,7 @@
 
 use kernels::Kernels;
 
+use super::buffers::Buffers;
 use super::weights::{DenseWeights, TrunkView};
 use crate::config::Config;
 
@@ -15,9 +16,9 @@ pub struct GluScratch {
 }
 
 impl GluScratch {
-    pub fn new(cfg: &Config, chunk: usize, width: usize) -> GluScratch {
-        let buf = || vec![0.0; chunk * width];
-        GluScratch { gate: buf(), up: buf(), act: buf(), beta: (cfg.situ_beta, cfg.situ_linear_beta) }
+    pub fn new(cfg: &Config, chunk: usize, width: usize, b: &mut impl Buffers) -> GluScratch {
+        let n = chunk * width;
+        GluScratch { gate: b.zeros(n), up: b.zeros(n), act: b.zeros(n), beta: (cfg.situ_beta, cfg.situ_linear_beta) }
     }
 }
 

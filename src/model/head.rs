@@ -4,6 +4,7 @@
 use kernels::Kernels;
 
 use super::attn_res::{self, ResScratch};
+use super::buffers::Buffers;
 use super::weights::{vector_into, GlobalWeights, TrunkView, WeightSource};
 use super::ModelError;
 use crate::config::Config;
@@ -39,13 +40,13 @@ pub struct HeadScratch {
 }
 
 impl HeadScratch {
-    pub fn new(cfg: &Config, chunk: usize, max_candidates: usize) -> HeadScratch {
+    pub fn new(cfg: &Config, chunk: usize, max_candidates: usize, b: &mut impl Buffers) -> HeadScratch {
         let d = cfg.hidden_size;
         HeadScratch {
-            h: vec![0.0; chunk * d],
-            hn: vec![0.0; chunk * d],
-            norm_w: vec![0.0; d],
-            res: ResScratch::new(d, max_candidates),
+            h: b.zeros(chunk * d),
+            hn: b.zeros(chunk * d),
+            norm_w: b.zeros(d),
+            res: ResScratch::new(d, max_candidates, b),
         }
     }
 }

@@ -8,6 +8,7 @@
 use kernels::Kernels;
 use rayon::prelude::*;
 
+use super::buffers::Buffers;
 use super::weights::{f32_at, KdaWeights, TrunkView};
 use super::ModelError;
 use crate::config::Config;
@@ -60,21 +61,20 @@ pub struct KdaScratch {
 }
 
 impl KdaScratch {
-    pub fn new(cfg: &Config, chunk: usize) -> KdaScratch {
+    pub fn new(cfg: &Config, chunk: usize, b: &mut impl Buffers) -> KdaScratch {
         let kd = &cfg.kda;
         let tw = chunk * kd.width();
-        let z = || vec![0.0f32; tw];
         KdaScratch {
-            raw: [z(), z(), z()],
-            conv: [z(), z(), z()],
-            za: vec![0.0; chunk * kd.head_dim],
-            gate: z(),
-            beta: vec![0.0; chunk * kd.n_heads],
-            out_gate: z(),
-            heads_out: z(),
-            step: vec![0.0; kd.n_heads * kd.head_dim],
-            o: z(),
-            o_norm: vec![0.0; kd.head_dim],
+            raw: [b.zeros(tw), b.zeros(tw), b.zeros(tw)],
+            conv: [b.zeros(tw), b.zeros(tw), b.zeros(tw)],
+            za: b.zeros(chunk * kd.head_dim),
+            gate: b.zeros(tw),
+            beta: b.zeros(chunk * kd.n_heads),
+            out_gate: b.zeros(tw),
+            heads_out: b.zeros(tw),
+            step: b.zeros(kd.n_heads * kd.head_dim),
+            o: b.zeros(tw),
+            o_norm: b.zeros(kd.head_dim),
         }
     }
 }

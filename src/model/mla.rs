@@ -9,6 +9,7 @@
 use kernels::Kernels;
 use rayon::prelude::*;
 
+use super::buffers::Buffers;
 use super::weights::{vector_into, Mat, MlaWeights, TrunkView};
 use super::ModelError;
 use crate::config::{Config, MLA_LATENT_NORM_EPS};
@@ -63,19 +64,19 @@ pub struct MlaScratch {
 }
 
 impl MlaScratch {
-    pub fn new(cfg: &Config, chunk: usize, capacity: usize) -> MlaScratch {
+    pub fn new(cfg: &Config, chunk: usize, capacity: usize, b: &mut impl Buffers) -> MlaScratch {
         let m = &cfg.mla;
         let hv = m.n_heads * m.v_head_dim;
         MlaScratch {
-            cq: vec![0.0; chunk * m.q_lora_rank],
-            cqn: vec![0.0; chunk * m.q_lora_rank],
-            q: vec![0.0; chunk * m.n_heads * m.qk_head_dim()],
-            ckv: vec![0.0; chunk * m.cache_width()],
-            gate: vec![0.0; chunk * hv],
-            heads_out: vec![0.0; chunk * hv],
-            per_head: vec![0.0; m.n_heads * (2 * m.kv_lora_rank + capacity)],
-            o: vec![0.0; chunk * hv],
-            norm_w: vec![0.0; m.q_lora_rank.max(m.kv_lora_rank)],
+            cq: b.zeros(chunk * m.q_lora_rank),
+            cqn: b.zeros(chunk * m.q_lora_rank),
+            q: b.zeros(chunk * m.n_heads * m.qk_head_dim()),
+            ckv: b.zeros(chunk * m.cache_width()),
+            gate: b.zeros(chunk * hv),
+            heads_out: b.zeros(chunk * hv),
+            per_head: b.zeros(m.n_heads * (2 * m.kv_lora_rank + capacity)),
+            o: b.zeros(chunk * hv),
+            norm_w: b.zeros(m.q_lora_rank.max(m.kv_lora_rank)),
         }
     }
 }

@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod attn_res;
+pub mod buffers;
 pub mod dense;
 pub mod head;
 pub mod hook;
@@ -23,6 +24,7 @@ use crate::config::{AttnKind, Config, FfnKind};
 use crate::exit::{Classify, ExitCode};
 use crate::trace::{ComputeOp, SpanArgs};
 use attn_res::ResScratch;
+use buffers::{counted, Allocate, Buffers};
 use dense::GluScratch;
 use head::HeadScratch;
 use kda::{KdaScratch, KdaState};
@@ -166,44 +168,34 @@ pub struct Scratch {
 
 impl Scratch {
     pub fn new(cfg: &Config, chunk: usize, capacity: usize) -> Scratch {
-        let d = cfg.hidden_size;
-        let blocks = cfg.block_starts().len();
-        let td = || vec![0.0f32; chunk * d];
-        Scratch {
-            chunk,
-            partial: td(),
-            embed_rows: vec![0; chunk * d * 2],
-            snapshots: (0..blocks).map(|_| td()).collect(),
-            x: td(),
-            xn: td(),
-            a: td(),
-            res: ResScratch::new(d, blocks + 1),
-            kda: KdaScratch::new(cfg, chunk),
-            mla: MlaScratch::new(cfg, chunk, capacity),
-            moe: MoeScratch::new(cfg, chunk),
-            dense: GluScratch::new(cfg, chunk, cfg.dense_intermediate),
-            head: HeadScratch::new(cfg, chunk, blocks + 1),
-        }
+        Scratch::build(cfg, chunk, capacity, &mut Allocate)
     }
 
-    /// Bytes of scratch for a chunk and context (f32 buffers dominate; estimate used by the
-    /// memory check before anything is allocated).
+    /// Bytes [`Scratch::new`] allocates for a chunk and context, counted without allocating
+    /// (the memory plan is made before anything large is allocated).
     pub fn bytes(cfg: &Config, chunk: usize, capacity: usize) -> u64 {
+        counted(|b| Scratch::build(cfg, chunk, capacity, b))
+    }
+
+    fn build(cfg: &Config, chunk: usize, capacity: usize, b: &mut impl Buffers) -> Scratch {
         let d = cfg.hidden_size;
         let blocks = cfg.block_starts().len();
-        let m = &cfg.mla;
-        let moe = &cfg.moe;
-        let per_token = d * (blocks + 8)
-            + 10 * cfg.kda.width()
-            + 3 * cfg.dense_intermediate.max(moe.shared_hidden())
-            + moe.n_experts
-            + moe.latent * (moe.top_k + 5)
-            + 3 * moe.expert_hidden
-            + m.n_heads * (m.qk_head_dim() + 3 * m.v_head_dim)
-            + 2 * m.q_lora_rank
-            + m.cache_width();
-        let fixed = m.n_heads * (2 * m.kv_lora_rank + capacity) + 4 * d + 3 * moe.n_experts;
-        4 * (chunk * per_token + fixed) as u64
+        let td = chunk * d;
+        Scratch {
+            chunk,
+            partial: b.zeros(td),
+            embed_rows: b.zero_bytes(2 * td),
+            snapshots: b.each(blocks, |b| b.zeros(td)),
+            x: b.zeros(td),
+            xn: b.zeros(td),
+            a: b.zeros(td),
+            res: ResScratch::new(d, blocks + 1, b),
+            kda: KdaScratch::new(cfg, chunk, b),
+            mla: MlaScratch::new(cfg, chunk, capacity, b),
+            moe: MoeScratch::new(cfg, chunk, b),
+            dense: GluScratch::new(cfg, chunk, cfg.dense_intermediate, b),
+            head: HeadScratch::new(cfg, chunk, blocks + 1, b),
+        }
     }
 
     pub fn chunk(&self) -> usize {

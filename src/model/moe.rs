@@ -9,6 +9,7 @@
 
 use kernels::Kernels;
 
+use super::buffers::Buffers;
 use super::dense::{self, GluScratch};
 use super::weights::{f32_at, vector_into, ExpertView, MoeWeights, TrunkView, WeightSource};
 use super::ModelError;
@@ -55,30 +56,28 @@ pub struct MoeScratch {
 }
 
 impl MoeScratch {
-    pub fn new(cfg: &Config, chunk: usize) -> MoeScratch {
+    pub fn new(cfg: &Config, chunk: usize, b: &mut impl Buffers) -> MoeScratch {
         let m = &cfg.moe;
         let (lat, f, e) = (m.latent, m.expert_hidden, m.n_experts);
         MoeScratch {
-            scores: vec![0.0; chunk * e],
-            biased: vec![0.0; e],
-            bias: vec![0.0; e],
-            routes: (0..chunk)
-                .map(|_| Route { experts: Vec::with_capacity(m.top_k), weights: Vec::with_capacity(m.top_k) })
-                .collect(),
-            u: vec![0.0; chunk * lat],
-            slot_out: vec![0.0; chunk * m.top_k * lat],
-            gathered: vec![0.0; chunk * lat],
-            h1: vec![0.0; chunk * f],
-            h3: vec![0.0; chunk * f],
-            act: vec![0.0; chunk * f],
-            eo: vec![0.0; chunk * lat],
-            users: Vec::with_capacity(chunk * m.top_k),
-            distinct: Vec::with_capacity(chunk * m.top_k),
-            y: vec![0.0; chunk * lat],
-            yn: vec![0.0; chunk * lat],
-            norm_w: vec![0.0; lat],
-            up: vec![0.0; chunk * cfg.hidden_size],
-            glu: GluScratch::new(cfg, chunk, m.shared_hidden()),
+            scores: b.zeros(chunk * e),
+            biased: b.zeros(e),
+            bias: b.zeros(e),
+            routes: b.each(chunk, |b| Route { experts: b.with_capacity(m.top_k), weights: b.with_capacity(m.top_k) }),
+            u: b.zeros(chunk * lat),
+            slot_out: b.zeros(chunk * m.top_k * lat),
+            gathered: b.zeros(chunk * lat),
+            h1: b.zeros(chunk * f),
+            h3: b.zeros(chunk * f),
+            act: b.zeros(chunk * f),
+            eo: b.zeros(chunk * lat),
+            users: b.with_capacity(chunk * m.top_k),
+            distinct: b.with_capacity(chunk * m.top_k),
+            y: b.zeros(chunk * lat),
+            yn: b.zeros(chunk * lat),
+            norm_w: b.zeros(lat),
+            up: b.zeros(chunk * cfg.hidden_size),
+            glu: GluScratch::new(cfg, chunk, m.shared_hidden(), b),
         }
     }
 }

@@ -41,9 +41,10 @@ use std::sync::{Arc, Mutex};
 use serde::Serialize;
 
 use super::io_stage::IoStage;
-use super::trial::Trial;
+use super::trial::Trials;
 use crate::config::Config;
 use crate::model::attn_res::{self, ResScratch};
+use crate::model::buffers::{counted, Allocate, Buffers};
 use crate::model::moe::{router_scores, top_k};
 use crate::model::weights::{f32_at, FfnWeights, TrunkUnit, TrunkView};
 use crate::model::{norm_rows, Model};
@@ -129,6 +130,25 @@ struct History {
     last_routed: Vec<Vec<usize>>,
 }
 
+impl PredictScratch {
+    fn build(cfg: &Config, chunk: usize, b: &mut impl Buffers) -> PredictScratch {
+        let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
+        let blocks = cfg.block_starts().len();
+        PredictScratch {
+            y: b.zeros(chunk * d),
+            zeros: b.zeros(chunk * d),
+            res: ResScratch::new(d, blocks + 2, b),
+            router: RouterScratch {
+                xn: b.zeros(chunk * d),
+                scores: b.zeros(chunk * e),
+                biased: b.zeros(e),
+                ranked: b.with_capacity(e),
+                predicted: b.with_capacity(chunk * e),
+            },
+        }
+    }
+}
+
 /// Buffers of one prediction, sized for a chunk.
 struct PredictScratch {
     /// The estimated MLP residual read of a block start, [T, D].
@@ -196,8 +216,8 @@ pub struct Prefetcher {
     busy_bytes: usize,
     scratch: Mutex<PredictScratch>,
     history: Mutex<History>,
-    /// With `adaptive`: whether guessing pays, tried pass by pass.
-    trial: Mutex<Trial>,
+    /// With `adaptive`: whether guessing pays at each layer, tried pass by pass.
+    trial: Mutex<Trials>,
 }
 
 impl Prefetcher {
@@ -211,20 +231,7 @@ impl Prefetcher {
         busy_bytes: usize,
         expert_read_bytes: u64,
     ) -> Prefetcher {
-        let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
-        let blocks = cfg.block_starts().len();
-        let scratch = PredictScratch {
-            y: vec![0.0; chunk * d],
-            zeros: vec![0.0; chunk * d],
-            res: ResScratch::new(d, blocks + 2),
-            router: RouterScratch {
-                xn: vec![0.0; chunk * d],
-                scores: vec![0.0; chunk * e],
-                biased: vec![0.0; e],
-                ranked: Vec::with_capacity(e),
-                predicted: Vec::with_capacity(chunk * e),
-            },
-        };
+        let scratch = PredictScratch::build(cfg, chunk, &mut Allocate);
         let layers = cfg.n_layers;
         let history = History {
             ranks: vec![Rate::default(); cfg.moe.top_k + spec.margin],
@@ -242,13 +249,21 @@ impl Prefetcher {
             busy_bytes,
             scratch: Mutex::new(scratch),
             history: Mutex::new(history),
-            trial: Mutex::new(Trial::new()),
+            trial: Mutex::new(Trials::new(cfg.n_layers)),
         }
     }
 
-    /// Whether guesses are read now: always when not adaptive, else as the trial decides.
-    fn guessing(&self) -> bool {
-        !self.spec.adaptive || lock(&self.trial).guessing()
+    /// Whether guesses for `layer` are read now: always when not adaptive, else as its trial
+    /// decides.
+    fn guessing(&self, layer: usize) -> bool {
+        !self.spec.adaptive || lock(&self.trial).guessing(layer)
+    }
+
+    /// Opens `layer`'s trial window if it is an MoE layer.
+    fn open_window(&self, model: &Model, layer: usize) {
+        if self.spec.adaptive && matches!(model.weights.layers.get(layer).map(|lw| &lw.ffn), Some(FfnWeights::Moe(_))) {
+            lock(&self.trial).window_start(layer, std::time::Instant::now());
+        }
     }
 
     /// Trials decided for guessing and against it so far.
@@ -259,11 +274,7 @@ impl Prefetcher {
 
     /// Bytes of the buffers [`Prefetcher::new`] allocates (for the memory plan).
     pub fn scratch_bytes(cfg: &Config, chunk: usize) -> u64 {
-        let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
-        let blocks = cfg.block_starts().len();
-        let f32s = 3 * chunk * d + chunk * e + e + 2 * d + blocks + 2;
-        let words = e + 2 * chunk * e;
-        (4 * f32s + std::mem::size_of::<usize>() * words) as u64
+        counted(|b| PredictScratch::build(cfg, chunk, b))
     }
 
     pub fn speculation(&self) -> Speculation {
@@ -277,6 +288,7 @@ impl Prefetcher {
         if !self.spec.enabled || t > self.chunk || model.cfg.layers.get(next).is_none_or(|n| n.block_start) {
             return;
         }
+        self.open_window(model, next);
         let mut sc = lock(&self.scratch);
         // `layer`'s routing comes next: its cached experts are needed before `next`'s guesses.
         self.predict(store, model, next, t, y, &mut sc.router, Some(layer));
@@ -294,12 +306,17 @@ impl Prefetcher {
         partial: &[f32],
     ) {
         let next = layer + 1;
-        if next == model.cfg.n_layers && self.spec.enabled {
-            lock(&self.trial).pass_end(t);
+        if self.spec.enabled && self.spec.adaptive {
+            let mut trial = lock(&self.trial);
+            trial.window_end(layer, t, std::time::Instant::now());
+            if next == model.cfg.n_layers {
+                trial.pass_end(t);
+            }
         }
         if !self.spec.enabled || t > self.chunk || !model.cfg.layers.get(next).is_some_and(|n| n.block_start) {
             return;
         }
+        self.open_window(model, next);
         let Some(FfnWeights::Moe(_)) = model.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = store.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
         let mut guard = lock(&self.scratch);
@@ -475,7 +492,7 @@ impl Prefetcher {
             store.request(&guesses, Priority::Guess, &AdmitAll);
             return;
         }
-        if !self.guessing() {
+        if guesses.first().is_some_and(|g| !self.guessing(g.key.0)) {
             return;
         }
         let predicted = guesses.clone();

@@ -1,117 +1,160 @@
-//! Whether guessing pays on this machine, found by trying it: decode passes alternate with and
-//! without guesses, and the faster of the two runs until the next trial.
+//! Whether guessing pays, layer by layer, found by trying it: decode passes alternate with and
+//! without guesses, each layer's window is timed, and each layer keeps the faster setting until
+//! the next trial.
 //!
 //! Why measure instead of model: a guess read costs more than device time. On a virtual machine
 //! whose disk is emulated by the host, any read in flight takes CPU time from the guest (measured
 //! on the development VM: about a quarter of both vCPUs whenever a read is outstanding, which
 //! slows a parallel matmul by 40-60%), so a guess that moves a read from a stall into compute
-//! time can lose more compute than it saves stall. Such costs depend on the machine, its load and
-//! the budget; the pass time is what the user pays, so the controller compares pass times
-//! directly, alternating the two settings so that drift of the machine hits both alike.
+//! time can lose more compute than it saves stall. Such costs depend on the machine, its load,
+//! the budget and the layer (after a long dense layer a guess has time to land; before a block
+//! start it may not), so the controller compares what the user pays: time.
 //!
-//! Only single-token passes (decode) are timed, from the end of one pass to the end of the next;
-//! passes of other sizes run with the current choice and are not compared.
+//! A layer's window runs from the point its experts are predicted (the previous layer's MLP
+//! residual read, or the previous layer's end for a block start) to the end of the layer: it
+//! holds the reads its guesses cause, the compute they slow down and the stall they save. Passes
+//! alternate all layers together, so the two settings meet the same drift of the machine. Only
+//! single-token (decode) passes are timed; passes of other sizes run with the current choice.
+//!
+//! Allocation: the sample lists are sized once for the layers and the trial length.
 
 use std::time::Instant;
 
-/// Passes timed with and without guesses in one trial (each).
+/// Windows timed with and without guesses per layer in one trial (each).
 pub const TRIAL_PASSES: usize = 3;
 
-/// Passes run with the winning setting before the next trial.
+/// A trial that has not filled every layer's samples after this many decode passes decides
+/// with what it has (a layer short of samples stays without guesses).
+pub const TRIAL_PASSES_MAX: usize = 4 * TRIAL_PASSES;
+
+/// Passes run with the layers' decisions before the next trial.
 pub const DECIDED_PASSES: usize = 48;
 
-/// Guessing must be this much faster (median pass time) to win a trial. Choosing it wrongly
-/// costs time, choosing against it wrongly only forgoes a gain, so ties and noise go to the
-/// setting without guesses.
-pub const GUESSING_MARGIN: f64 = 0.02;
+/// Guessing must be this much faster (median window time) to win a layer's trial. Choosing it
+/// wrongly costs time, choosing against it wrongly only forgoes a gain, so ties and noise go to
+/// the setting without guesses.
+pub const GUESSING_MARGIN: f64 = 0.05;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
-    /// Alternating; the next pass guesses if `next_on`.
-    Trial,
-    /// Running the winner for `passes_left` more passes.
-    Decided { on: bool, passes_left: usize },
+    /// Alternating all layers together; `passes` decode passes so far.
+    Trial { on: bool, passes: usize },
+    /// Each layer runs its decision for `passes_left` more passes.
+    Decided { passes_left: usize },
 }
 
-/// The trial-and-decide controller.
-#[derive(Clone, Debug)]
-pub struct Trial {
-    phase: Phase,
-    /// Whether the pass now running guesses.
-    on: bool,
-    /// Seconds of the timed passes of the current trial, with and without guesses.
+#[derive(Clone, Debug, Default)]
+struct LayerTrial {
+    /// Seconds of the layer's windows in this trial, with and without guesses.
     with: Vec<f64>,
     without: Vec<f64>,
-    /// End of the previous pass.
-    last_end: Option<Instant>,
-    /// Trials decided so far for guessing and against it (for the run report).
+    /// The open window: its start and whether it guesses.
+    open: Option<(Instant, bool)>,
+    /// The last decision.
+    guess: bool,
+}
+
+/// The per-layer trial-and-decide controller.
+#[derive(Clone, Debug)]
+pub struct Trials {
+    phase: Phase,
+    layers: Vec<LayerTrial>,
+    /// Layer decisions made so far for guessing and against it (for the run report).
     pub decided_on: u64,
     pub decided_off: u64,
 }
 
-impl Default for Trial {
-    fn default() -> Self {
-        Trial::new()
-    }
-}
-
-impl Trial {
+impl Trials {
     /// Starts in a trial, with a pass without guesses.
-    pub fn new() -> Trial {
-        Trial {
-            phase: Phase::Trial,
-            on: false,
-            with: Vec::with_capacity(TRIAL_PASSES),
-            without: Vec::with_capacity(TRIAL_PASSES),
-            last_end: None,
+    pub fn new(layers: usize) -> Trials {
+        let layer = LayerTrial {
+            with: Vec::with_capacity(TRIAL_PASSES_MAX),
+            without: Vec::with_capacity(TRIAL_PASSES_MAX),
+            ..LayerTrial::default()
+        };
+        Trials {
+            phase: Phase::Trial { on: false, passes: 0 },
+            layers: vec![layer; layers],
             decided_on: 0,
             decided_off: 0,
         }
     }
 
-    /// Whether the pass now running may guess.
-    pub fn guessing(&self) -> bool {
-        self.on
-    }
-
-    /// A pass of `tokens` tokens ended now.
-    pub fn pass_end(&mut self, tokens: usize) {
-        let now = Instant::now();
-        let elapsed = self.last_end.map(|t| now.duration_since(t).as_secs_f64());
-        self.last_end = Some(now);
-        self.record(tokens, elapsed);
-    }
-
-    /// As [`Trial::pass_end`], with the pass's seconds given (`None`: not timed).
-    pub fn record(&mut self, tokens: usize, seconds: Option<f64>) {
+    /// Whether guesses for `layer` are read now.
+    pub fn guessing(&self, layer: usize) -> bool {
         match self.phase {
-            Phase::Decided { on, passes_left } => {
-                self.phase =
-                    if passes_left > 1 { Phase::Decided { on, passes_left: passes_left - 1 } } else { Phase::Trial };
-                self.on = if passes_left > 1 { on } else { false };
+            Phase::Trial { on, .. } => on,
+            Phase::Decided { .. } => self.layers.get(layer).is_some_and(|l| l.guess),
+        }
+    }
+
+    /// `layer`'s window opens (its experts are about to be predicted).
+    pub fn window_start(&mut self, layer: usize, now: Instant) {
+        let guessing = self.guessing(layer);
+        if let Some(l) = self.layers.get_mut(layer) {
+            l.open = Some((now, guessing));
+        }
+    }
+
+    /// `layer` ended a pass of `tokens` tokens: its window closes.
+    pub fn window_end(&mut self, layer: usize, tokens: usize, now: Instant) {
+        let in_trial = matches!(self.phase, Phase::Trial { .. });
+        let Some(l) = self.layers.get_mut(layer) else { return };
+        let Some((start, guessed)) = l.open.take() else { return };
+        if in_trial && tokens == 1 {
+            l.record(guessed, now.duration_since(start).as_secs_f64());
+        }
+    }
+
+    /// A pass of `tokens` tokens ended.
+    pub fn pass_end(&mut self, tokens: usize) {
+        match self.phase {
+            Phase::Decided { passes_left } if passes_left > 1 => {
+                self.phase = Phase::Decided { passes_left: passes_left - 1 };
             }
-            Phase::Trial => {
-                if let (1, Some(s)) = (tokens, seconds) {
-                    let list = if self.on { &mut self.with } else { &mut self.without };
-                    if list.len() < TRIAL_PASSES {
-                        list.push(s);
-                    }
+            Phase::Decided { .. } => {
+                for l in &mut self.layers {
+                    l.with.clear();
+                    l.without.clear();
                 }
-                if self.with.len() >= TRIAL_PASSES && self.without.len() >= TRIAL_PASSES {
-                    let on = median(&mut self.with) < median(&mut self.without) * (1.0 - GUESSING_MARGIN);
-                    if on {
-                        self.decided_on += 1;
-                    } else {
-                        self.decided_off += 1;
-                    }
-                    self.with.clear();
-                    self.without.clear();
-                    self.phase = Phase::Decided { on, passes_left: DECIDED_PASSES };
-                    self.on = on;
-                } else if tokens == 1 {
-                    self.on = !self.on;
+                self.phase = Phase::Trial { on: false, passes: 0 };
+            }
+            Phase::Trial { .. } if tokens != 1 => {}
+            Phase::Trial { on, passes } => {
+                let timed = self.layers.iter().filter(|l| !l.with.is_empty() || !l.without.is_empty());
+                let full = timed.clone().count() > 0
+                    && timed.clone().all(|l| l.with.len() >= TRIAL_PASSES && l.without.len() >= TRIAL_PASSES);
+                if full || passes + 1 >= TRIAL_PASSES_MAX {
+                    self.decide();
+                } else {
+                    self.phase = Phase::Trial { on: !on, passes: passes + 1 };
                 }
             }
+        }
+    }
+
+    fn decide(&mut self) {
+        for l in &mut self.layers {
+            if l.with.is_empty() && l.without.is_empty() {
+                continue;
+            }
+            let enough = l.with.len() >= TRIAL_PASSES && l.without.len() >= TRIAL_PASSES;
+            l.guess = enough && median(&mut l.with) < median(&mut l.without) * (1.0 - GUESSING_MARGIN);
+            if l.guess {
+                self.decided_on += 1;
+            } else {
+                self.decided_off += 1;
+            }
+        }
+        self.phase = Phase::Decided { passes_left: DECIDED_PASSES };
+    }
+}
+
+impl LayerTrial {
+    fn record(&mut self, guessed: bool, seconds: f64) {
+        let list = if guessed { &mut self.with } else { &mut self.without };
+        if list.len() < TRIAL_PASSES_MAX {
+            list.push(seconds);
         }
     }
 }
@@ -123,65 +166,77 @@ fn median(v: &mut [f64]) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
-    /// Runs passes whose time is `on` or `off` seconds as the controller chooses; returns the
-    /// choices made.
-    fn drive(t: &mut Trial, passes: usize, on: f64, off: f64) -> Vec<bool> {
+    /// Runs decode passes over layers 1 and 2 whose windows take `on[l]` or `off[l]` seconds
+    /// as the controller chooses; returns the settings used per pass for each layer.
+    fn drive(t: &mut Trials, passes: usize, on: [f64; 2], off: [f64; 2]) -> Vec<[bool; 2]> {
+        let mut now = Instant::now();
         (0..passes)
             .map(|_| {
-                let guessed = t.guessing();
-                t.record(1, Some(if guessed { on } else { off }));
-                guessed
+                let mut used = [false; 2];
+                for (i, layer) in [1, 2].into_iter().enumerate() {
+                    used[i] = t.guessing(layer);
+                    t.window_start(layer, now);
+                    now += Duration::from_secs_f64(if used[i] { on[i] } else { off[i] });
+                    t.window_end(layer, 1, now);
+                }
+                t.pass_end(1);
+                used
             })
             .collect()
     }
 
     #[test]
-    fn guessing_that_costs_time_is_switched_off_after_one_trial() {
-        let mut t = Trial::new();
-        let choices = drive(&mut t, 2 * TRIAL_PASSES + DECIDED_PASSES, 1.05, 1.0);
-        assert_eq!(&choices[..2 * TRIAL_PASSES], &[false, true, false, true, false, true]);
-        assert!(choices[2 * TRIAL_PASSES..].iter().all(|&g| !g), "{choices:?}");
-        assert_eq!((t.decided_on, t.decided_off), (0, 1));
-    }
-
-    #[test]
-    fn guessing_that_saves_time_is_kept_and_tried_again_later() {
-        let mut t = Trial::new();
-        let choices = drive(&mut t, 2 * TRIAL_PASSES + DECIDED_PASSES + 2, 0.9, 1.0);
-        assert!(choices[2 * TRIAL_PASSES..2 * TRIAL_PASSES + DECIDED_PASSES].iter().all(|&g| g));
-        assert_eq!(&choices[2 * TRIAL_PASSES + DECIDED_PASSES..], &[false, true], "a new trial starts");
-        assert_eq!((t.decided_on, t.decided_off), (1, 0));
-    }
-
-    #[test]
-    fn only_timed_single_token_passes_count() {
-        let mut t = Trial::new();
-        t.record(32, Some(10.0)); // a prefill chunk: not compared, the setting stays
-        assert!(!t.guessing());
-        t.record(1, None); // the first pass has no start to time from
-        assert!(t.guessing(), "an untimed decode pass still alternates");
-        let choices = drive(&mut t, 2 * TRIAL_PASSES, 0.5, 1.0);
-        assert_eq!(choices.len(), 2 * TRIAL_PASSES);
-        assert!(t.guessing(), "decided for guessing: {choices:?}");
+    fn each_layer_keeps_the_faster_setting() {
+        let mut t = Trials::new(3);
+        let trial = drive(&mut t, 2 * TRIAL_PASSES, [0.1, 0.12], [0.15, 0.1]);
+        assert_eq!(trial.iter().map(|u| u[0]).collect::<Vec<_>>(), [false, true, false, true, false, true]);
+        let decided = drive(&mut t, DECIDED_PASSES, [0.1, 0.12], [0.15, 0.1]);
+        assert!(decided.iter().all(|u| u[0] && !u[1]), "layer 1 guesses, layer 2 does not: {decided:?}");
+        assert_eq!((t.decided_on, t.decided_off), (1, 1));
+        let again = drive(&mut t, 2, [0.1, 0.12], [0.15, 0.1]);
+        assert_eq!(again, [[false, false], [true, true]], "a new trial alternates all layers");
     }
 
     #[test]
     fn a_gain_within_the_noise_margin_does_not_switch_guessing_on() {
-        let mut t = Trial::new();
-        drive(&mut t, 2 * TRIAL_PASSES, 0.99, 1.0);
-        assert!(!t.guessing());
+        let mut t = Trials::new(3);
+        drive(&mut t, 2 * TRIAL_PASSES, [0.96, 0.96], [1.0, 1.0]);
+        assert!(!t.guessing(1) && !t.guessing(2));
     }
 
     #[test]
     fn an_outlier_does_not_decide() {
-        let mut t = Trial::new();
-        // Without guesses: 1.0, 1.0, 5.0 (one slow pass); with: 1.1 each. The medians compare.
+        let mut t = Trials::new(2);
+        let mut now = Instant::now();
+        // Without guesses: 1.0, 1.0, 5.0 (one slow window); with: 1.1 each. Medians compare.
         for s in [1.0, 1.1, 1.0, 1.1, 5.0, 1.1] {
-            t.record(1, Some(s));
+            t.window_start(1, now);
+            now += Duration::from_secs_f64(s);
+            t.window_end(1, 1, now);
+            t.pass_end(1);
         }
-        assert!(!t.guessing());
+        assert!(!t.guessing(1));
         assert_eq!(t.decided_off, 1);
+    }
+
+    #[test]
+    fn only_single_token_passes_are_timed_and_a_trial_is_bounded() {
+        let mut t = Trials::new(2);
+        let now = Instant::now();
+        t.window_start(1, now);
+        t.window_end(1, 32, now + Duration::from_secs(10));
+        t.pass_end(32);
+        assert!(!t.guessing(1), "a prefill pass neither counts nor alternates");
+        // A layer whose window never closes in a decode pass is never timed; the trial still
+        // ends after TRIAL_PASSES_MAX passes, without guesses for it.
+        for _ in 0..TRIAL_PASSES_MAX {
+            t.pass_end(1);
+        }
+        assert!(!t.guessing(1));
+        assert_eq!((t.decided_on, t.decided_off), (0, 0));
     }
 }

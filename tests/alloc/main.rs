@@ -14,20 +14,26 @@ use kernels::{Isa, Kernels};
 struct Counting;
 
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
+/// Bytes allocated and not freed.
+static LIVE: AtomicU64 = AtomicU64::new(0);
 
 // SAFETY: forwards to the system allocator unchanged; only counts calls.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         ALLOCS.fetch_add(1, Ordering::Relaxed);
+        LIVE.fetch_add(layout.size() as u64, Ordering::Relaxed);
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as u64, Ordering::Relaxed);
         // SAFETY: same contract as the caller's.
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         ALLOCS.fetch_add(1, Ordering::Relaxed);
+        LIVE.fetch_add(new_size as u64, Ordering::Relaxed);
+        LIVE.fetch_sub(layout.size() as u64, Ordering::Relaxed);
         // SAFETY: same contract as the caller's.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
@@ -38,6 +44,7 @@ static GLOBAL: Counting = Counting;
 
 fn main() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
+    scratch_bytes_are_what_new_allocates(&dir);
     for isa in Isa::available() {
         let o = open_resident(&dir, 2, Kernels::with_isa(isa).unwrap()).unwrap();
         let e = &o.engine;
@@ -98,4 +105,19 @@ fn streaming(dir: &Path) {
     // small op lists handed to the I/O thread and bookkeeping. Bound it so a regression shows.
     let bound = 60.0 * cfg.n_layers as f64;
     assert!(per_step < bound, "streaming decode makes {per_step} allocations per step (bound {bound})");
+}
+
+/// The memory plan reserves `Scratch::bytes` for the scratch before allocating it: it must be
+/// exactly what `Scratch::new` allocates, at every chunk and context length.
+fn scratch_bytes_are_what_new_allocates(dir: &Path) {
+    let cfg = k3ring::config::Config::from_model_dir(dir).unwrap();
+    for (chunk, capacity) in [(1, 1), (1, 64), (8, 64), (32, 200)] {
+        let before = LIVE.load(Ordering::Relaxed);
+        let scratch = k3ring::model::Scratch::new(&cfg, chunk, capacity);
+        let allocated = LIVE.load(Ordering::Relaxed) - before;
+        drop(scratch);
+        let planned = k3ring::model::Scratch::bytes(&cfg, chunk, capacity);
+        println!("scratch for chunk {chunk}, context {capacity}: {allocated} bytes allocated, {planned} planned");
+        assert_eq!(allocated, planned, "chunk {chunk}, context {capacity}");
+    }
 }

@@ -169,8 +169,8 @@ impl Store {
     /// chunk. Settles the layer's pending guesses (a chosen one still being read is promoted to
     /// the front of the queue, a wrong one still being read is cancelled and leaves the pool),
     /// starts the reads of the missing experts (one submission, disk order) and reorders
-    /// `experts` into the order their bytes will be there: resident ones first, then the misses
-    /// in issue order.
+    /// `experts` into the order their bytes will be there: resident ones first, then those
+    /// being read in issue order.
     pub fn request_demand(&self, layer: usize, experts: &mut [usize]) -> Routed {
         let mut pool = lock(&self.pool);
         let (cached, cached_hits) = self.settle_guesses(&mut pool, layer, experts);
@@ -204,9 +204,16 @@ impl Store {
         misses.sort_by_key(|k| self.disk_position(*k));
         pool.pending.extend(misses.iter().copied());
         let tickets = self.issue_pending(&mut pool, false).unwrap_or_default();
+        // Compute order: what is there first, then what is being read in the order it was
+        // issued (tickets grow; guesses still being read were issued before this layer's
+        // misses), so compute never waits for one expert while another is ready. Experts that
+        // got no slot yet come last, read when a slot frees.
+        let order = |e: &usize| match pool.resident.get(&(layer, *e)) {
+            Some(&slot) => pool.slots[slot].slot.ticket().filter(|&t| !self.reads.is_done(t)).unwrap_or(0),
+            None => Ticket::MAX,
+        };
+        experts.sort_by_cached_key(order);
         drop(pool);
-        let rank = |e: &usize| misses.iter().position(|k| k.1 == *e).map_or(0, |p| p + 1);
-        experts.sort_by_key(rank);
         Routed { tickets, cached, cached_hits }
     }
 
