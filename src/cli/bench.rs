@@ -156,14 +156,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     bar.inc(1);
     bar.set_message("resident compute (every weight in RAM)");
     warm_page_cache(&files).context("reading the model into the page cache")?;
-    // Like each cell, the resident compute is the median of `--repeats` runs: both floors use it.
-    let mut residents = Vec::new();
-    for _ in 0..args.repeats.max(1) {
-        residents.push(measure_resident(&args.model, kernels, args.threads, &spec)?);
-    }
-    let residents_agree = residents.iter().all(|r| r.ids == residents[0].ids);
-    residents.sort_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token));
-    let resident = residents.swap_remove(residents.len() / 2);
+    let (resident, residents_agree) = resident_median(args, kernels, &spec)?;
     bar.inc(1);
 
     // This VM's disk varies by 30% or more over minutes, and up to 2x within a run, so each
@@ -185,18 +178,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let device: Vec<(u32, f64)> = device_before.iter().zip(&device_after).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
     let cells: Vec<Cell> = cells_raw.into_iter().map(|raw| cell(raw, &resident)).collect();
     let ids_identical = residents_agree && cells.iter().all(|c| c.m.ids == resident.ids);
-    let ratios = |over: &str| -> Vec<(f64, f64)> {
-        args.budgets
-            .iter()
-            .filter_map(|&b| {
-                let get = |mode: &str| {
-                    cells.iter().find(|c| c.budget_gb == b && c.mode == mode).map(|c| c.m.seconds_per_token)
-                };
-                Some((b, get(over)? / get("pipelined")?))
-            })
-            .collect()
-    };
-    let (speedups, speculation_gains) = (ratios("serial"), ratios("no-spec"));
+    let (speedups, speculation_gains) = (ratios(args, &cells, "serial"), ratios(args, &cells, "no-spec"));
     let report = Report {
         device_read_rate: device,
         device_read_rate_before: device_before,
@@ -211,8 +193,40 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         ids_identical,
     };
     print_report(&report, &cfg, args);
+    write_outputs(&report, args)?;
+    if !report.ids_identical {
+        anyhow::bail!("generated ids differ between cells: the output must not depend on budget or mode");
+    }
+    Ok(())
+}
+
+/// The resident compute, the median of `--repeats` runs like each cell (both floors use it), and
+/// whether every run produced the same ids.
+fn resident_median(
+    args: &BenchArgs,
+    kernels: kernels::Kernels,
+    spec: &MeasureSpec,
+) -> anyhow::Result<(Measurement, bool)> {
+    let mut residents = Vec::new();
+    for _ in 0..args.repeats.max(1) {
+        residents.push(measure_resident(&args.model, kernels, args.threads, spec)?);
+    }
+    let agree = residents.iter().all(|r| r.ids == residents[0].ids);
+    residents.sort_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token));
+    Ok((residents.swap_remove(residents.len() / 2), agree))
+}
+
+/// Per budget: the s/token of mode `over` divided by the default's (pipelined).
+fn ratios(args: &BenchArgs, cells: &[Cell], over: &str) -> Vec<(f64, f64)> {
+    let get =
+        |b: f64, mode: &str| cells.iter().find(|c| c.budget_gb == b && c.mode == mode).map(|c| c.m.seconds_per_token);
+    args.budgets.iter().filter_map(|&b| Some((b, get(b, over)? / get(b, "pipelined")?))).collect()
+}
+
+/// `--json` and `--svg`.
+fn write_outputs(report: &Report, args: &BenchArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+        std::fs::write(path, serde_json::to_string_pretty(report)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(path) = &args.svg {
@@ -231,9 +245,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             .collect();
         std::fs::write(path, line_chart("k3ring bench: s/token by memory budget", "budget (GB)", "s/token", &series))
             .with_context(|| format!("writing {}", path.display()))?;
-    }
-    if !report.ids_identical {
-        anyhow::bail!("generated ids differ between cells: the output must not depend on budget or mode");
     }
     Ok(())
 }

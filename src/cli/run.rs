@@ -209,33 +209,7 @@ fn generate<S: WeightSource + LayerHook>(
         engine.model.kernels.isa().name(),
     );
     if let (Some(s), Some(p)) = (&stats, plan) {
-        eprintln!(
-            "k3ring: storage {} | trunk read {:.1} MiB ({} reads, {}/{} units pinned) | experts read {:.1} MiB ({} reads, {} hits, {} evictions) | read rate {:.0} MB/s | planned {:.3} GB, peak RSS {}",
-            s.backend,
-            s.trunk_bytes_read as f64 / 1048576.0,
-            s.trunk_reads,
-            s.trunk_pinned_units,
-            s.trunk_pinned_units + s.trunk_streamed_units,
-            s.expert_bytes_read as f64 / 1048576.0,
-            s.expert_reads,
-            s.expert_hits,
-            s.expert_evictions,
-            s.read_bytes_per_second / 1e6,
-            p.planned_bytes as f64 / GB,
-            peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.3} GB", b as f64 / GB)),
-        );
-        let recall = if s.routed_experts > 0 { s.routed_recalled as f64 / s.routed_experts as f64 } else { 0.0 };
-        eprintln!(
-            "k3ring: pipeline | I/O busy {:.0}% | compute busy {:.0}% | overlap {:.0}% | stalled {:.3} s | recall {:.0}% | speculative reads {} ({:.1} MiB, {:.1} MiB wasted)",
-            100.0 * metrics.io_busy_fraction,
-            100.0 * metrics.compute_busy_fraction,
-            100.0 * metrics.overlap_fraction,
-            metrics.stall_us / 1e6,
-            100.0 * recall,
-            s.spec_reads,
-            s.spec_bytes as f64 / 1048576.0,
-            s.spec_wasted_bytes as f64 / 1048576.0,
-        );
+        print_streaming_summary(s, p, peak, &metrics);
     }
     if let Some(path) = &args.json {
         let report = RunReport {
@@ -284,4 +258,38 @@ fn prompt_ids(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
         return Err(UsageError("the prompt encodes to zero tokens".into()).into());
     }
     Ok(ids)
+}
+
+/// The storage and pipeline lines of a streaming run's summary.
+fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u64>, metrics: &crate::trace::Metrics) {
+    eprintln!(
+        "k3ring: storage {} | trunk read {:.1} MiB ({} reads, {}/{} units pinned) | experts read {:.1} MiB ({} reads, {} hits, {} evictions) | read rate {:.0} MB/s | planned {:.3} GB, peak RSS {}",
+        s.backend,
+        s.trunk_bytes_read as f64 / 1048576.0,
+        s.trunk_reads,
+        s.trunk_pinned_units,
+        s.trunk_pinned_units + s.trunk_streamed_units,
+        s.expert_bytes_read as f64 / 1048576.0,
+        s.expert_reads,
+        s.expert_hits,
+        s.expert_evictions,
+        s.read_bytes_per_second / 1e6,
+        p.planned_bytes as f64 / GB,
+        peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.3} GB", b as f64 / GB)),
+    );
+    let recall = if s.routed_experts > 0 { s.routed_recalled as f64 / s.routed_experts as f64 } else { 0.0 };
+    eprintln!(
+        "k3ring: pipeline | I/O busy {:.0}% | compute busy {:.0}% | overlap {:.0}% | stalled {:.3} s | recall {:.0}% | speculative reads {} ({:.1} MiB, {:.1} MiB wasted, {} cancelled) | layer trials won {} lost {}",
+        100.0 * metrics.io_busy_fraction,
+        100.0 * metrics.compute_busy_fraction,
+        100.0 * metrics.overlap_fraction,
+        metrics.stall_us / 1e6,
+        100.0 * recall,
+        s.spec_reads,
+        s.spec_bytes as f64 / 1048576.0,
+        s.spec_wasted_bytes as f64 / 1048576.0,
+        s.spec_cancelled,
+        s.spec_trials_won,
+        s.spec_trials_lost,
+    );
 }
