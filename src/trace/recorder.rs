@@ -391,12 +391,7 @@ impl Tracer {
 
     /// Per-track intervals of the spans recorded since the last reset, and first/last times.
     pub(super) fn lists_from_events(&self) -> ([Vec<Interval>; METRIC_COUNT], f64, f64) {
-        let mut lists: [Vec<Interval>; METRIC_COUNT] = Default::default();
-        let (mut first_us, mut last_us) = (f64::INFINITY, f64::NEG_INFINITY);
-        for shard in self.shards.iter() {
-            let shard = lock(&shard.0);
-            first_us = first_us.min(shard.first_us);
-            last_us = last_us.max(shard.last_us);
+        self.collect_lists(|shard, lists| {
             for ev in shard.events_since_reset() {
                 let EventKind::Span { kind, .. } = ev.kind else {
                     continue;
@@ -407,22 +402,31 @@ impl Tracer {
                     }
                 }
             }
-        }
-        (lists, first_us, last_us)
+        })
     }
 
     /// Per-track unfolded intervals (parts before `folded_until_us` dropped), first/last times.
     pub(super) fn lists_from_sets(&self, folded_until_us: f64) -> ([Vec<Interval>; METRIC_COUNT], f64, f64) {
+        self.collect_lists(|shard, lists| {
+            for (set, out) in shard.sets.iter().zip(lists.iter_mut()) {
+                let kept = set.items.iter().map(|&(s, e)| (s.max(folded_until_us), e));
+                out.extend(kept.filter(|(s, e)| s < e));
+            }
+        })
+    }
+
+    /// Per-track lists filled by `fill` from every shard, with the shards' first and last times.
+    fn collect_lists(
+        &self,
+        mut fill: impl FnMut(&ShardState, &mut [Vec<Interval>; METRIC_COUNT]),
+    ) -> ([Vec<Interval>; METRIC_COUNT], f64, f64) {
         let mut lists: [Vec<Interval>; METRIC_COUNT] = Default::default();
         let (mut first_us, mut last_us) = (f64::INFINITY, f64::NEG_INFINITY);
         for shard in self.shards.iter() {
             let shard = lock(&shard.0);
             first_us = first_us.min(shard.first_us);
             last_us = last_us.max(shard.last_us);
-            for (set, out) in shard.sets.iter().zip(lists.iter_mut()) {
-                let kept = set.items.iter().map(|&(s, e)| (s.max(folded_until_us), e));
-                out.extend(kept.filter(|(s, e)| s < e));
-            }
+            fill(&shard, &mut lists);
         }
         (lists, first_us, last_us)
     }
