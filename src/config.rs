@@ -7,6 +7,7 @@
 //! never in the forward pass. Runs once at start-up on the main thread; allocates freely.
 #![forbid(unsafe_code)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
@@ -153,7 +154,25 @@ pub struct Config {
     pub mla: MlaConfig,
     pub moe: MoeConfig,
     pub layers: Vec<LayerPlan>,
+    /// Positions the model supports (prompt plus generated tokens), when the files state it.
+    pub context_length: Option<ContextLength>,
 }
+
+/// The model's context length and the key it came from, for messages.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ContextLength {
+    pub positions: usize,
+    /// E.g. `text_config.max_position_embeddings in config.json`.
+    pub source: String,
+}
+
+/// Keys that state the context length in config.json, first found wins (the text config's, then
+/// the top level's).
+const CONTEXT_KEYS: [&str; 2] = ["max_position_embeddings", "model_max_length"];
+
+/// Above this a `model_max_length` in tokenizer_config.json is the "unset" placeholder that
+/// tokenizer libraries write (often 1e30), not a context length.
+const TOKENIZER_CONTEXT_MAX: u64 = 1 << 40;
 
 /// The RMSNorm eps of the two MLA latent norms: 1e-6 in the release code (spec 5).
 pub const MLA_LATENT_NORM_EPS: f32 = 1e-6;
@@ -161,21 +180,31 @@ pub const MLA_LATENT_NORM_EPS: f32 = 1e-6;
 pub const ATTN_RES_EPS: f32 = 1e-5;
 
 impl Config {
-    /// Reads and validates `DIR/config.json`.
+    /// Reads and validates `DIR/config.json`. Without a context length there, the
+    /// `model_max_length` of `DIR/tokenizer_config.json` is used when it is a real one.
     pub fn from_model_dir(dir: &Path) -> Result<Config, ConfigError> {
-        Config::from_file(&dir.join("config.json"))
+        let mut cfg = Config::from_file(&dir.join("config.json"))?;
+        if cfg.context_length.is_none() {
+            cfg.context_length = tokenizer_context_length(&dir.join("tokenizer_config.json"));
+        }
+        Ok(cfg)
     }
 
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-        Config::from_json_str(&text, path)
+        let bytes = std::fs::read(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Config::from_json_bytes(&bytes, path)
     }
 
     /// Parses config text; `path` only names the source in errors.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        Config::from_json_bytes(text.as_bytes(), path)
+    }
+
+    /// Parses the bytes of a config file; invalid UTF-8 is invalid JSON (exit 2), not an I/O
+    /// failure. `path` only names the source in errors.
+    pub fn from_json_bytes(bytes: &[u8], path: &Path) -> Result<Config, ConfigError> {
         let value: Value =
-            serde_json::from_str(text).map_err(|source| ConfigError::Json { path: path.to_owned(), source })?;
+            serde_json::from_slice(bytes).map_err(|source| ConfigError::Json { path: path.to_owned(), source })?;
         let raw =
             RawConfig::from_value(&value).map_err(|problems| ConfigError::Keys { path: path.to_owned(), problems })?;
         Config::validate(raw, path)
@@ -224,6 +253,7 @@ impl Config {
                 routed_scaling_factor: raw.routed_scaling_factor,
             },
             layers,
+            context_length: raw.context_length,
         })
     }
 
@@ -304,6 +334,8 @@ pub struct RawConfig {
     pub kda_layers: Vec<i64>,
     pub quant_format: String,
     pub group_size: usize,
+    /// The first of [`CONTEXT_KEYS`] present; optional.
+    pub context_length: Option<ContextLength>,
 }
 
 /// Looks keys up in a JSON object and records every problem instead of stopping at the first.
@@ -543,11 +575,43 @@ fn read_all(s: &Scopes<'_>, problems: &mut Vec<String>) -> RawConfig {
         kda_layers: la.int_list("kda_layers"),
         quant_format,
         group_size,
+        context_length: read_context_length(&mut [&mut t, &mut top]),
     };
     for c in [top, t, la, q] {
         problems.extend(c.problems);
     }
     raw
+}
+
+/// The first context key present in the scopes, in order; an ill-typed one is a problem.
+fn read_context_length(scopes: &mut [&mut Collector<'_>]) -> Option<ContextLength> {
+    for c in scopes.iter_mut() {
+        for key in CONTEXT_KEYS {
+            let Some(v) = c.obj.and_then(|o| o.get(key)) else { continue };
+            match v.as_u64().and_then(|n| usize::try_from(n).ok()).filter(|&n| n > 0) {
+                Some(positions) => {
+                    return Some(ContextLength { positions, source: format!("{}{key} in config.json", c.scope) })
+                }
+                None => {
+                    c.ill_typed(key, "a positive integer", v);
+                    return None;
+                }
+            }
+        }
+    }
+    None
+}
+
+/// `model_max_length` of a tokenizer_config.json when it is a plausible context length; any
+/// problem with the file is left to the tokenizer's loader.
+fn tokenizer_context_length(path: &Path) -> Option<ContextLength> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let value: Value = serde_json::from_str(&text).ok()?;
+    let n = value.get("model_max_length")?.as_u64().filter(|&n| n > 0 && n <= TOKENIZER_CONTEXT_MAX)?;
+    Some(ContextLength {
+        positions: usize::try_from(n).ok()?,
+        source: "model_max_length in tokenizer_config.json".into(),
+    })
 }
 
 /// `format` and the MXFP4 group size. In the release the size sits in
@@ -639,6 +703,7 @@ fn check_dims(raw: &RawConfig) -> Result<(), String> {
     if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
         return Err(format!("{key} must be positive"));
     }
+    check_bounds(raw)?;
     if raw.num_experts_per_token > raw.num_experts {
         return Err(format!(
             "num_experts_per_token {} exceeds num_experts {}",
@@ -680,35 +745,79 @@ fn check_dims(raw: &RawConfig) -> Result<(), String> {
     Ok(())
 }
 
+/// The largest layer count accepted (the cap on layer ids read from checkpoint headers too).
+pub const LAYERS_MAX: usize = 4096;
+
+/// Refuses a size above its bound, naming the key and the value. The bounds sit far above K3's
+/// sizes (in the comments) and any model a CPU could run, and low enough that no product of sizes
+/// overflows and that nothing proportional to a size is built (the layer plan, the list of
+/// expected tensors) before the checkpoint confirms it.
+fn check_bounds(raw: &RawConfig) -> Result<(), String> {
+    let bounded = [
+        ("vocab_size", raw.vocab_size, 1 << 24), // 163840; the tokenizer caps ranks at 2^24
+        ("hidden_size", raw.hidden_size, 1 << 17), // 7168
+        ("num_hidden_layers", raw.num_hidden_layers, LAYERS_MAX), // 93
+        ("intermediate_size", raw.intermediate_size, 1 << 20), // 33792
+        ("num_attention_heads", raw.num_attention_heads, 4096), // 96
+        ("q_lora_rank", raw.q_lora_rank, 1 << 17), // 1536
+        ("kv_lora_rank", raw.kv_lora_rank, 1 << 17), // 512
+        ("qk_nope_head_dim", raw.qk_nope_head_dim, 4096), // 128
+        ("qk_rope_head_dim", raw.qk_rope_head_dim, 4096), // 64
+        ("v_head_dim", raw.v_head_dim, 4096),    // 128
+        ("num_experts", raw.num_experts, 1 << 16), // 896
+        ("num_experts_per_token", raw.num_experts_per_token, 1024), // 16
+        ("num_shared_experts", raw.num_shared_experts, 64), // 2
+        ("moe_intermediate_size", raw.moe_intermediate_size, 1 << 17), // 3072
+        ("routed_expert_hidden_size", raw.routed_expert_hidden_size, 1 << 17), // 3584
+        ("first_k_dense_replace", raw.first_k_dense_replace, LAYERS_MAX), // 1
+        ("moe_layer_freq", raw.moe_layer_freq, LAYERS_MAX), // 1
+        ("attn_res_block_size", raw.attn_res_block_size, LAYERS_MAX), // 12
+        ("linear_attn_config.num_heads", raw.kda_num_heads, 4096), // 96
+        ("linear_attn_config.head_dim", raw.kda_head_dim, 4096), // 128
+        ("linear_attn_config.short_conv_kernel_size", raw.short_conv_kernel_size, 64), // 4
+    ];
+    match bounded.iter().find(|(_, value, max)| value > max) {
+        Some((key, value, max)) => Err(format!("{key} is {value}, above the largest this engine accepts ({max})")),
+        None => Ok(()),
+    }
+}
+
 /// Turns the 1-based layer lists into the per-layer plan, refusing any list that is not a
 /// partition of 1..=num_hidden_layers.
+///
+/// Nothing is sized by `num_hidden_layers` until the lists, which are as long as the file
+/// allows, are known to cover every layer: a config claiming 10^12 layers is refused at once.
 fn layer_plan(raw: &RawConfig) -> Result<Vec<LayerPlan>, String> {
     let n = raw.num_hidden_layers;
-    let mut kind: Vec<Option<AttnKind>> = vec![None; n];
+    let mut kind: BTreeMap<usize, AttnKind> = BTreeMap::new();
     for (list, which, name) in
         [(&raw.full_attn_layers, AttnKind::Mla, "full_attn_layers"), (&raw.kda_layers, AttnKind::Kda, "kda_layers")]
     {
         for &one_based in list {
-            if one_based < 1 || one_based > n as i64 {
+            let layer = usize::try_from(one_based).ok().filter(|l| (1..=n).contains(l));
+            let Some(layer) = layer else {
                 let hint = if one_based == 0 { " (the lists are 1-based)" } else { "" };
                 return Err(format!("linear_attn_config.{name} holds {one_based}, outside 1..={n}{hint}"));
-            }
-            let slot = &mut kind[(one_based - 1) as usize];
-            if slot.is_some() {
+            };
+            if kind.insert(layer, which).is_some() {
                 return Err(format!("layer {one_based} (1-based) appears twice in full_attn_layers/kda_layers"));
             }
-            *slot = Some(which);
         }
     }
-    let mut plan = Vec::with_capacity(n);
-    for (i, k) in kind.into_iter().enumerate() {
-        let Some(attn) = k else {
-            return Err(format!("layer {} (1-based) is in neither full_attn_layers nor kda_layers", i + 1));
-        };
-        let moe = i >= raw.first_k_dense_replace && i % raw.moe_layer_freq == 0;
-        let ffn = if moe { FfnKind::Moe } else { FfnKind::Dense };
-        plan.push(LayerPlan { attn, ffn, block_start: i % raw.attn_res_block_size == 0 });
+    // The keys are distinct and inside 1..=n: the first one out of step marks a missing layer.
+    let missing = kind.keys().zip(1..).find(|&(&have, want)| have != want).map(|(_, want)| want);
+    if let Some(layer) = missing.or((kind.len() < n).then_some(kind.len() + 1)) {
+        return Err(format!("layer {layer} (1-based) is in neither full_attn_layers nor kda_layers"));
     }
+    let plan = kind
+        .into_values()
+        .enumerate()
+        .map(|(i, attn)| {
+            let moe = i >= raw.first_k_dense_replace && i % raw.moe_layer_freq == 0;
+            let ffn = if moe { FfnKind::Moe } else { FfnKind::Dense };
+            LayerPlan { attn, ffn, block_start: i % raw.attn_res_block_size == 0 }
+        })
+        .collect();
     Ok(plan)
 }
 
@@ -780,7 +889,33 @@ mod tests {
             kda_layers: vec![],
             quant_format: "mxfp4-pack-quantized".into(),
             group_size: 32,
+            context_length: None,
         }
+    }
+
+    #[test]
+    fn context_length_comes_from_config_then_tokenizer_config() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
+        let text = std::fs::read_to_string(tiny.join("config.json")).unwrap();
+        std::fs::write(tmp.path().join("config.json"), &text).unwrap();
+        assert_eq!(Config::from_model_dir(tmp.path()).unwrap().context_length, None, "stated nowhere");
+        std::fs::write(tmp.path().join("tokenizer_config.json"), r#"{"model_max_length": 1e30}"#).unwrap();
+        assert_eq!(Config::from_model_dir(tmp.path()).unwrap().context_length, None, "the unset placeholder");
+        std::fs::copy(tiny.join("tokenizer_config.json"), tmp.path().join("tokenizer_config.json")).unwrap();
+        let ctx = Config::from_model_dir(tmp.path()).unwrap().context_length.unwrap();
+        assert_eq!((ctx.positions, ctx.source.as_str()), (4096, "model_max_length in tokenizer_config.json"));
+
+        let mut v: Value = serde_json::from_str(&text).unwrap();
+        v["text_config"]["max_position_embeddings"] = 262144.into();
+        std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
+        let ctx = Config::from_model_dir(tmp.path()).unwrap().context_length.unwrap();
+        assert_eq!(ctx.positions, 262144, "config.json wins over tokenizer_config.json");
+        assert_eq!(ctx.source, "text_config.max_position_embeddings in config.json");
+
+        v["text_config"]["max_position_embeddings"] = (-5).into();
+        let err = Config::from_json_str(&v.to_string(), Path::new("config.json")).unwrap_err().to_string();
+        assert!(err.contains("text_config.max_position_embeddings must be a positive integer"), "{err}");
     }
 
     #[test]

@@ -34,10 +34,13 @@ const CLASSIFIERS: &[Classifier] = &[
     class_of::<crate::config::ConfigError>,
     class_of::<crate::checkpoint::CheckpointError>,
     class_of::<crate::tokenizer::TokenizerError>,
+    class_of::<crate::chat::template::TemplateError>,
+    class_of::<crate::chat::parse::ParseError>,
     class_of::<crate::trace::TraceError>,
     class_of::<crate::synth::SynthError>,
     class_of::<crate::engine::OpenError>,
     class_of::<crate::engine::EngineError>,
+    class_of::<crate::engine::StateFileError>,
     class_of::<crate::engine::measure::MeasureError>,
     class_of::<crate::pipeline::PlacementError>,
     class_of::<crate::model::ModelError>,
@@ -50,6 +53,8 @@ const CLASSIFIERS: &[Classifier] = &[
     class_of::<crate::storage::stream::cache_sim::TraceError>,
     class_of::<crate::storage::stream::cache_sim::SimError>,
     class_of::<crate::storage::io::IoError>,
+    class_of::<crate::interrupt::Interrupted>,
+    class_of::<crate::interrupt::InterruptedBatch>,
     class_of::<std::io::Error>,
 ];
 

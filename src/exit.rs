@@ -20,6 +20,8 @@ pub enum ExitCode {
     Data = 3,
     /// I/O failure: a file that cannot be opened or read, a system resource that cannot be set up.
     Io = 4,
+    /// Stopped by Ctrl-C (SIGINT) after printing the summary so far: 128 + SIGINT, as shells report.
+    Interrupted = 130,
 }
 
 impl From<ExitCode> for u8 {
@@ -61,6 +63,7 @@ mod tests {
             (ExitCode::Usage, 2),
             (ExitCode::Data, 3),
             (ExitCode::Io, 4),
+            (ExitCode::Interrupted, 130),
         ];
         for (code, n) in pairs {
             assert_eq!(u8::from(code), n, "{code:?}");

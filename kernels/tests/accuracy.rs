@@ -1,6 +1,6 @@
 //! Accuracy of the scalar definitions against f64 references. Tolerances are this crate's own
 //! budgets, set from the measured maxima with a small margin and recorded next to each test;
-//! they are not taken from any other library. Bit-identity of the other ISAs is `twins.rs`.
+//! they are not taken from any other library. Bit-identity of the other ISAs is `twins/`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -1,4 +1,4 @@
-//! The twin tests (`tests/twins.rs`) on an AVX-512 CPU when this host has none.
+//! The twin tests (`tests/twins/`) on an AVX-512 CPU when this host has none.
 //!
 //! The development and CI machines are AVX2-only and QEMU cannot emulate AVX-512, so this test
 //! builds the twins statically and runs them inside Bochs on an emulated Skylake-X
@@ -64,7 +64,7 @@ fn say_uncaptured(message: &str) {
     let _ = writeln!(std::io::stderr(), "{message}");
 }
 
-/// Builds `tests/twins.rs` as a static executable in its own target directory (so it does not
+/// Builds `tests/twins/` as a static executable in its own target directory (so it does not
 /// contend with the outer build's lock) and returns its path.
 fn build_static_twins(workspace: &Path) -> PathBuf {
     let target_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("avx512-static");

@@ -77,9 +77,13 @@ impl ExpertRef {
 }
 
 /// All experts of a checkpoint, by layer then expert id (dense: 82k experts in the release).
+///
+/// Each layer holds only the experts present, sorted by id, so memory follows the header, not
+/// the largest id a header names (a hostile header naming expert 1048575 of 4096 layers would
+/// otherwise cost hundreds of GB of empty slots).
 #[derive(Debug, Default)]
 pub struct ExpertTable {
-    by_layer: Vec<Vec<Option<ExpertRef>>>,
+    by_layer: Vec<Vec<ExpertRef>>,
     count: usize,
 }
 
@@ -91,7 +95,8 @@ impl ExpertTable {
     /// Collects expert tensors by parsing names in one pass; an expert missing any of its six
     /// tensors is an error naming the missing one.
     pub fn build(tensors: &[TensorInfo]) -> Result<ExpertTable, CheckpointError> {
-        let mut partial: Vec<Vec<[Option<usize>; 6]>> = Vec::new();
+        // (layer, expert, part, tensor index): one per expert tensor, whatever its ids.
+        let mut found: Vec<(usize, usize, usize, usize)> = Vec::new();
         for (i, t) in tensors.iter().enumerate() {
             let Some((layer, expert, part)) = parse_expert_name(&t.name) else { continue };
             if layer >= LAYERS_MAX || expert >= EXPERTS_PER_LAYER_MAX {
@@ -100,41 +105,48 @@ impl ExpertTable {
                     message: "layer or expert id is implausibly large".to_owned(),
                 });
             }
-            if partial.len() <= layer {
-                partial.resize_with(layer + 1, Vec::new);
-            }
-            let experts = &mut partial[layer];
-            if experts.len() <= expert {
-                experts.resize(expert + 1, [None; 6]);
-            }
-            experts[expert][part.index()] = Some(i);
+            found.push((layer, expert, part.index(), i));
         }
-        let mut table = ExpertTable { by_layer: Vec::with_capacity(partial.len()), count: 0 };
-        for (layer, experts) in partial.into_iter().enumerate() {
-            let mut refs = Vec::with_capacity(experts.len());
-            for (expert, slots) in experts.into_iter().enumerate() {
-                if slots.iter().all(Option::is_none) {
-                    refs.push(None);
-                    continue;
+        found.sort_unstable();
+        let layers = found.last().map_or(0, |&(layer, ..)| layer + 1);
+        let mut table = ExpertTable { by_layer: (0..layers).map(|_| Vec::new()).collect(), count: 0 };
+        for group in found.chunk_by(|a, b| (a.0, a.1) == (b.0, b.1)) {
+            let (layer, expert) = (group[0].0, group[0].1);
+            let mut slots = [None; 6];
+            for &(_, _, part, i) in group {
+                // Distinct names can spell one id ("experts.7" and "experts.07"): refuse the
+                // ambiguity rather than let one silently win.
+                if let Some(first) = slots[part].replace(i) {
+                    return Err(CheckpointError::Schema {
+                        tensor: tensors[i].name.clone(),
+                        message: format!(
+                            "names the same expert tensor as {} (layer {layer}, expert {expert})",
+                            tensors[first].name
+                        ),
+                    });
                 }
-                let mut parts = [0usize; 6];
-                for (k, slot) in slots.iter().enumerate() {
-                    parts[k] = slot.ok_or_else(|| CheckpointError::Schema {
-                        tensor: expert_tensor_name(layer, expert, EXPERT_PARTS[k]),
-                        message: "missing, while other tensors of this expert are present".to_owned(),
-                    })?;
-                }
-                let contiguous = contiguous_range(tensors, &parts);
-                refs.push(Some(ExpertRef { layer, expert, parts, contiguous }));
-                table.count += 1;
             }
-            table.by_layer.push(refs);
+            let mut parts = [0usize; 6];
+            for (k, slot) in slots.iter().enumerate() {
+                parts[k] = slot.ok_or_else(|| CheckpointError::Schema {
+                    tensor: expert_tensor_name(layer, expert, EXPERT_PARTS[k]),
+                    message: "missing, while other tensors of this expert are present".to_owned(),
+                })?;
+            }
+            let contiguous = contiguous_range(tensors, &parts);
+            table.by_layer[layer].push(ExpertRef { layer, expert, parts, contiguous });
+            table.count += 1;
         }
         Ok(table)
     }
 
     pub fn get(&self, layer: usize, expert: usize) -> Option<&ExpertRef> {
-        self.by_layer.get(layer)?.get(expert)?.as_ref()
+        let refs = self.by_layer.get(layer)?;
+        // A complete layer holds expert e at position e; otherwise search the sorted ids.
+        match refs.get(expert) {
+            Some(r) if r.expert == expert => Some(r),
+            _ => refs.binary_search_by_key(&expert, |r| r.expert).ok().map(|i| &refs[i]),
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -147,7 +159,7 @@ impl ExpertTable {
 
     /// Every expert, by layer then id.
     pub fn iter(&self) -> impl Iterator<Item = &ExpertRef> {
-        self.by_layer.iter().flatten().flatten()
+        self.by_layer.iter().flatten()
     }
 
     /// Experts whose tensors need more than one read.

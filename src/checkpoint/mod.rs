@@ -9,6 +9,7 @@
 mod experts;
 pub mod safetensors;
 mod schema;
+mod sizes;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -19,7 +20,7 @@ use serde::Serialize;
 use crate::exit::{Classify, ExitCode};
 
 pub use experts::{ExpertPart, ExpertRef, ExpertTable, EXPERT_PARTS};
-pub use schema::{expected_tensors, Census, ExpectedTensor, LayerCensus, Validation};
+pub use schema::{expected_tensors, Census, ExpectedTensor, LayerCensus, Validation, LANGUAGE_MODEL_PREFIX};
 
 /// Prefix of every language-model tensor except the head.
 pub const MODEL_PREFIX: &str = "language_model.model.";
@@ -183,19 +184,72 @@ impl CheckpointIndex {
         let paths: Vec<PathBuf> = shard_names.iter().map(|n| dir.join(n)).collect();
         if let Some((index_path, _)) = &weight_map {
             if let Some(missing) = paths.iter().find(|p| !p.exists()) {
-                return Err(CheckpointError::IndexInvalid {
-                    path: index_path.clone(),
-                    message: format!("it names shard {}, which does not exist", missing.display()),
-                });
+                return Err(missing_shard(index_path, missing));
             }
         }
+        let headers: Vec<safetensors::Header> =
+            paths.par_iter().map(|p| safetensors::read_header(p)).collect::<Result<_, CheckpointError>>()?;
+        CheckpointIndex::assemble(dir, paths, headers, weight_map)
+    }
+
+    /// Indexes a checkpoint held in memory: `index_json` plays `model.safetensors.index.json`
+    /// and `shards` are (file name, whole file) pairs. The same checks as [`Self::open`], without
+    /// the filesystem (`dir` only names files in errors); the fuzz targets parse through this.
+    #[doc(hidden)]
+    pub fn from_memory(
+        dir: &Path,
+        index_json: Option<&[u8]>,
+        shards: &[(&str, &[u8])],
+    ) -> Result<CheckpointIndex, CheckpointError> {
+        let weight_map = match index_json {
+            Some(bytes) => {
+                let index_path = dir.join(INDEX_FILE);
+                let map = parse_weight_map(bytes, &index_path)?;
+                Some((index_path, map))
+            }
+            None => None,
+        };
+        let shard_names: Vec<String> = match &weight_map {
+            Some((_, map)) => map.shards.clone(),
+            None => {
+                let mut names: Vec<String> =
+                    shards.iter().map(|(n, _)| (*n).to_owned()).filter(|n| n.ends_with(".safetensors")).collect();
+                names.sort();
+                names
+            }
+        };
+        if shard_names.is_empty() {
+            return Err(CheckpointError::NoShards { dir: dir.to_owned() });
+        }
+        let mut paths = Vec::with_capacity(shard_names.len());
+        let mut headers = Vec::with_capacity(shard_names.len());
+        for name in &shard_names {
+            let path = dir.join(name);
+            let Some((_, bytes)) = shards.iter().find(|(n, _)| n == name) else {
+                let index_path = weight_map.as_ref().map_or_else(|| dir.join(INDEX_FILE), |(p, _)| p.clone());
+                return Err(missing_shard(&index_path, &path));
+            };
+            headers.push(safetensors::parse_header(bytes, &path)?);
+            paths.push(path);
+        }
+        CheckpointIndex::assemble(dir, paths, headers, weight_map)
+    }
+
+    /// Validates the parsed headers of `paths` (in shard order) into an index and checks the
+    /// index file, if any, against them.
+    fn assemble(
+        dir: &Path,
+        paths: Vec<PathBuf>,
+        headers: Vec<safetensors::Header>,
+        weight_map: Option<(PathBuf, WeightMap)>,
+    ) -> Result<CheckpointIndex, CheckpointError> {
         let per_shard: Vec<(Shard, Vec<TensorInfo>)> = paths
-            .par_iter()
+            .into_par_iter()
+            .zip(headers)
             .enumerate()
-            .map(|(i, p)| {
-                let header = safetensors::read_header(p)?;
+            .map(|(i, (p, header))| {
                 let shard = Shard { path: p.clone(), file_len: header.file_len, data_start: header.data_start };
-                Ok((shard, shard_tensors(i, p, header)?))
+                Ok((shard, shard_tensors(i, &p, header)?))
             })
             .collect::<Result<_, CheckpointError>>()?;
         let mut shards = Vec::with_capacity(per_shard.len());
@@ -279,6 +333,13 @@ impl<'de> serde::de::Visitor<'de> for WeightMapVisitor {
 }
 
 fn read_weight_map(path: &Path) -> Result<WeightMap, CheckpointError> {
+    let text =
+        std::fs::read(path).map_err(|source| CheckpointError::Io { path: path.to_owned(), op: "read", source })?;
+    parse_weight_map(&text, path)
+}
+
+/// Parses the text of an index file; `path` only names it in errors.
+fn parse_weight_map(text: &[u8], path: &Path) -> Result<WeightMap, CheckpointError> {
     struct Seed;
     impl<'de> serde::de::DeserializeSeed<'de> for Seed {
         type Value = WeightMap;
@@ -305,9 +366,7 @@ fn read_weight_map(path: &Path) -> Result<WeightMap, CheckpointError> {
         }
     }
     let invalid = |message: String| CheckpointError::IndexInvalid { path: path.to_owned(), message };
-    let text =
-        std::fs::read(path).map_err(|source| CheckpointError::Io { path: path.to_owned(), op: "read", source })?;
-    let mut de = serde_json::Deserializer::from_slice(&text);
+    let mut de = serde_json::Deserializer::from_slice(text);
     let parsed = serde::Deserializer::deserialize_map(&mut de, IndexVisitor).and_then(|m| de.end().map(|()| m));
     let map = parsed
         .map_err(|e| invalid(format!("not valid index JSON: {e}")))?
@@ -321,6 +380,13 @@ fn read_weight_map(path: &Path) -> Result<WeightMap, CheckpointError> {
         }
     }
     Ok(map)
+}
+
+fn missing_shard(index_path: &Path, missing: &Path) -> CheckpointError {
+    CheckpointError::IndexInvalid {
+        path: index_path.to_owned(),
+        message: format!("it names shard {}, which does not exist", missing.display()),
+    }
 }
 
 fn list_shards(dir: &Path) -> Result<Vec<String>, CheckpointError> {

@@ -70,14 +70,39 @@ pub fn read_header(path: &Path) -> Result<Header, CheckpointError> {
     let io = |source| CheckpointError::Io { path: path.to_owned(), op: "read header of", source };
     let mut file = File::open(path).map_err(io)?;
     let file_len = file.metadata().map_err(io)?.len();
+    let mut len_bytes = [0u8; 8];
+    if file_len >= 8 {
+        file.read_exact(&mut len_bytes).map_err(io)?;
+    }
+    let header_len = check_header_len(len_bytes, file_len, path)?;
+    let mut json = vec![0u8; header_len];
+    file.read_exact(&mut json).map_err(io)?;
+    header_from_json(&json, file_len, path)
+}
+
+/// Parses the header of a whole shard held in memory (`file` is the entire file); `path` only
+/// names the shard in errors. The same checks as [`read_header`], without the filesystem.
+pub fn parse_header(file: &[u8], path: &Path) -> Result<Header, CheckpointError> {
+    let file_len = file.len() as u64;
+    let mut len_bytes = [0u8; 8];
+    if let Some(prefix) = file.get(..8) {
+        len_bytes.copy_from_slice(prefix);
+    }
+    let header_len = check_header_len(len_bytes, file_len, path)?;
+    // check_header_len bounds the header by the bytes after the prefix.
+    let json = file.get(8..8 + header_len).unwrap_or_default();
+    header_from_json(json, file_len, path)
+}
+
+/// The header length from the 8-byte prefix, checked against the file and the format's cap
+/// before anything is allocated for it.
+fn check_header_len(len_bytes: [u8; 8], file_len: u64, path: &Path) -> Result<usize, CheckpointError> {
     if file_len < 8 {
         return Err(CheckpointError::HeaderLength {
             shard: path.to_owned(),
             message: format!("the file is {file_len} bytes, shorter than the 8-byte length prefix"),
         });
     }
-    let mut len_bytes = [0u8; 8];
-    file.read_exact(&mut len_bytes).map_err(io)?;
     let header_len = u64::from_le_bytes(len_bytes);
     if header_len > HEADER_LEN_MAX || header_len > file_len - 8 {
         return Err(CheckpointError::HeaderLength {
@@ -90,11 +115,13 @@ pub fn read_header(path: &Path) -> Result<Header, CheckpointError> {
         });
     }
     // The bound above makes the cast lossless: header_len <= 100 MB.
-    let mut json = vec![0u8; header_len as usize];
-    file.read_exact(&mut json).map_err(io)?;
+    Ok(header_len as usize)
+}
+
+fn header_from_json(json: &[u8], file_len: u64, path: &Path) -> Result<Header, CheckpointError> {
     let entries =
-        parse_header_json(&json).map_err(|source| CheckpointError::HeaderJson { shard: path.to_owned(), source })?;
-    Ok(Header { file_len, data_start: 8 + header_len, entries })
+        parse_header_json(json).map_err(|source| CheckpointError::HeaderJson { shard: path.to_owned(), source })?;
+    Ok(Header { file_len, data_start: 8 + json.len() as u64, entries })
 }
 
 /// Parses the header JSON into entries in file order, skipping `__metadata__`.

@@ -160,12 +160,20 @@ pub struct Validation {
     pub census: Census,
     /// Language-model tensors the config does not explain; reported, not fatal.
     pub unexpected: Vec<String>,
+    /// Tensors outside the `language_model.` prefix (a vision tower, a draft head, a renamed
+    /// checkpoint): k3ring reads none of them; reported, not fatal.
+    pub outside_prefix: Vec<String>,
 }
+
+/// The prefix of every tensor k3ring reads.
+pub const LANGUAGE_MODEL_PREFIX: &str = "language_model.";
 
 impl CheckpointIndex {
     /// Checks every tensor the config requires: present, dtype, shape. The first problem is an
-    /// error naming the tensor (exit 3).
+    /// error naming the tensor (exit 3). The counts that size the list of expected tensors
+    /// (layers, experts) are checked against the headers first.
     pub fn validate(&self, cfg: &Config) -> Result<Validation, CheckpointError> {
+        self.check_config_sizes(cfg)?;
         let expected = expected_tensors(cfg);
         let mut census = Census {
             layers: (0..cfg.n_layers).map(|layer| LayerCensus { layer, ..Default::default() }).collect(),
@@ -195,10 +203,16 @@ impl CheckpointIndex {
             .tensors
             .iter()
             .zip(&seen)
-            .filter(|(t, &s)| !s && t.name.starts_with("language_model."))
+            .filter(|(t, &s)| !s && t.name.starts_with(LANGUAGE_MODEL_PREFIX))
             .map(|(t, _)| t.name.clone())
             .collect();
-        Ok(Validation { census, unexpected })
+        let outside_prefix = self
+            .tensors
+            .iter()
+            .filter(|t| !t.name.starts_with(LANGUAGE_MODEL_PREFIX))
+            .map(|t| t.name.clone())
+            .collect();
+        Ok(Validation { census, unexpected, outside_prefix })
     }
 }
 

@@ -7,7 +7,8 @@
 //!    efficiency = floor / measured, speedup = serial / pipelined; and the floor without routing
 //!    prediction (`floor*`), which adds that a layer's expert reads can overlap only the
 //!    experts' compute (the resident run measures that part from its trace spans). 5. Ids
-//!    identical everywhere.
+//!    identical everywhere. 6. With `--batch`, cells of B sequences decoding together
+//!    (`bench_batch`), alternated with the mode cells.
 
 use std::path::PathBuf;
 
@@ -15,12 +16,15 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use super::bench_batch::{self, BatchReport, BatchWork};
+use super::budget::name_budget_flag;
 use super::svg::{line_chart, Series};
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::engine::measure::{
     drop_page_cache, measure_resident, measure_streaming, triad_bandwidth, warm_page_cache, MeasureSpec, Measurement,
 };
+use crate::engine::measure_batch::BatchMeasurement;
 use crate::engine::StreamingRun;
 use crate::error::UsageError;
 use crate::pipeline::{IoKind, IoOptions, Mode, PipelineOptions, Speculation};
@@ -30,6 +34,7 @@ use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct BenchArgs {
     /// Model directory.
     #[arg(long, value_name = "DIR")]
@@ -38,7 +43,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "DIR")]
     pub trunk: PathBuf,
     /// Budgets in GB, e.g. 6,9,12.
-    #[arg(long, value_name = "GB,...", value_delimiter = ',', required = true)]
+    #[arg(long, value_name = "GB,...", value_delimiter = ',', required = true, value_parser = super::parse_gb)]
     pub budgets: Vec<f64>,
     /// Modes to compare: serial (the C engine's order), no-spec (pipelined, experts read once
     /// routed), pipelined (the default: plus adaptive expert prediction), fixed-spec (every
@@ -67,12 +72,22 @@ pub struct BenchArgs {
     /// Prompt text.
     #[arg(long, value_name = "TEXT", default_value = "The quick brown fox")]
     pub prompt: String,
-    /// Write the results as JSON.
+    /// Write the results as JSON to FILE ("-": to stdout, instead of the table).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Keep the page cache: by default, when run as root, bench drops the whole system's page
+    /// cache (`/proc/sys/vm/drop_caches`) before every cell, so no cell reads what an earlier
+    /// one left cached.
+    #[arg(long)]
+    pub no_drop_caches: bool,
     /// Write a plot of s/token against budget per mode.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
+    /// Batch sizes, e.g. 1,4,16: adds a cell per budget and size of that many sequences decoding
+    /// together (distinct prompts, greedy, --tokens steps after --warmup), alternated with the
+    /// mode cells, with each sequence's ids checked against its solo run.
+    #[arg(long, value_name = "B,...", value_delimiter = ',', value_parser = bench_batch::parse_batch)]
+    pub batch: Vec<usize>,
 }
 
 #[derive(Serialize)]
@@ -114,22 +129,30 @@ struct Report {
     /// Per budget: no-spec s/token over pipelined (above 1: speculation gained).
     speculation_gains: Vec<(f64, f64)>,
     ids_identical: bool,
+    /// The batch cells (`--batch`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch: Option<BatchReport>,
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    bench_batch::check_sizes(&args.batch)?;
+    let json = open_outputs(args)?;
     let kernels = super::kernels_for("auto")?;
     let cfg = Config::from_model_dir(&args.model)?;
     let index = CheckpointIndex::open(&args.model)?;
+    // Before the device probe reads expert-sized blocks: the sizes must match the checkpoint.
+    index.validate(&cfg)?;
     let tok = Tokenizer::from_model_dir(&args.model)?;
     let prompt = tok.encode(&args.prompt)?;
     if prompt.is_empty() {
         return Err(UsageError("--prompt encodes to zero tokens".into()).into());
     }
     let spec = MeasureSpec { prompt, warmup: args.warmup, tokens: args.tokens, prefill_chunk: 32 };
+    let batch = BatchWork::new(args, &tok, &spec)?;
     let threads =
         if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
-    let cells_total = args.budgets.len() * args.modes.len() * args.repeats.max(1);
-    let bar = ProgressBar::new((cells_total + 3) as u64);
+    let cells_total = args.budgets.len() * (args.modes.len() + args.batch.len()) * args.repeats.max(1);
+    let bar = ProgressBar::new((cells_total + 3 + usize::from(batch.is_some())) as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -158,6 +181,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     warm_page_cache(&files).context("reading the model into the page cache")?;
     let (resident, residents_agree) = resident_median(args, kernels, &spec)?;
     bar.inc(1);
+    let resident_batch = match &batch {
+        Some(work) => {
+            bar.set_message("solo runs and resident batches");
+            let r = bench_batch::measure_resident(args, kernels, work)?;
+            bar.inc(1);
+            Some(r)
+        }
+        None => None,
+    };
 
     // This VM's disk varies by 30% or more over minutes, and up to 2x within a run, so each
     // budget's floor uses the device as probed around its own cells (at the engine's queue
@@ -171,12 +203,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         random_read_rate(&files, &ranges, cfg.expert_bytes() as usize, qd_probe, args.device_reads, seed)
             .context("measuring the device between cells")
     };
-    let (cells_raw, dropped) = measure_cells(args, kernels, &spec, &bar, &mut probe_during)?;
+    let measured = measure_cells(args, kernels, &spec, batch.as_ref(), &bar, &mut probe_during)?;
     bar.set_message("device again");
     let device_after = probe_device(1)?;
     bar.finish_and_clear();
     let device: Vec<(u32, f64)> = device_before.iter().zip(&device_after).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
-    let cells: Vec<Cell> = cells_raw.into_iter().map(|raw| cell(raw, &resident)).collect();
+    let cells: Vec<Cell> = measured.cells.into_iter().map(|raw| cell(raw, &resident)).collect();
+    let batch_report = match (&batch, resident_batch) {
+        (Some(work), Some(r)) => {
+            Some(bench_batch::report(&measured.batch_samples, &measured.device_rates, r, work, &cfg))
+        }
+        _ => None,
+    };
     let ids_identical = residents_agree && cells.iter().all(|c| c.m.ids == resident.ids);
     let (speedups, speculation_gains) = (ratios(args, &cells, "serial"), ratios(args, &cells, "no-spec"));
     let report = Report {
@@ -186,16 +224,21 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         memory_bandwidth: membw,
         resident_seconds_per_token: resident.seconds_per_token,
         resident_overlappable_seconds_per_token: resident.overlappable_seconds_per_token,
-        page_cache_dropped: dropped,
+        page_cache_dropped: measured.dropped,
         cells,
         speedups,
         speculation_gains,
         ids_identical,
+        batch: batch_report,
     };
-    print_report(&report, &cfg, args);
-    write_outputs(&report, args)?;
+    write_outputs(&report, &cfg, args, json.as_ref())?;
     if !report.ids_identical {
         anyhow::bail!("generated ids differ between cells: the output must not depend on budget or mode");
+    }
+    if report.batch.as_ref().is_some_and(|b| !b.ids_match_solo) {
+        anyhow::bail!(
+            "a sequence's ids in a batch differ from its solo run's: the output must not depend on the batch"
+        );
     }
     Ok(())
 }
@@ -216,6 +259,22 @@ fn resident_median(
     Ok((residents.swap_remove(residents.len() / 2), agree))
 }
 
+/// Creates the output files before any work and says what bench will do to the page cache.
+fn open_outputs(args: &BenchArgs) -> anyhow::Result<Option<super::output::JsonOut>> {
+    let json = super::output::JsonOut::open(args.json.as_deref())?;
+    if let Some(path) = &args.svg {
+        super::output::create_now("--svg", path)?;
+    }
+    if !args.no_drop_caches {
+        // Said before it happens: it affects every process on the machine, not only bench.
+        eprintln!(
+            "k3ring: bench drops the whole system's page cache before every cell (when run as root); \
+             --no-drop-caches keeps it"
+        );
+    }
+    Ok(json)
+}
+
 /// Per budget: the s/token of mode `over` divided by the default's (pipelined).
 fn ratios(args: &BenchArgs, cells: &[Cell], over: &str) -> Vec<(f64, f64)> {
     let get =
@@ -223,11 +282,18 @@ fn ratios(args: &BenchArgs, cells: &[Cell], over: &str) -> Vec<(f64, f64)> {
     args.budgets.iter().filter_map(|&b| Some((b, get(b, over)? / get(b, "pipelined")?))).collect()
 }
 
-/// `--json` and `--svg`.
-fn write_outputs(report: &Report, args: &BenchArgs) -> anyhow::Result<()> {
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(report)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
+/// The table (unless `--json -` replaces it), `--json` and `--svg`.
+fn write_outputs(
+    report: &Report,
+    cfg: &Config,
+    args: &BenchArgs,
+    json: Option<&super::output::JsonOut>,
+) -> anyhow::Result<()> {
+    if !super::output::JsonOut::is_stdout(json) {
+        print_report(report, cfg, args);
+    }
+    if let Some(out) = json {
+        out.write(report)?;
     }
     if let Some(path) = &args.svg {
         let series: Vec<Series> = args
@@ -276,19 +342,32 @@ type CellSample = (f64, String, Measurement);
 /// A cell's median sample and the device rate (bytes/s) probed around its budget's runs.
 type CellResult = (f64, String, Measurement, f64);
 
+/// What [`measure_cells`] measured.
+struct Measured {
+    cells: Vec<CellResult>,
+    /// Every batch cell's every repeat, by budget (the ids check looks at each).
+    batch_samples: Vec<(f64, BatchMeasurement)>,
+    /// Per budget: the device rate (bytes/s) probed around its cells.
+    device_rates: Vec<(f64, f64)>,
+    /// The page cache could be dropped before every run.
+    dropped: bool,
+}
+
 /// Every (budget, mode) cell, `repeats` times with the modes alternating, reduced to the
-/// median sample per cell (slow phases of the VM's disk then hit every mode alike).
+/// median sample per cell (slow phases of the VM's disk then hit every mode alike); the batch
+/// cells (`--batch`) run after the modes in each repeat, and are reduced by the caller.
 /// `probe_device` (bytes/s at the engine's queue depth) runs before each repeat of a budget and
-/// after its last; the better probe is that budget's device rate. Returns the cells and whether
-/// the page cache could be dropped before every run.
+/// after its last; the better probe is that budget's device rate.
 fn measure_cells(
     args: &BenchArgs,
     kernels: kernels::Kernels,
     spec: &MeasureSpec,
+    batch: Option<&BatchWork>,
     bar: &ProgressBar,
     probe_device: &mut dyn FnMut() -> anyhow::Result<f64>,
-) -> anyhow::Result<(Vec<CellResult>, bool)> {
+) -> anyhow::Result<Measured> {
     let mut samples: Vec<CellSample> = Vec::new();
+    let mut batch_samples = Vec::new();
     let mut device_rates: Vec<(f64, f64)> = Vec::new();
     let mut dropped = true;
     let repeats = args.repeats.max(1);
@@ -299,11 +378,22 @@ fn measure_cells(
             best = best.max(probe_device()?);
             for mode in &args.modes {
                 bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
-                dropped &= drop_page_cache();
+                dropped &= !args.no_drop_caches && drop_page_cache();
                 let run = cell_run(args, spec, budget, mode);
                 let m = measure_streaming(&args.model, &args.trunk, &run, kernels, spec)
-                    .with_context(|| format!("budget {budget} GB, mode {mode}"))?;
+                    .with_context(|| format!("budget {budget} GB, mode {mode}"))
+                    .map_err(|e| name_budget_flag(e, &format!("--budgets {budget}")))?;
                 samples.push((budget, mode.clone(), m));
+                bar.inc(1);
+            }
+            for (work, &b) in batch.iter().flat_map(|w| w.sizes.iter().map(move |b| (*w, b))) {
+                bar.set_message(format!("{budget} GB batch {b} ({}/{repeats})", rep + 1));
+                dropped &= !args.no_drop_caches && drop_page_cache();
+                let run = cell_run(args, spec, budget, bench_batch::BATCH_MODE);
+                let m = bench_batch::measure_cell(args, kernels, work, run, b)
+                    .with_context(|| format!("budget {budget} GB, batch {b}"))
+                    .map_err(|e| name_budget_flag(e, &format!("--budgets {budget}")))?;
+                batch_samples.push((budget, m));
                 bar.inc(1);
             }
         }
@@ -322,7 +412,7 @@ fn measure_cells(
             }
         }
     }
-    Ok((cells, dropped))
+    Ok(Measured { cells, batch_samples, device_rates, dropped })
 }
 
 /// The streaming run of one cell: serial is the C engine's order (no read-ahead, no overlap of
@@ -337,6 +427,7 @@ fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> St
     };
     StreamingRun {
         budget_bytes: (budget * GB) as u64,
+        sequences: 1,
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
         chunk: spec.prefill_chunk,
         threads: args.threads,
@@ -350,7 +441,30 @@ fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> St
         placement: None,
         trace_detail: false,
         trunk_share: None,
+        available_memory: None,
     }
+}
+
+/// The cost of checking experts against their checksums (on by default): the check's time over
+/// s/token, the median and the worst over the cells, and the rate at which it hashed.
+fn verify_cost_line(cells: &[Cell]) -> String {
+    let mut ratios: Vec<f64> = cells
+        .iter()
+        .filter(|c| c.m.seconds_per_token > 0.0)
+        .map(|c| c.m.expert_verify_seconds_per_token / c.m.seconds_per_token)
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    let (Some(median), Some(worst)) = (ratios.get(ratios.len() / 2), ratios.last()) else {
+        return "expert checksums: no cell measured".to_owned();
+    };
+    let seconds: f64 = cells.iter().map(|c| c.m.expert_verify_seconds_per_token).sum();
+    let bytes: f64 = cells.iter().map(|c| c.m.expert_verified_bytes_per_token).sum();
+    let rate = if seconds > 0.0 { format!("{:.1} GB/s", bytes / seconds / 1e9) } else { "-".to_owned() };
+    format!(
+        "expert checksums (on by default): {:.2}% of s/token (median over the cells; worst {:.2}%), hashed at {rate}",
+        100.0 * median,
+        100.0 * worst
+    )
 }
 
 fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
@@ -373,7 +487,13 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
     }
     println!(
         "page cache: {}",
-        if r.page_cache_dropped { "dropped before every cell" } else { "not dropped (not root); reads are O_DIRECT" }
+        if r.page_cache_dropped {
+            "dropped before every cell"
+        } else if args.no_drop_caches {
+            "kept (--no-drop-caches); reads are O_DIRECT"
+        } else {
+            "not dropped (not root); reads are O_DIRECT"
+        }
     );
     println!(
         "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7} {:>7} {:>10}",
@@ -426,6 +546,10 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         "floor*: the floor without routing prediction: a layer's expert reads start at its router, so they overlap \
          only the experts' compute (cells that predict routing can beat it)"
     );
+    println!("{}", verify_cost_line(&r.cells));
     println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
+    if let Some(batch) = &r.batch {
+        bench_batch::print(batch);
+    }
     let _ = args;
 }

@@ -29,7 +29,7 @@ const MB: f64 = 1e6;
 const TIE_POINTS: f64 = 0.5;
 
 #[derive(Debug, clap::Args)]
-#[command(args_override_self = true)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct CacheSimArgs {
     /// Expert trace written by `k3ring run --dump-trace FILE`.
     #[arg(value_name = "FILE")]
@@ -37,12 +37,13 @@ pub struct CacheSimArgs {
     /// Pool sizes in experts (default: top_k, doubling, up to the distinct experts in the trace).
     #[arg(long, value_name = "N,N,...", value_delimiter = ',', action = clap::ArgAction::Set)]
     pub capacities: Option<Vec<usize>>,
-    /// Size of one expert in MB (10^6 bytes), for the read volume per token.
-    #[arg(long, value_name = "MB", default_value_t = 17.5, value_parser = parse_mb)]
-    pub expert_mb: f64,
-    /// Print the results as JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    /// Size of one expert in MB (10^6 bytes), for the read volume per token (default: the size
+    /// the trace's header records, `expert_bytes=`).
+    #[arg(long, value_name = "MB", value_parser = parse_mb)]
+    pub expert_mb: Option<f64>,
+    /// Write the report as JSON to FILE ("-": to stdout, instead of the table).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 fn parse_mb(s: &str) -> Result<f64, String> {
@@ -101,14 +102,28 @@ struct Report {
 }
 
 pub fn run(args: &CacheSimArgs) -> anyhow::Result<()> {
+    let json = super::output::JsonOut::open(args.json.as_deref())?;
     let trace = read_trace(&args.trace)?;
+    let expert_mb = match (args.expert_mb, trace.expert_bytes()) {
+        (Some(mb), _) => mb,
+        (None, Some(bytes)) => bytes as f64 / MB,
+        (None, None) => {
+            return Err(UsageError(format!(
+                "expert trace {}: its header records no expert size (no expert_bytes=; it was written by an \
+                 older k3ring): give --expert-mb",
+                args.trace.display()
+            ))
+            .into())
+        }
+    };
     let capacities = resolve_capacities(args.capacities.as_deref(), &trace)?;
     let results = simulate_all(&trace, &capacities)?;
-    let report = build_report(args, &trace, &capacities, &results);
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
+    let report = build_report(args, expert_mb, &trace, &capacities, &results);
+    if !super::output::JsonOut::is_stdout(json.as_ref()) {
         print_table(&report);
+    }
+    if let Some(out) = &json {
+        out.write(&report)?;
     }
     Ok(())
 }
@@ -170,7 +185,13 @@ fn simulate_all(trace: &Trace, capacities: &[usize]) -> anyhow::Result<Vec<SimRe
     Ok(results)
 }
 
-fn build_report(args: &CacheSimArgs, trace: &Trace, capacities: &[usize], results: &[SimResult]) -> Report {
+fn build_report(
+    args: &CacheSimArgs,
+    expert_mb: f64,
+    trace: &Trace,
+    capacities: &[usize],
+    results: &[SimResult],
+) -> Report {
     let columns = POLICY_NAMES.len() + 1;
     let rows: Vec<Row> = capacities
         .iter()
@@ -184,7 +205,7 @@ fn build_report(args: &CacheSimArgs, trace: &Trace, capacities: &[usize], result
                     hits: r.hits,
                     misses: r.misses,
                     hit_rate: r.hit_rate,
-                    mb_read_per_token: r.bytes_read_per_token(args.expert_mb * MB) / MB,
+                    mb_read_per_token: r.bytes_read_per_token(expert_mb * MB) / MB,
                 })
                 .collect(),
         })
@@ -198,7 +219,7 @@ fn build_report(args: &CacheSimArgs, trace: &Trace, capacities: &[usize], result
         tokens: trace.tokens(),
         requests: trace.requests(),
         distinct_experts: trace.distinct_experts(),
-        expert_mb: args.expert_mb,
+        expert_mb,
         rows,
         conclusion,
     }

@@ -19,6 +19,7 @@ struct Report<'a> {
 }
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
+    let json = super::output::JsonOut::open(args.json.as_deref())?;
     let cfg = Config::from_model_dir(&args.model)?;
     let index = CheckpointIndex::open(&args.model).with_context(|| format!("indexing {}", args.model.display()))?;
     let validation = index.validate(&cfg)?;
@@ -31,21 +32,24 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
         tensors: index.tensors.len(),
         validation: &validation,
     };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
+    if !super::output::JsonOut::is_stdout(json.as_ref()) {
         print_text(&report, &cfg);
+    }
+    if let Some(out) = &json {
+        out.write(&report)?;
     }
     Ok(())
 }
 
+/// Decimal units, like `--mem-gb` (10^9 bytes) and every other size k3ring prints.
 fn gb(bytes: u64) -> String {
-    if bytes >= 1 << 30 {
-        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-    } else if bytes >= 1 << 20 {
-        format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.2} MB", b / 1e6)
     } else {
-        format!("{:.1} KiB", bytes as f64 / 1024.0)
+        format!("{:.1} kB", b / 1e3)
     }
 }
 
@@ -107,6 +111,18 @@ fn print_text(r: &Report<'_>, cfg: &Config) {
     }
     for name in &r.validation.unexpected {
         println!("warning: tensor {name} is not used by this config");
+    }
+    let outside = &r.validation.outside_prefix;
+    if !outside.is_empty() {
+        // A whole vision tower would be thousands of lines: the count and a few names.
+        const SHOWN: usize = 5;
+        let names = outside.iter().take(SHOWN).map(String::as_str).collect::<Vec<_>>().join(", ");
+        let more = if outside.len() > SHOWN { format!(" and {} more", outside.len() - SHOWN) } else { String::new() };
+        println!(
+            "warning: {} tensors lie outside the expected prefix {} and are not used: {names}{more}",
+            outside.len(),
+            crate::checkpoint::LANGUAGE_MODEL_PREFIX
+        );
     }
     println!("ok: every tensor the config requires is present with the right dtype and shape");
 }

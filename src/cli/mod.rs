@@ -4,15 +4,24 @@
 #![forbid(unsafe_code)]
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod batch;
 mod bench;
+mod bench_batch;
+mod budget;
 mod cache_sim;
+mod chat;
 mod demo;
 mod embedded;
 mod inspect;
 mod logging;
+mod logits;
+mod open_model;
+mod output;
 mod pack;
 pub mod pipeline_flags;
 mod run;
+mod serve;
+mod startup;
 mod svg;
 mod synth;
 mod tune;
@@ -45,6 +54,12 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Generate text from a prompt (the embedded tiny model when --model is absent).
     Run(Box<RunArgs>),
+    /// Decode many requests together (continuous batching): JSONL in, one JSON result per line out.
+    Batch(Box<batch::BatchArgs>),
+    /// Talk to the model through its chat template (a REPL; reads turns from stdin).
+    Chat(Box<chat::ChatArgs>),
+    /// Serve the OpenAI API over HTTP (completions and chat completions, batched).
+    Serve(Box<serve::ServeArgs>),
     /// Copy every non-expert tensor into one file laid out for streaming (the trunk pack).
     Pack(PackArgs),
     /// Write a seeded random checkpoint in the release layout (k3, small or tiny widths).
@@ -58,6 +73,7 @@ pub enum Command {
 }
 
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct PackArgs {
     /// Model directory to pack.
     #[arg(long, value_name = "DIR")]
@@ -65,14 +81,17 @@ pub struct PackArgs {
     /// Directory for trunk.pack and trunk.manifest.json.
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// Re-read the pack and check every unit's checksum.
+    /// Then re-read everything: each trunk unit against its checksum and the shards, each expert
+    /// against its checksum (exit 3 naming every mismatch).
     #[arg(long)]
     pub verify: bool,
 }
 
 #[derive(Debug, clap::Args)]
 #[command(allow_negative_numbers = true, args_override_self = true)]
-#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "ids"])))]
+// Not required: a run may resume a saved state with no new prompt (`--load-state`); without
+// one, an empty input is refused after parsing ("give --prompt, --prompt-file or --ids").
+#[command(group(clap::ArgGroup::new("input").required(false).args(["prompt", "prompt_file", "ids"])))]
 pub struct RunArgs {
     /// Model directory; without it, the tiny K3 model built into the binary.
     #[arg(long, value_name = "DIR")]
@@ -80,7 +99,7 @@ pub struct RunArgs {
     /// Prompt text (added tokens such as <|open|> are recognised).
     #[arg(long, value_name = "TEXT")]
     pub prompt: Option<String>,
-    /// Read the prompt text from a file.
+    /// Read the prompt text from a file ("-": from stdin).
     #[arg(long, value_name = "FILE")]
     pub prompt_file: Option<PathBuf>,
     /// Prompt as comma-separated token ids.
@@ -95,7 +114,8 @@ pub struct RunArgs {
     /// Sampling temperature; 0 means greedy.
     #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = parse_temperature)]
     pub temperature: f32,
-    /// Sample only among the K most likely tokens.
+    /// Sample only among the K most likely tokens (0: off, every token is a candidate, as in
+    /// llama.cpp).
     #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
     /// Sample only from the smallest set of tokens whose probability reaches P.
@@ -123,9 +143,26 @@ pub struct RunArgs {
     pub storage: StorageArgs,
     #[command(flatten)]
     pub pipeline: pipeline_flags::PipelineArgs,
-    /// Write prompt_ids, generated_ids, text, seconds_per_token and peak_rss_bytes as JSON.
+    /// Write the report (prompt_ids, generated_ids, text, seconds_per_token, peak_rss_bytes,
+    /// storage and pipeline counters) as JSON to FILE ("-": to stdout, instead of the text).
+    /// Created before the model is opened; written also after Ctrl-C.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Write the logits of every prompt position and generated step (f32, with a header of
+    /// shape, model fingerprint and ids; the format is in docs/LOGITS.md).
+    #[arg(long, value_name = "FILE")]
+    pub logits: Option<PathBuf>,
+    /// With --logits: keep only the N largest logits of each position (their ids and values).
+    #[arg(long, value_name = "N", requires = "logits", value_parser = parse_logits_top)]
+    pub logits_top: Option<usize>,
+    /// Start from a saved session state: its tokens come first, the prompt (if any) after them;
+    /// a prefill stopped by Ctrl-C resumes where it stopped.
+    #[arg(long, value_name = "FILE")]
+    pub load_state: Option<PathBuf>,
+    /// Save the session state (prompt, generated tokens, model state) here at the end, also
+    /// after Ctrl-C.
+    #[arg(long, value_name = "FILE")]
+    pub save_state: Option<PathBuf>,
     /// Ids of the flags given on the command line (filled by `main` from clap's matches: a flag
     /// given its default value, such as `--io uring`, is otherwise indistinguishable from none).
     #[arg(skip)]
@@ -159,6 +196,10 @@ pub struct StorageArgs {
     /// Check every streamed trunk unit's checksum on every read (default: first read of each).
     #[arg(long)]
     pub verify_reads: bool,
+    /// Do not check experts against their checksums (by default each expert read from the shards
+    /// is checked before use; a mismatch stops the run with exit 3). For those who accept the risk.
+    #[arg(long)]
+    pub no_verify_experts: bool,
     /// At most this share (0-1) of the budget left after the fixed parts goes to pinned trunk
     /// (default: trunk first, as much as fits).
     #[arg(long, value_name = "F", value_parser = parse_share)]
@@ -183,6 +224,13 @@ fn parse_temperature(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
         Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
         _ => Err(format!("{s:?} is not a temperature (a number >= 0)")),
+    }
+}
+
+fn parse_logits_top(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a number of logits per position (1 or more)")),
     }
 }
 
@@ -233,13 +281,14 @@ pub fn kernels_for(isa: &str) -> anyhow::Result<kernels::Kernels> {
 }
 
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct InspectArgs {
     /// Model directory (config.json, safetensors shards, tokenizer).
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
-    /// Print the report as JSON instead of text.
-    #[arg(long)]
-    pub json: bool,
+    /// Write the report as JSON to FILE ("-": to stdout, instead of the text).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 /// Ids of the arguments in `m` whose value came from the command line (not a default).
@@ -262,14 +311,26 @@ pub fn main() -> std::process::ExitCode {
             return (if e.use_stderr() { ExitCode::Usage } else { ExitCode::Ok }).into();
         }
     };
-    if let (Command::Run(args), Some(("run", m))) = (&mut cli.command, matches.subcommand()) {
-        args.given = given_ids(m);
+    match (&mut cli.command, matches.subcommand()) {
+        (Command::Run(args), Some(("run", m))) => args.given = given_ids(m),
+        (Command::Batch(args), Some(("batch", m))) => args.given = given_ids(m),
+        (Command::Chat(args), Some(("chat", m))) => args.given = given_ids(m),
+        (Command::Serve(args), Some(("serve", m))) => args.given = given_ids(m),
+        _ => {}
     }
     logging::install(cli.verbose);
+    // Weights are memory-mapped (resident runs, `--io mmap`): a disk error under a mapped page
+    // arrives as SIGBUS, which the handler turns into exit 4 naming the file.
+    if let Err(e) = crate::storage::sigbus::install_handler() {
+        tracing::warn!("cannot install the SIGBUS handler ({e}): a disk error under mapped weights will end k3ring with a bare SIGBUS");
+    }
     let result = match cli.command {
         Command::Demo(args) => demo::run(&args),
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
+        Command::Batch(args) => batch::run(&args),
+        Command::Chat(args) => chat::run(&args),
+        Command::Serve(args) => serve::run(&args),
         Command::Pack(args) => pack::run(&args),
         Command::Synth(args) => synth::run(&args),
         Command::CacheSim(args) => cache_sim::run(&args),

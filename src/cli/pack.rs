@@ -1,4 +1,5 @@
-//! `k3ring pack`: write the trunk pack for streaming, with a progress bar.
+//! `k3ring pack`: write the trunk pack for streaming, with a progress bar; `--verify` then
+//! re-reads everything and reports every mismatch.
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -6,49 +7,94 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::PackArgs;
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
+use crate::storage::pack::verify::{verify, verify_bytes};
 use crate::storage::pack::{write_pack, Manifest};
+
+/// Mismatches printed one per line before the error (the rest are counted).
+const MISMATCHES_SHOWN: usize = 20;
+
+fn bar(what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "{{spinner}} {what} [{{bar:40}}] {{bytes}}/{{total_bytes}} {{binary_bytes_per_sec}} eta {{eta}}"
+        ))
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    bar
+}
+
+fn mib(bytes: u64) -> f64 {
+    // Decimal, like every size k3ring prints.
+    bytes as f64 / 1e6
+}
 
 pub fn run(args: &PackArgs) -> anyhow::Result<()> {
     let cfg = Config::from_model_dir(&args.model)?;
     let index = CheckpointIndex::open(&args.model).with_context(|| format!("indexing {}", args.model.display()))?;
     index.validate(&cfg)?;
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} packing trunk [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
+    let progress = bar("packing trunk, checksumming experts");
     let report = write_pack(&args.model, &cfg, &index, &args.out, |done, total| {
-        bar.set_length(total);
-        bar.set_position(done);
+        progress.set_length(total);
+        progress.set_position(done);
     })?;
-    bar.finish_and_clear();
+    progress.finish_and_clear();
     if report.up_to_date {
         println!(
-            "trunk pack in {} is up to date ({} units, {:.1} MiB); nothing to do",
+            "trunk pack in {} is up to date ({} units, {:.1} MB); nothing to do",
             args.out.display(),
             report.units,
-            report.bytes as f64 / 1048576.0
+            mib(report.bytes)
         );
     } else {
         println!(
-            "packed {} tensors in {} units into {} ({:.1} MiB, units aligned to {} bytes) in {:.2} s ({:.0} MiB/s)",
+            "packed {} tensors in {} units into {} ({:.1} MB, units aligned to {} bytes) and checksummed {} experts \
+             ({:.1} MB) in {:.2} s ({:.0} MB/s)",
             report.tensors,
             report.units,
             args.out.display(),
-            report.bytes as f64 / 1048576.0,
+            mib(report.bytes),
             report.alignment,
+            report.experts,
+            mib(report.expert_bytes),
             report.seconds,
-            report.bytes as f64 / 1048576.0 / report.seconds.max(1e-9)
+            mib(report.bytes + report.expert_bytes) / report.seconds.max(1e-9)
         );
     }
     if args.verify {
-        let m = Manifest::load(&args.out)?;
-        m.check_source(&args.out, &args.model, &index)?;
-        m.verify_all(&args.out)?;
-        println!("verified: every unit matches its checksum");
+        verify_everything(args, &cfg, &index)?;
     }
+    Ok(())
+}
+
+/// `--verify`: every unit and every expert; prints the summary, and each mismatch to stderr.
+fn verify_everything(args: &PackArgs, cfg: &Config, index: &CheckpointIndex) -> anyhow::Result<()> {
+    let m = Manifest::load(&args.out)?;
+    m.check_source(&args.out, &args.model, index)?;
+    let progress = bar("verifying");
+    progress.set_length(verify_bytes(&m, index));
+    let report = verify(&args.out, &m, index, 2 * cfg.hidden_size, &|n| progress.inc(n))?;
+    progress.finish_and_clear();
+    let what = format!(
+        "{} trunk units ({:.1} MB, against their checksums and the shards) and {} experts ({:.1} MB, against \
+         their checksums)",
+        report.units,
+        mib(report.unit_bytes),
+        report.experts,
+        mib(report.expert_bytes)
+    );
+    if report.mismatches.is_empty() {
+        println!("verified {what}: every one matches");
+        return Ok(());
+    }
+    println!("verified {what}: {} mismatch(es)", report.mismatches.len());
+    for m in report.mismatches.iter().take(MISMATCHES_SHOWN) {
+        eprintln!("k3ring: mismatch: {m}");
+    }
+    if report.mismatches.len() > MISMATCHES_SHOWN {
+        eprintln!("k3ring: ... and {} more", report.mismatches.len() - MISMATCHES_SHOWN);
+    }
+    report.into_result(&args.out)?;
     Ok(())
 }

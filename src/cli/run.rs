@@ -1,20 +1,27 @@
 //! `k3ring run`: generate from a prompt, streaming tokens to stdout, then a summary.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{IsTerminal, Write};
 
 use anyhow::Context;
 use clap::Args as _;
+use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use super::budget::name_budget_flag;
+use super::output::JsonOut;
 use super::pipeline_flags::PipelineArgs;
+use super::startup::{start_up, Started, StartupFlags};
 use super::{RunArgs, StorageArgs};
-use crate::engine::{open_resident, open_streaming, peak_rss_bytes, GenerateOptions, Opened, Sampling, StreamingRun};
+use crate::engine::{
+    context_needed, open_resident, open_streaming, peak_rss_bytes, state_file, ChatSession, Fingerprint,
+    GenerateOptions, Generation, Opened, ReplyOptions, Sampling, StreamingRun,
+};
 use crate::error::UsageError;
+use crate::interrupt::Interrupted;
 use crate::model::weights::WeightSource;
 use crate::model::LayerHook;
 use crate::pipeline::{IoKind, IoOptions, PipelineOptions};
-use crate::storage::plan::{preset_bytes, Plan, GB};
+use crate::storage::plan::{preset_bytes, Plan, GB, PRESET_AUTO_PERCENT, PRESET_MAX_PERCENT};
 use crate::storage::stream::{StoreOptions, StreamStats};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -30,6 +37,8 @@ struct RunReport<'a> {
     seconds_per_token: f64,
     peak_rss_bytes: Option<u64>,
     stopped_on_eos: bool,
+    /// Stopped by Ctrl-C; the other fields cover the run so far.
+    interrupted: bool,
     plan: Option<&'a Plan>,
     storage: Option<StreamStats>,
     pipeline: crate::trace::Metrics,
@@ -37,38 +46,65 @@ struct RunReport<'a> {
 }
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
-    let kernels = super::kernels_for(&args.isa)?;
-    if args.storage.trunk.is_none() && !args.pipeline.print_placement {
-        refuse_streaming_flags(&args.given)?;
-    }
-    warn_unused_sampling_flags(args);
-    let model_dir: PathBuf = match &args.model {
-        Some(dir) => dir.clone(),
-        None => super::embedded::tiny_model_dir()?,
+    run_naming_budget(args, None)
+}
+
+/// `run`, naming `budget_flag` (when given) rather than run's own budget flags if the plan refuses
+/// the budget: the demo's budget comes from its `--budget-share`.
+pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> anyhow::Result<()> {
+    let flags = StartupFlags {
+        isa: &args.isa,
+        model: args.model.as_deref(),
+        streaming: args.storage.trunk.is_some(),
+        given: &args.given,
+        pipeline: &args.pipeline,
+        threads: args.threads,
     };
-    let placement = args.pipeline.placement(args.threads)?;
-    if args.pipeline.print_placement {
-        println!("{}", placement.describe());
+    let Some(Started { kernels, model_dir, placement }) = start_up(&flags)? else {
         return Ok(());
+    };
+    warn_unused_sampling_flags(args);
+    let outputs = Outputs::open(args)?;
+    if args.model.is_none() || super::embedded::has_random_weights(&model_dir) {
+        // New users read the reserved-token soup of a random model as a bug: say so first.
+        eprintln!(
+            "k3ring: note: this model has random weights (a synthetic test model): the text it generates is \
+             meaningless by design"
+        );
     }
     let Some(trunk) = &args.storage.trunk else {
         let opened = open_resident(&model_dir, args.threads, kernels)
             .with_context(|| format!("opening model {}", model_dir.display()))?;
         let prompt = prompt_ids(args, &opened.tokenizer)?;
-        return generate(args, &model_dir, &opened, &prompt, None, |_| None);
+        return generate(args, &outputs, &model_dir, &opened, &prompt, None, |_| None);
     };
-    eprintln!("k3ring: {}", placement.describe());
+    if let Some(p) = &placement {
+        eprintln!("k3ring: {}", p.describe());
+    }
     // The plan depends on the context length, so the prompt is tokenized first.
-    let tokenizer = Tokenizer::from_model_dir(&model_dir)?;
+    let cfg = crate::config::Config::from_model_dir(&model_dir)?;
+    let tokenizer = Tokenizer::from_model_dir_or_ids(&model_dir, cfg.vocab_size)?;
     let prompt = prompt_ids(args, &tokenizer)?;
-    let mut run = streaming_run(args, &args.storage, prompt.len() + args.gen.max(1))?;
-    run.placement = Some(placement);
+    let flag = budget_flag.map_or_else(|| typed_budget_flag(&args.storage), str::to_owned);
+    let saved = match &args.load_state {
+        Some(path) => crate::engine::state_file::peek(path)?.ids.len(),
+        None => 0,
+    };
+    let context = context_needed(&cfg, saved + prompt.len(), args.gen)?;
+    let mut run = streaming_run(&args.pipeline, &args.storage, args.threads, args.prefill_chunk, context)
+        .map_err(|e| name_budget_flag(e, &flag))?;
+    run.placement = placement;
     let (opened, plan) =
         open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
-            .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))?;
+            .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))
+            .map_err(|e| name_budget_flag(e, &flag))?;
     let s = opened.engine.src.stats();
     eprintln!("k3ring: reads: {} | buffers: {}", s.backend_info, s.buffers);
-    generate(args, &model_dir, &opened, &prompt, Some(&plan), |src| Some(src.stats()))
+    generate(args, &outputs, &model_dir, &opened, &prompt, Some(&plan), |src| {
+        // Reads still in flight (guesses, read-ahead) land first, so the report and the trace agree.
+        src.settle();
+        Some(src.stats())
+    })
 }
 
 /// Flags of the storage and pipeline groups that a resident run (no `--trunk`) honours. Every
@@ -80,7 +116,7 @@ const STREAMING: &str = "--trunk DIR (a streaming run, from a pack made by `k3ri
 
 /// Fails (exit 2) when `given` (the ids of the flags on the command line) names a flag that only
 /// a streaming run uses. Ids, not values, because `--io uring` looks like no `--io` at all.
-fn refuse_streaming_flags(given: &[String]) -> anyhow::Result<()> {
+pub(super) fn refuse_streaming_flags(given: &[String]) -> anyhow::Result<()> {
     let groups = PipelineArgs::augment_args(StorageArgs::augment_args(clap::Command::new("run")));
     let refused: Vec<String> = groups
         .get_arguments()
@@ -114,28 +150,54 @@ fn warn_unused_sampling_flags(args: &RunArgs) {
     }
 }
 
-fn streaming_run(args: &RunArgs, st: &StorageArgs, context: usize) -> anyhow::Result<StreamingRun> {
-    let available = crate::engine::mem_available_bytes().unwrap_or(0);
+/// The budget flag as the user gave it (or the default that applied).
+pub(super) fn typed_budget_flag(st: &StorageArgs) -> String {
+    match (st.mem_gb, &st.preset) {
+        (Some(gb), _) => format!("--mem-gb {gb}"),
+        (None, Some(name)) => format!("--preset {name}"),
+        (None, None) => "--preset auto (the default budget)".to_owned(),
+    }
+}
+
+/// The streaming run the storage and pipeline flags ask for (one sequence).
+pub(super) fn streaming_run(
+    pipe: &PipelineArgs,
+    st: &StorageArgs,
+    threads: usize,
+    chunk: usize,
+    context: usize,
+) -> anyhow::Result<StreamingRun> {
+    // Read once: the preset and the plan's check of it must see the same number.
+    let available = crate::memory::available();
     let budget = match (st.mem_gb, &st.preset) {
         (Some(gb), _) => (gb * GB) as u64,
-        (None, Some(name)) => preset_bytes(name, available)?,
-        (None, None) => preset_bytes("auto", available)?,
+        (None, preset) => {
+            let name = preset.as_deref().unwrap_or("auto");
+            let budget = preset_bytes(name, available.as_ref().map_or(0, |a| a.bytes))?;
+            if let Some(a) = available.as_ref().filter(|_| matches!(name, "max" | "auto")) {
+                let share = if name == "max" { PRESET_MAX_PERCENT } else { PRESET_AUTO_PERCENT };
+                eprintln!("k3ring: --preset {name}: budget {:.3} GB, {share}% of {a}", budget as f64 / GB);
+            }
+            budget
+        }
     };
     let io = IoKind::parse(&st.io).ok_or_else(|| UsageError(format!("--io {:?} is unknown", st.io)))?;
-    let pipe = &args.pipeline;
     Ok(StreamingRun {
         budget_bytes: budget,
+        sequences: 1,
         context,
-        chunk: args.prefill_chunk,
-        threads: args.threads,
+        chunk,
+        threads,
         prefetch_window: None,
         placement: None,
         trace_detail: pipe.trace.is_some(),
         trunk_share: st.trunk_share,
+        available_memory: available,
         store: StoreOptions {
             readahead: st.readahead,
             lock_memory: !st.no_mlock,
             verify_every_read: st.verify_reads,
+            verify_experts: !st.no_verify_experts,
             policy: pipe.policy.clone(),
             ..StoreOptions::default()
         },
@@ -147,8 +209,39 @@ fn streaming_run(args: &RunArgs, st: &StorageArgs, context: usize) -> anyhow::Re
     })
 }
 
+/// The output files of a run, created before the model is opened (see `output`).
+struct Outputs {
+    json: Option<JsonOut>,
+}
+
+impl Outputs {
+    fn open(args: &RunArgs) -> anyhow::Result<Outputs> {
+        let json = JsonOut::open(args.json.as_deref())?;
+        if args.logits.is_some() && (args.load_state.is_some() || args.save_state.is_some()) {
+            return Err(UsageError("--logits does not go with --load-state or --save-state".into()).into());
+        }
+        let files = [
+            ("--trace", &args.pipeline.trace),
+            ("--dump-trace", &args.pipeline.dump_trace),
+            ("--logits", &args.logits),
+        ];
+        for (flag, path) in files {
+            if let Some(path) = path {
+                super::output::create_now(flag, path)?;
+            }
+        }
+        Ok(Outputs { json })
+    }
+
+    /// `--json -`: the report is stdout's only content (it holds the generated text).
+    fn json_on_stdout(&self) -> bool {
+        JsonOut::is_stdout(self.json.as_ref())
+    }
+}
+
 fn generate<S: WeightSource + LayerHook>(
     args: &RunArgs,
+    outputs: &Outputs,
     model_dir: &std::path::Path,
     opened: &Opened<S>,
     prompt: &[u32],
@@ -160,33 +253,44 @@ fn generate<S: WeightSource + LayerHook>(
     if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= cfg.vocab_size) {
         return Err(UsageError(format!("--ids: token {bad} is outside the vocabulary of {}", cfg.vocab_size)).into());
     }
-    let mut stop_ids = Vec::new();
-    if !args.ignore_eos {
-        stop_ids.push(cfg.eos_token_id);
-        stop_ids.extend(tok.added_id("[EOS]"));
+    let opts = generate_options(args, cfg, tok);
+    if let Some(path) = tok.missing_vocab() {
+        eprintln!("k3ring: no tokenizer ({} is missing): printing token ids as <id>, not text", path.display());
     }
-    let opts = GenerateOptions {
-        gen: args.gen,
-        sampling: Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed },
-        stop_ids,
-        full_recompute: args.full_recompute,
-        prefill_chunk: args.prefill_chunk,
-        keep_logits: false,
-        route_log: args.pipeline.dump_trace.clone(),
-    };
     let mut stream = StreamDecoder::default();
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
-    let generation = engine.generate(prompt, &opts, |id| {
+    let bar = prefill_bar(prompt.len(), args.prefill_chunk, std::io::stderr().is_terminal());
+    let quiet = outputs.json_on_stdout();
+    let on_token = |id| {
         let piece = stream.push(tok, id).unwrap_or_else(|_| format!("<{id}>"));
-        if write_err.is_none() {
+        if write_err.is_none() && !quiet {
             if let Err(e) = stdout.write_all(piece.as_bytes()).and_then(|()| stdout.flush()) {
                 write_err = Some(e);
             }
         }
-    })?;
+    };
+    let on_prefill = |done: usize, total: usize| {
+        if let Some(bar) = &bar {
+            bar.set_position(done as u64);
+            if done == total {
+                bar.finish_and_clear();
+            }
+        }
+    };
+    let generation = if args.load_state.is_some() || args.save_state.is_some() {
+        generate_stateful(args, model_dir, opened, prompt, &opts, on_token)
+    } else {
+        engine.generate_with(prompt, &opts, on_token, on_prefill).map_err(anyhow::Error::from)
+    };
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    let generation = generation?;
     let tail = stream.finish();
-    let _ = writeln!(stdout, "{tail}");
+    if !quiet {
+        let _ = writeln!(stdout, "{tail}");
+    }
     drop(stdout);
     if let Some(e) = write_err.filter(|e| e.kind() != std::io::ErrorKind::BrokenPipe) {
         return Err(e).context("writing tokens to stdout");
@@ -198,20 +302,11 @@ fn generate<S: WeightSource + LayerHook>(
         tracer.write_chrome_json(path).with_context(|| format!("writing --trace {}", path.display()))?;
         eprintln!("k3ring: trace written to {}", path.display());
     }
-    eprintln!(
-        "k3ring: {} prompt + {} generated tokens | prefill {:.3} s | decode {:.4} s/token | peak RSS {} | {} threads, {} kernels",
-        generation.prompt_ids.len(),
-        generation.generated_ids.len(),
-        generation.prefill_seconds,
-        generation.seconds_per_token,
-        peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.1} MiB", b as f64 / 1048576.0)),
-        engine.threads(),
-        engine.model.kernels.isa().name(),
-    );
+    print_run_line(&generation, peak, engine.threads(), engine.model.kernels.isa().name());
     if let (Some(s), Some(p)) = (&stats, plan) {
         print_streaming_summary(s, p, peak, &metrics);
     }
-    if let Some(path) = &args.json {
+    if let Some(out) = &outputs.json {
         let report = RunReport {
             model: model_dir.display().to_string(),
             isa: engine.model.kernels.isa().name(),
@@ -223,6 +318,7 @@ fn generate<S: WeightSource + LayerHook>(
             seconds_per_token: generation.seconds_per_token,
             peak_rss_bytes: peak,
             stopped_on_eos: generation.stopped_on.is_some(),
+            interrupted: generation.interrupted,
             plan,
             speculation_recall: stats
                 .as_ref()
@@ -231,10 +327,123 @@ fn generate<S: WeightSource + LayerHook>(
             storage: stats,
             pipeline: metrics,
         };
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("writing --json {}", path.display()))?;
+        out.write(&report)?;
+    }
+    if let Some(path) = &args.logits {
+        let fp = Fingerprint::of_dir(model_dir)?;
+        super::logits::write(path, &generation, cfg.vocab_size, args.logits_top, fp)?;
+    }
+    if generation.interrupted {
+        return Err(Interrupted {
+            prompt_done: generation.prompt_done,
+            prompt: generation.prompt_ids.len(),
+            generated: generation.generated_ids.len(),
+        }
+        .into());
     }
     Ok(())
+}
+
+/// Generation through a [`ChatSession`], which can start from a saved state and be saved: the
+/// saved tokens come first, then `prompt`. The session's reply loop is `generate`'s, so the ids
+/// equal those of a fresh run over the saved tokens plus the prompt.
+fn generate_stateful<S: WeightSource + LayerHook>(
+    args: &RunArgs,
+    model_dir: &std::path::Path,
+    opened: &Opened<S>,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(u32),
+) -> anyhow::Result<Generation> {
+    if opts.full_recompute || opts.route_log.is_some() {
+        return Err(
+            UsageError("--load-state and --save-state do not go with --full-recompute or --dump-trace".into()).into()
+        );
+    }
+    let engine = &opened.engine;
+    let fp = Fingerprint::of_dir(model_dir)?;
+    let saved = match &args.load_state {
+        Some(path) => state_file::peek(path)?.ids.len(),
+        None => 0,
+    };
+    let capacity = context_needed(&engine.model.cfg, saved + prompt.len(), opts.gen)?;
+    let mut sess = ChatSession::new(engine, capacity, opts.prefill_chunk)?;
+    if let Some(path) = &args.load_state {
+        sess.restore(engine, path, fp)?;
+        eprintln!("k3ring: state loaded from {} ({} tokens, {} to prefill)", path.display(), saved, saved - sess.fed());
+    }
+    sess.push(prompt);
+    let reply_opts = ReplyOptions {
+        max_tokens: opts.gen,
+        sampling: opts.sampling.clone(),
+        stop_ids: opts.stop_ids.clone(),
+        stop: opts.stop,
+    };
+    let reply = sess.reply(engine, &reply_opts, |id| {
+        on_token(id);
+        true
+    })?;
+    if let Some(path) = &args.save_state {
+        sess.save(path, fp, &[])?;
+        eprintln!("k3ring: state saved to {} ({} tokens, {} fed)", path.display(), sess.ids().len(), sess.fed());
+    }
+    let steps = reply.ids.len().saturating_sub(1).max(1);
+    Ok(Generation {
+        prompt_ids: prompt.to_vec(),
+        // Generated tokens are fed too, hence the cap.
+        prompt_done: sess.fed().saturating_sub(saved).min(prompt.len()),
+        seconds_per_token: reply.decode_seconds / steps as f64,
+        generated_ids: reply.ids,
+        prefill_seconds: reply.prefill_seconds,
+        decode_seconds: reply.decode_seconds,
+        stopped_on: reply.stopped_on,
+        interrupted: reply.interrupted,
+        logits: Vec::new(),
+        prompt_logits: Vec::new(),
+    })
+}
+
+/// The generation `args` ask for; Ctrl-C stops it.
+fn generate_options(args: &RunArgs, cfg: &crate::config::Config, tok: &Tokenizer) -> GenerateOptions {
+    let mut stop_ids = Vec::new();
+    if !args.ignore_eos {
+        stop_ids.push(cfg.eos_token_id);
+        stop_ids.extend(tok.added_id("[EOS]"));
+    }
+    GenerateOptions {
+        gen: args.gen,
+        // `--top-k 0` is "off", as in llama.cpp.
+        sampling: Sampling {
+            temperature: args.temperature,
+            top_k: args.top_k.filter(|&k| k > 0),
+            top_p: args.top_p,
+            seed: args.seed,
+        },
+        stop_ids,
+        full_recompute: args.full_recompute,
+        prefill_chunk: args.prefill_chunk,
+        keep_logits: args.logits.is_some(),
+        prompt_logits: args.logits.is_some(),
+        route_log: args.pipeline.dump_trace.clone(),
+        stop: Some(crate::interrupt::flag()),
+    }
+}
+
+/// Prompts of more chunks than this get a prefill progress bar (on a terminal).
+const PREFILL_BAR_MIN_CHUNKS: usize = 4;
+
+/// A progress bar for the prefill of a long prompt, when stderr is a terminal.
+fn prefill_bar(prompt: usize, chunk: usize, terminal: bool) -> Option<ProgressBar> {
+    if !terminal || prompt <= PREFILL_BAR_MIN_CHUNKS * chunk.max(1) {
+        return None;
+    }
+    let bar = ProgressBar::new(prompt as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} prefill [{bar:40}] {pos}/{len} tokens {per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    Some(bar)
 }
 
 fn prompt_ids(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
@@ -248,8 +457,14 @@ fn prompt_ids(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
         let text = match (&args.prompt, &args.prompt_file) {
             (Some(t), _) => t.clone(),
             (None, Some(f)) => {
-                std::fs::read_to_string(f).with_context(|| format!("reading --prompt-file {}", f.display()))?
+                let bytes = read_prompt_file(f)?;
+                // Not text is a bad argument (exit 2), not a failed read (exit 4).
+                String::from_utf8(bytes).map_err(|e| {
+                    let at = e.utf8_error().valid_up_to();
+                    UsageError(format!("--prompt-file {}: not UTF-8 text (invalid byte at offset {at})", f.display()))
+                })?
             }
+            (None, None) if args.load_state.is_some() => return Ok(ids),
             (None, None) => return Err(UsageError("give --prompt, --prompt-file or --ids".into()).into()),
         };
         ids.extend(tok.encode_with_added(&text)?);
@@ -260,16 +475,49 @@ fn prompt_ids(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
     Ok(ids)
 }
 
-/// The storage and pipeline lines of a streaming run's summary.
-fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u64>, metrics: &crate::trace::Metrics) {
+/// The summary line of every run: tokens, times, rates, peak RSS, threads and kernels.
+fn print_run_line(g: &Generation, peak: Option<u64>, threads: usize, isa: &str) {
     eprintln!(
-        "k3ring: storage {} | trunk read {:.1} MiB ({} reads, {}/{} units pinned) | experts read {:.1} MiB ({} reads, {} hits, {} evictions) | read rate {:.0} MB/s | planned {:.3} GB, peak RSS {}",
+        "k3ring: {} prompt + {} generated tokens | prefill {:.3} s | {} | peak RSS {} | {threads} threads, {isa} kernels",
+        g.prompt_ids.len(),
+        g.generated_ids.len(),
+        g.prefill_seconds,
+        decode_rate(g.generated_ids.len(), g.seconds_per_token),
+        peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.3} GB", b as f64 / GB)),
+    );
+}
+
+/// `--prompt-file FILE`, or stdin for `-`.
+fn read_prompt_file(f: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    if f.as_os_str() == super::output::STDOUT {
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin().lock(), &mut bytes)
+            .context("reading --prompt-file - (stdin)")?;
+        return Ok(bytes);
+    }
+    std::fs::read(f).with_context(|| format!("reading --prompt-file {}", f.display()))
+}
+
+/// The decode part of the summary: time per token and tokens per second, or none at all when
+/// nothing was generated (`--gen 0`), since a rate over no tokens means nothing.
+fn decode_rate(generated: usize, seconds_per_token: f64) -> String {
+    if generated == 0 || seconds_per_token <= 0.0 {
+        return "no tokens decoded".to_owned();
+    }
+    format!("decode {seconds_per_token:.4} s/token, {:.2} tokens/s", 1.0 / seconds_per_token)
+}
+
+/// The storage and pipeline lines of a streaming run's summary.
+pub(super) fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u64>, metrics: &crate::trace::Metrics) {
+    let gb = |bytes: u64| format!("{:.4} GB", bytes as f64 / GB);
+    eprintln!(
+        "k3ring: storage {} | trunk read {} ({} reads, {}/{} units pinned) | experts read {} ({} reads, {} hits, {} evictions) | read rate {:.0} MB/s | planned {:.3} GB, peak RSS {}",
         s.backend,
-        s.trunk_bytes_read as f64 / 1048576.0,
+        gb(s.trunk_bytes_read),
         s.trunk_reads,
         s.trunk_pinned_units,
         s.trunk_pinned_units + s.trunk_streamed_units,
-        s.expert_bytes_read as f64 / 1048576.0,
+        gb(s.expert_bytes_read),
         s.expert_reads,
         s.expert_hits,
         s.expert_evictions,
@@ -279,17 +527,30 @@ fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u64>, metrics
     );
     let recall = if s.routed_experts > 0 { s.routed_recalled as f64 / s.routed_experts as f64 } else { 0.0 };
     eprintln!(
-        "k3ring: pipeline | I/O busy {:.0}% | compute busy {:.0}% | overlap {:.0}% | stalled {:.3} s | recall {:.0}% | speculative reads {} ({:.1} MiB, {:.1} MiB wasted, {} cancelled) | layer trials won {} lost {}",
+        "k3ring: pipeline | I/O busy {:.0}% | compute busy {:.0}% | overlap {:.0}% | stalled {:.3} s | recall {:.0}% | speculative reads {} ({}, {} wasted, {} cancelled) | layer trials won {} lost {}",
         100.0 * metrics.io_busy_fraction,
         100.0 * metrics.compute_busy_fraction,
         100.0 * metrics.overlap_fraction,
         metrics.stall_us / 1e6,
         100.0 * recall,
         s.spec_reads,
-        s.spec_bytes as f64 / 1048576.0,
-        s.spec_wasted_bytes as f64 / 1048576.0,
+        gb(s.spec_bytes),
+        gb(s.spec_wasted_bytes),
         s.spec_cancelled,
         s.spec_trials_won,
         s.spec_trials_lost,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefill_bar;
+
+    #[test]
+    fn prefill_bar_only_for_long_prompts_on_a_terminal() {
+        assert!(prefill_bar(1000, 32, true).is_some());
+        assert!(prefill_bar(1000, 32, false).is_none(), "not on a pipe or file");
+        assert!(prefill_bar(128, 32, true).is_none(), "four chunks or fewer");
+        assert!(prefill_bar(129, 32, true).is_some());
+    }
 }

@@ -7,6 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::synth::{synth, SynthOptions, SynthReport};
 
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct SynthArgs {
     /// Output directory (new, empty, or an earlier synth output).
     #[arg(long, value_name = "DIR")]
@@ -21,26 +22,28 @@ pub struct SynthArgs {
     #[arg(long, value_name = "E")]
     pub experts: Option<usize>,
     /// Experts per token [default: 16 k3/small, 4 tiny].
-    #[arg(long, value_name = "K")]
-    pub topk: Option<usize>,
+    // `--topk` was this flag's spelling; kept, hidden, so old scripts keep working.
+    #[arg(long = "top-k", alias = "topk", value_name = "K")]
+    pub top_k: Option<usize>,
     /// Vocabulary incl. 256 added tokens [default: 8192 k3/small, 768 tiny].
     #[arg(long, value_name = "V")]
     pub vocab: Option<usize>,
     /// Seed of every weight and of the tokenizer.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
-    /// Print the summary as JSON.
-    #[arg(long)]
-    pub json: bool,
+    /// Write the summary as JSON to FILE ("-": to stdout, instead of the text).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
+    let json = super::output::JsonOut::open(args.json.as_deref())?;
     let opts = SynthOptions::from_flags(
         args.out.clone(),
         &args.dims,
         args.layers,
         args.experts,
-        args.topk,
+        args.top_k,
         args.vocab,
         args.seed,
     )?;
@@ -62,10 +65,11 @@ pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
         }
     })?;
     bar.finish_and_clear();
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
+    if !super::output::JsonOut::is_stdout(json.as_ref()) {
         print_text(&report);
+    }
+    if let Some(out) = &json {
+        out.write(&report)?;
     }
     Ok(())
 }

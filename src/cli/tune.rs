@@ -12,6 +12,7 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use super::budget::name_budget_flag;
 use super::svg::{line_chart, Series};
 use crate::engine::measure::{measure_streaming, MeasureSpec};
 use crate::engine::StreamingRun;
@@ -22,6 +23,7 @@ use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct TuneArgs {
     /// Model directory.
     #[arg(long, value_name = "DIR")]
@@ -30,10 +32,10 @@ pub struct TuneArgs {
     #[arg(long, value_name = "DIR")]
     pub trunk: PathBuf,
     /// The fixed memory budget, GB.
-    #[arg(long, value_name = "X")]
+    #[arg(long, value_name = "X", value_parser = super::parse_gb)]
     pub mem_gb: f64,
-    /// Shares of the budget for pinned trunk (1 = trunk first).
-    #[arg(long, value_name = "F,...", value_delimiter = ',', default_value = "0.25,0.5,1")]
+    /// Shares of the budget for pinned trunk, each in (0, 1] (1 = trunk first).
+    #[arg(long, value_name = "F,...", value_delimiter = ',', default_value = "0.25,0.5,1", value_parser = parse_split)]
     pub splits: Vec<f64>,
     /// Trunk read-ahead depths.
     #[arg(long, value_name = "N,...", value_delimiter = ',', default_value = "0,1,2")]
@@ -42,14 +44,14 @@ pub struct TuneArgs {
     /// fixed (every prediction read).
     #[arg(long, value_name = "M,...", value_delimiter = ',', default_value = "0,4")]
     pub spec_margin: Vec<usize>,
-    /// Queue depths.
-    #[arg(long, value_name = "Q,...", value_delimiter = ',', default_value = "8,32")]
+    /// Queue depths, each in 1..=4096.
+    #[arg(long, value_name = "Q,...", value_delimiter = ',', default_value = "8,32", value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub queue_depth: Vec<u32>,
     /// I/O backends.
-    #[arg(long = "io", value_name = "B,...", value_delimiter = ',', default_value = "uring,pread")]
+    #[arg(long = "io", value_name = "B,...", value_delimiter = ',', default_value = "uring,pread", value_parser = ["uring", "pread", "mmap"])]
     pub io: Vec<String>,
-    /// Tokens measured per point.
-    #[arg(long, value_name = "N", default_value_t = 3)]
+    /// Tokens measured per point (at least 1).
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_tokens)]
     pub tokens: usize,
     /// Tokens decoded before measuring.
     #[arg(long, value_name = "N", default_value_t = 1)]
@@ -66,10 +68,33 @@ pub struct TuneArgs {
     /// Write a plot of s/token against read-ahead depth per split.
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
-    /// Print the points as JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    /// Write the points and the recommendation as JSON to FILE ("-": to stdout, instead of
+    /// the table).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
+
+/// A share of the budget: `--splits 2` (twice the budget) means nothing.
+fn parse_split(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a share of the budget in (0, 1]")),
+    }
+}
+
+/// Tokens per point: none would measure nothing.
+fn parse_tokens(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a number of tokens (1 or more)")),
+    }
+}
+
+/// The sweep a point belongs to, in the order they run.
+const SWEEP_GRID: &str = "split x read-ahead";
+const SWEEP_SPEC: &str = "speculation";
+const SWEEP_QUEUE: &str = "queue depth";
+const SWEEP_IO: &str = "backend";
 
 #[derive(Clone, Debug, Serialize)]
 struct Knobs {
@@ -82,8 +107,21 @@ struct Knobs {
     io: String,
 }
 
+/// The knobs as `run` flags would set them, for error messages.
+impl std::fmt::Display for Knobs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "trunk share {}, read-ahead {}, speculation {} (margin {}), queue depth {}, --io {}",
+            self.split, self.readahead, self.spec, self.spec_margin, self.queue_depth, self.io
+        )
+    }
+}
+
 #[derive(Serialize)]
 struct Point {
+    /// Which sweep measured it: each sweep varies one knob from the best point so far.
+    sweep: &'static str,
     #[serde(flatten)]
     knobs: Knobs,
     seconds_per_token: f64,
@@ -94,6 +132,12 @@ struct Point {
 }
 
 pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
+    let json = super::output::JsonOut::open(args.json.as_deref())?;
+    for (flag, path) in [("--csv", &args.csv), ("--svg", &args.svg)] {
+        if let Some(path) = path {
+            super::output::create_now(flag, path)?;
+        }
+    }
     let kernels = super::kernels_for("auto")?;
     let tok = Tokenizer::from_model_dir(&args.model)?;
     let prompt = tok.encode(&args.prompt)?;
@@ -127,16 +171,18 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
     );
     let mut points: Vec<Point> = Vec::new();
     let mut reference: Option<Vec<u32>> = None;
-    let mut measure = |k: Knobs, points: &mut Vec<Point>| -> anyhow::Result<()> {
+    let mut measure = |sweep: &'static str, k: Knobs, points: &mut Vec<Point>| -> anyhow::Result<()> {
         bar.set_message(format!(
             "split {} readahead {} speculation {} margin {} qd {} {}",
             k.split, k.readahead, k.spec, k.spec_margin, k.queue_depth, k.io
         ));
         let run = streaming_run(args, &k, &spec);
         let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
-            .with_context(|| format!("tuning point {k:?}"))?;
+            .with_context(|| format!("tuning point {k}"))
+            .map_err(|e| name_budget_flag(e, &format!("--mem-gb {}", args.mem_gb)))?;
         let same_ids = reference.get_or_insert_with(|| m.ids.clone()) == &m.ids;
         points.push(Point {
+            sweep,
             knobs: k,
             seconds_per_token: m.seconds_per_token,
             bytes_per_token: m.trunk_bytes_per_token + m.expert_bytes_per_token,
@@ -149,26 +195,26 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
     };
     for &split in &args.splits {
         for &readahead in &args.readahead {
-            measure(Knobs { split, readahead, ..base.clone() }, &mut points)?;
+            measure(SWEEP_GRID, Knobs { split, readahead, ..base.clone() }, &mut points)?;
         }
     }
     let best_grid = best(&points).knobs.clone();
-    measure(Knobs { spec: "off", ..best_grid.clone() }, &mut points)?;
+    measure(SWEEP_SPEC, Knobs { spec: "off", ..best_grid.clone() }, &mut points)?;
     for &m in &args.spec_margin {
         for spec in ["adaptive", "fixed"] {
-            measure(Knobs { spec, spec_margin: m, ..best_grid.clone() }, &mut points)?;
+            measure(SWEEP_SPEC, Knobs { spec, spec_margin: m, ..best_grid.clone() }, &mut points)?;
         }
     }
     let best_spec = best(&points).knobs.clone();
     for &q in &args.queue_depth {
-        measure(Knobs { queue_depth: q, ..best_spec.clone() }, &mut points)?;
+        measure(SWEEP_QUEUE, Knobs { queue_depth: q, ..best_spec.clone() }, &mut points)?;
     }
     let best_qd = best(&points).knobs.clone();
     for io in &args.io {
-        measure(Knobs { io: io.clone(), ..best_qd.clone() }, &mut points)?;
+        measure(SWEEP_IO, Knobs { io: io.clone(), ..best_qd.clone() }, &mut points)?;
     }
     bar.finish_and_clear();
-    report(args, &points)?;
+    report(args, json.as_ref(), &points)?;
     if points.iter().any(|p| !p.same_ids) {
         anyhow::bail!("generated ids differ between tuning points: the output must not depend on the knobs");
     }
@@ -182,6 +228,7 @@ fn best(points: &[Point]) -> &Point {
 fn streaming_run(args: &TuneArgs, k: &Knobs, spec: &MeasureSpec) -> StreamingRun {
     StreamingRun {
         budget_bytes: (args.mem_gb * GB) as u64,
+        sequences: 1,
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
         chunk: spec.prefill_chunk,
         threads: args.threads,
@@ -203,16 +250,40 @@ fn streaming_run(args: &TuneArgs, k: &Knobs, spec: &MeasureSpec) -> StreamingRun
         placement: None,
         trace_detail: false,
         trunk_share: (k.split < 1.0).then_some(k.split),
+        available_memory: None,
     }
 }
 
-fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
+/// The `run` flags that set exactly the knobs of `k`: every knob tune varied is spelled out,
+/// speculation included, so the command runs what was measured whatever run's defaults are.
+fn recommended_flags(mem_gb: f64, k: &Knobs) -> String {
+    let mut flags = format!("--mem-gb {mem_gb}");
+    if k.split < 1.0 {
+        let _ = write!(flags, " --trunk-share {}", k.split);
+    }
+    let _ = write!(flags, " --readahead {}", k.readahead);
+    match k.spec {
+        "off" => flags.push_str(" --no-spec"),
+        "fixed" => flags.push_str(" --spec --spec-fixed"),
+        _ => flags.push_str(" --spec"),
+    }
+    if k.spec != "off" {
+        let _ = write!(flags, " --spec-margin {}", k.spec_margin);
+    }
+    let _ = write!(flags, " --queue-depth {} --io {}", k.queue_depth, k.io);
+    flags
+}
+
+fn report(args: &TuneArgs, json: Option<&super::output::JsonOut>, points: &[Point]) -> anyhow::Result<()> {
     let b = best(points);
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"points": points, "best": b}))?);
-    } else {
+    let flags = recommended_flags(args.mem_gb, &b.knobs);
+    if let Some(out) = json {
+        out.write(&serde_json::json!({"points": points, "best": b, "recommended_flags": flags}))?;
+    }
+    if !super::output::JsonOut::is_stdout(json) {
         println!(
-            "{:>6} {:>9} {:>11} {:>6} {:>5} {:>6} {:>9} {:>10} {:>8} {:>7} {:>5}",
+            "{:<18} {:>6} {:>9} {:>11} {:>6} {:>5} {:>6} {:>9} {:>10} {:>8} {:>7} {:>5}",
+            "sweep",
             "split",
             "readahead",
             "speculation",
@@ -228,7 +299,8 @@ fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
         for p in points {
             let k = &p.knobs;
             println!(
-                "{:>6} {:>9} {:>11} {:>6} {:>5} {:>6} {:>9.3} {:>10.2} {:>7.0}% {:>6.0}% {:>5}",
+                "{:<18} {:>6} {:>9} {:>11} {:>6} {:>5} {:>6} {:>9.3} {:>10.2} {:>7.0}% {:>6.0}% {:>5}",
+                p.sweep,
                 k.split,
                 k.readahead,
                 k.spec,
@@ -243,27 +315,15 @@ fn report(args: &TuneArgs, points: &[Point]) -> anyhow::Result<()> {
             );
         }
     }
-    let k = &b.knobs;
-    let mut flags = format!(
-        "--mem-gb {} --readahead {} --spec-margin {} --queue-depth {} --io {}",
-        args.mem_gb, k.readahead, k.spec_margin, k.queue_depth, k.io
-    );
-    if k.split < 1.0 {
-        let _ = write!(flags, " --trunk-share {}", k.split);
-    }
-    match k.spec {
-        "off" => flags.push_str(" --no-spec"),
-        "fixed" => flags.push_str(" --spec-fixed"),
-        _ => {}
-    }
     eprintln!("recommended: k3ring run --model ... --trunk ... {flags}  ({:.3} s/token)", b.seconds_per_token);
     if let Some(path) = &args.csv {
-        let mut csv = String::from("split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
+        let mut csv = String::from("sweep,split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
         for p in points {
             let k = &p.knobs;
             let _ = writeln!(
                 csv,
-                "{},{},{},{},{},{},{:.6},{:.0},{:.4},{:.4},{}",
+                "{},{},{},{},{},{},{},{:.6},{:.0},{:.4},{:.4},{}",
+                p.sweep,
                 k.split,
                 k.readahead,
                 k.spec,

@@ -74,7 +74,8 @@ fn common(dir: &Path) -> Result<Common, OpenError> {
     let index = Arc::new(CheckpointIndex::open(dir)?);
     index.validate(&cfg)?;
     let weights = ModelWeights::resolve(&cfg, &index)?;
-    let tokenizer = Tokenizer::from_model_dir(dir)?;
+    // Without tokenizer files a run can still take token ids: the stand-in refuses text.
+    let tokenizer = Tokenizer::from_model_dir_or_ids(dir, cfg.vocab_size)?;
     Ok(Common { cfg, index, weights, tokenizer })
 }
 
@@ -90,8 +91,11 @@ pub fn open_resident(dir: &Path, threads: usize, kernels: kernels::Kernels) -> R
 #[derive(Clone, Debug)]
 pub struct StreamingRun {
     pub budget_bytes: u64,
-    /// Prompt plus generated tokens.
+    /// Prompt plus generated tokens (of the longest sequence).
     pub context: usize,
+    /// Sequences decoded together (`k3ring batch`): the plan reserves states for this many, or
+    /// as many as the budget holds; 1 for `run`.
+    pub sequences: usize,
     pub chunk: usize,
     pub threads: usize,
     pub store: StoreOptions,
@@ -105,6 +109,9 @@ pub struct StreamingRun {
     pub trace_detail: bool,
     /// Cap on the budget share for pinned trunk units (`None`: trunk first).
     pub trunk_share: Option<f64>,
+    /// The memory the budget was derived from, so a preset and its check see one reading
+    /// (`None`: read it when planning).
+    pub available_memory: Option<crate::memory::Available>,
 }
 
 /// Opens `dir` for streaming from the trunk pack in `trunk_dir` under a memory budget: makes the
@@ -118,6 +125,8 @@ pub fn open_streaming(
 ) -> Result<(Opened<Pipeline>, Plan), OpenError> {
     let c = common(dir)?;
     let manifest = Manifest::load(trunk_dir)?;
+    // Identity before sizes: another model's pack is refused as such (exit 3), not for memory.
+    manifest.check_source(trunk_dir, dir, &c.index)?;
     let align = manifest.alignment;
     let units = manifest
         .units
@@ -125,12 +134,14 @@ pub fn open_streaming(
         .filter_map(|u| PackUnit::parse(&u.unit).map(|p| (p, u.len)))
         .filter(|(p, _)| *p != PackUnit::Embed)
         .collect();
-    let chunk = run.chunk.clamp(1, run.context.max(1));
+    // A batch step has a decode row per sequence plus the prefill chunk, which can be more rows
+    // than one sequence has positions: the bound is every sequence's positions together.
+    let chunk = run.chunk.clamp(1, run.sequences.max(1).saturating_mul(run.context.max(1)));
     let logits = 4 * (chunk * c.cfg.vocab_size) as u64;
     let spec = run.pipeline.effective_speculation();
     let input = PlanInput {
         budget: run.budget_bytes,
-        mem_available: super::mem_available_bytes(),
+        mem_available: run.available_memory.clone().or_else(crate::memory::available),
         units,
         expert_slot_bytes: expert_slot_bytes(&c.cfg, align),
         experts_total: c.index.experts.len(),
@@ -138,6 +149,7 @@ pub fn open_streaming(
         prefetch_window: run.prefetch_window.unwrap_or(c.cfg.moe.top_k + if spec.enabled { spec.margin } else { 0 }),
         readahead: run.pipeline.mode.readahead(run.store.readahead),
         states_bytes: ModelState::bytes(&c.cfg, run.context),
+        sequences: run.sequences,
         scratch_bytes: Scratch::bytes(&c.cfg, chunk, run.context)
             + Prefetcher::scratch_bytes(&c.cfg, chunk)
             + logits

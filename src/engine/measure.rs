@@ -16,7 +16,7 @@ use crate::model::LogitRows;
 use crate::pipeline::Pipeline;
 use crate::storage::plan::Plan;
 use crate::storage::stream::StreamStats;
-use crate::trace::Tracer;
+use crate::trace::{Metrics, Tracer};
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -48,6 +48,9 @@ pub struct Measurement {
     /// Routed experts already requested when routing was known, over all routed experts.
     pub recall: f64,
     pub spec_wasted_bytes_per_token: f64,
+    /// Time spent checking experts against their checksums, per token, and the bytes checked.
+    pub expert_verify_seconds_per_token: f64,
+    pub expert_verified_bytes_per_token: f64,
     /// Resident runs: the compute per token that a layer's expert reads could overlap without
     /// routing prediction (shared and routed experts, after each router; see
     /// [`crate::model::moe::SPANS_READS_CAN_OVERLAP`]). `None` for streaming runs.
@@ -63,6 +66,14 @@ pub enum MeasureError {
     Open(#[from] OpenError),
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error(
+        "the budget holds {got} sequence slots, fewer than the {asked} a batch cell decodes together; raise the budget or lower the batch size"
+    )]
+    Slots { asked: usize, got: usize },
+    #[error(
+        "internal error: the measured window of a batch of {batch} ran {decode_rows} decode and {prefill_rows} prefill rows in {steps} steps, not one decode row per sequence per step"
+    )]
+    Window { batch: usize, steps: usize, decode_rows: u64, prefill_rows: u64 },
 }
 
 impl Classify for MeasureError {
@@ -70,6 +81,8 @@ impl Classify for MeasureError {
         match self {
             MeasureError::Open(e) => e.exit_code(),
             MeasureError::Engine(e) => e.exit_code(),
+            MeasureError::Slots { .. } => ExitCode::Usage,
+            MeasureError::Window { .. } => ExitCode::Internal,
         }
     }
 }
@@ -113,36 +126,69 @@ pub fn measure_streaming(
 ) -> Result<Measurement, MeasureError> {
     let (opened, plan) = open_streaming(model, trunk, run, kernels, |_| {})?;
     let engine = &opened.engine;
-    let tracer = std::sync::Arc::clone(engine.src.tracer());
-    let mut before = StreamStats::default();
-    let (ids, seconds) = decode(engine, spec, || {
-        before = engine.src.stats();
-        tracer.reset_metrics();
-        tracer.mark_start();
-    })?;
-    tracer.mark_end();
-    let after = engine.src.stats();
-    let m = tracer.metrics();
+    let ((ids, seconds), window) = stream_window(engine, |start| decode(engine, spec, start))?;
+    let (before, after, m) = (&window.before, &window.after, &window.metrics);
     let n = spec.tokens.max(1) as f64;
-    let bytes = (after.io.bytes_read - before.io.bytes_read) as f64;
-    let io_busy_s = m.io_busy_us / 1e6;
     let routed = (after.routed_experts - before.routed_experts) as f64;
     Ok(Measurement {
         ids,
         seconds_per_token: seconds / n,
         trunk_bytes_per_token: (after.trunk_bytes_read - before.trunk_bytes_read) as f64 / n,
         expert_bytes_per_token: (after.expert_bytes_read - before.expert_bytes_read) as f64 / n,
-        read_rate_busy: if io_busy_s > 0.0 { bytes / io_busy_s } else { 0.0 },
-        read_rate_wall: bytes / seconds.max(1e-9),
+        read_rate_busy: window.read_rate_busy(),
+        read_rate_wall: window.bytes_read() / seconds.max(1e-9),
         io_busy_fraction: m.io_busy_fraction,
         compute_busy_fraction: m.compute_busy_fraction,
         overlap_fraction: m.overlap_fraction,
         stall_seconds_per_token: m.stall_us / 1e6 / n,
         recall: if routed > 0.0 { (after.routed_recalled - before.routed_recalled) as f64 / routed } else { 0.0 },
         spec_wasted_bytes_per_token: (after.spec_wasted_bytes - before.spec_wasted_bytes) as f64 / n,
+        expert_verify_seconds_per_token: (after.expert_verify_seconds - before.expert_verify_seconds) / n,
+        expert_verified_bytes_per_token: (after.expert_verified_bytes - before.expert_verified_bytes) as f64 / n,
         overlappable_seconds_per_token: None,
         plan: Some(plan),
     })
+}
+
+/// The storage counters and tracer metrics of the timed part of a streaming measurement.
+pub(super) struct StreamWindow {
+    pub before: StreamStats,
+    pub after: StreamStats,
+    pub metrics: Metrics,
+}
+
+impl StreamWindow {
+    pub fn bytes_read(&self) -> f64 {
+        (self.after.io.bytes_read - self.before.io.bytes_read) as f64
+    }
+
+    /// Bytes per second of the time some read was in flight.
+    pub fn read_rate_busy(&self) -> f64 {
+        let busy_s = self.metrics.io_busy_us / 1e6;
+        if busy_s > 0.0 {
+            self.bytes_read() / busy_s
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Runs `measure` on a streaming engine. `measure` calls its argument once, where timing starts
+/// (after the warm-up): that snapshots the counters and restarts the tracer; the window closes
+/// when `measure` returns.
+pub(super) fn stream_window<T, E>(
+    engine: &Engine<Streamed>,
+    measure: impl FnOnce(&mut dyn FnMut()) -> Result<T, E>,
+) -> Result<(T, StreamWindow), E> {
+    let tracer = std::sync::Arc::clone(engine.src.tracer());
+    let mut before = StreamStats::default();
+    let out = measure(&mut || {
+        before = engine.src.stats();
+        tracer.reset_metrics();
+        tracer.mark_start();
+    })?;
+    tracer.mark_end();
+    Ok((out, StreamWindow { before, after: engine.src.stats(), metrics: tracer.metrics() }))
 }
 
 /// Measures with every weight mapped and already in the page cache (no I/O while timing):

@@ -4,17 +4,26 @@
 //! count is explicit; results never depend on it.
 #![forbid(unsafe_code)]
 
+pub mod batch;
+pub mod chat;
 pub mod load;
 pub mod measure;
+pub mod measure_batch;
+pub mod requests;
 pub mod sampling;
+pub mod state_file;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::exit::{Classify, ExitCode};
 use crate::model::weights::WeightSource;
 use crate::model::{LayerHook, LogitRows, Model, ModelError, ModelState, Probe, Scratch};
+pub use batch::{BatchOptions, BatchRequest, BatchSink, BatchStats, Batcher, FinishReason, Finished, Ticket};
+pub use chat::{ChatSession, Reply, ReplyOptions};
 pub use load::{open_resident, open_streaming, OpenError, Opened, StreamingRun};
 pub use sampling::Sampling;
+pub use state_file::{Fingerprint, StateFileError};
 
 /// Why generation stopped early.
 #[derive(Debug, thiserror::Error)]
@@ -22,11 +31,21 @@ pub enum EngineError {
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error(
-        "the states and KV cache for {positions} positions need {need} bytes ({need_gib:.2} GiB) but only {available} bytes ({available_gib:.2} GiB) are available; use a shorter prompt or --gen"
+        "the states and KV cache for {positions} positions need {need} bytes ({need_gb:.2} GB) but only {available} bytes ({available_gb:.2} GB) are available (limited by {limited_by}); use a shorter prompt or --gen"
     )]
-    Memory { positions: usize, need: u64, need_gib: f64, available: u64, available_gib: f64 },
+    Memory { positions: usize, need: u64, need_gb: f64, available: u64, available_gb: f64, limited_by: String },
+    #[error(
+        "the prompt's {prompt} tokens plus --gen {gen} need {total} positions, beyond the model's context of {context} positions ({stated_by}); shorten the prompt or lower --gen"
+    )]
+    ContextTooLong { prompt: usize, gen: usize, total: usize, context: usize, stated_by: String },
+    #[error("--gen {gen} is too large: the prompt's {prompt} tokens plus {gen} overflow the position count")]
+    ContextOverflow { prompt: usize, gen: usize },
     #[error("cannot build a thread pool of {threads} threads: {message}")]
     Threads { threads: usize, message: String },
+    #[error(
+        "the prompt's {prompt} tokens plus {gen} to generate need {total} positions, beyond the {slot} of a batch slot; raise the batch's context or lower max_tokens"
+    )]
+    SlotTooShort { prompt: usize, gen: usize, total: usize, slot: usize },
     #[error("the prompt is empty: give at least one token")]
     EmptyPrompt,
     #[error(transparent)]
@@ -37,7 +56,11 @@ impl Classify for EngineError {
     fn exit_code(&self) -> ExitCode {
         match self {
             EngineError::Model(e) => e.exit_code(),
-            EngineError::Memory { .. } | EngineError::EmptyPrompt => ExitCode::Usage,
+            EngineError::Memory { .. }
+            | EngineError::EmptyPrompt
+            | EngineError::ContextTooLong { .. }
+            | EngineError::ContextOverflow { .. }
+            | EngineError::SlotTooShort { .. } => ExitCode::Usage,
             EngineError::Threads { .. } => ExitCode::Internal,
             EngineError::RouteLog(e) => e.exit_code(),
         }
@@ -56,10 +79,16 @@ pub struct GenerateOptions {
     pub full_recompute: bool,
     /// Tokens per prefill pass.
     pub prefill_chunk: usize,
-    /// Keep the logits that chose each generated token (tests).
+    /// Keep the logits that chose each generated token (tests, `run --logits`).
     pub keep_logits: bool,
+    /// Keep the logits of every prompt position (`run --logits`). The head then runs on every
+    /// prompt row; a row's logits do not depend on the other rows, so the tokens are unchanged.
+    pub prompt_logits: bool,
     /// Write every routing decision here (`--dump-trace`).
     pub route_log: Option<std::path::PathBuf>,
+    /// Checked between prefill chunks and between tokens: once set, generation stops and
+    /// returns what it has, with [`Generation::interrupted`] (Ctrl-C: [`crate::interrupt::flag`]).
+    pub stop: Option<&'static AtomicBool>,
 }
 
 impl Default for GenerateOptions {
@@ -71,7 +100,9 @@ impl Default for GenerateOptions {
             full_recompute: false,
             prefill_chunk: 32,
             keep_logits: false,
+            prompt_logits: false,
             route_log: None,
+            stop: None,
         }
     }
 }
@@ -88,6 +119,28 @@ pub struct Generation {
     pub stopped_on: Option<u32>,
     /// `[generated, V]` when `keep_logits` was set.
     pub logits: Vec<Vec<f32>>,
+    /// `[prompt_done, V]`, row-major, when `prompt_logits` was set: row i follows prompt token i.
+    pub prompt_logits: Vec<f32>,
+    /// Prompt tokens run through the model (all of them unless interrupted during prefill).
+    pub prompt_done: usize,
+    /// Stopped by [`GenerateOptions::stop`] before the end.
+    pub interrupted: bool,
+}
+
+/// Positions a generation of `gen` tokens after `prompt` tokens needs (`prompt + max(gen, 1)`),
+/// refused when it overflows or exceeds the model's context length.
+pub fn context_needed(cfg: &crate::config::Config, prompt: usize, gen: usize) -> Result<usize, EngineError> {
+    let total = prompt.checked_add(gen.max(1)).ok_or(EngineError::ContextOverflow { prompt, gen })?;
+    match &cfg.context_length {
+        Some(ctx) if total > ctx.positions => Err(EngineError::ContextTooLong {
+            prompt,
+            gen,
+            total,
+            context: ctx.positions,
+            stated_by: ctx.source.clone(),
+        }),
+        _ => Ok(total),
+    }
 }
 
 /// A model with its weight store (which is also the model's hook: the streaming pipeline
@@ -146,15 +199,15 @@ impl<S: WeightSource + LayerHook> Engine<S> {
     /// Allocates a session after checking it fits in available memory.
     pub fn session(&self, capacity: usize, chunk: usize) -> Result<Session, EngineError> {
         let need = self.session_bytes(capacity, chunk);
-        if let Some(available) = mem_available_bytes() {
-            if need > available {
-                let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+        if let Some(available) = crate::memory::available() {
+            if need > available.bytes {
                 return Err(EngineError::Memory {
                     positions: capacity,
                     need,
-                    need_gib: gib(need),
-                    available,
-                    available_gib: gib(available),
+                    need_gb: need as f64 / 1e9,
+                    available: available.bytes,
+                    available_gb: available.bytes as f64 / 1e9,
+                    limited_by: available.limited_by.to_string(),
                 });
             }
         }
@@ -195,20 +248,34 @@ impl<S: WeightSource + LayerHook> Engine<S> {
 
     /// Prefill (or decode) `tokens`, handing the routing to the log when there is one. The log
     /// gets one chunk at a time, so its token numbers follow each chunk's start.
+    /// With `all_rows`, the logits of every token are appended to `all_rows`.
     fn prefill_logged(
         &self,
         sess: &mut Session,
         tokens: &[u32],
         log: &mut Option<RouteLog>,
+        mut all_rows: Option<&mut Vec<f32>>,
     ) -> Result<(), EngineError> {
-        let Some(log) = log else {
-            self.prefill(sess, tokens, LogitRows::Last, None)?;
-            return Ok(());
-        };
+        let rows = if all_rows.is_some() { LogitRows::All } else { LogitRows::Last };
         let chunk = sess.scratch.chunk();
         for piece in tokens.chunks(chunk) {
-            log.base = sess.state.pos() as u64;
-            self.prefill(sess, piece, LogitRows::Last, Some(log))?;
+            let logits = match log {
+                Some(log) => {
+                    log.base = sess.state.pos() as u64;
+                    self.prefill(sess, piece, rows, Some(log))?
+                }
+                None => self.prefill(sess, piece, rows, None)?,
+            };
+            if let Some(out) = all_rows.as_deref_mut() {
+                out.extend_from_slice(logits);
+            }
+        }
+        // `generate_with` reads the next token's logits from the first row.
+        if rows == LogitRows::All {
+            let vocab = self.model.cfg.vocab_size;
+            // Rows of the last chunk.
+            let n = tokens.len() - (tokens.len() - 1) / chunk * chunk;
+            sess.logits.copy_within((n - 1) * vocab..n * vocab, 0);
         }
         Ok(())
     }
@@ -218,12 +285,24 @@ impl<S: WeightSource + LayerHook> Engine<S> {
         &self,
         prompt: &[u32],
         opts: &GenerateOptions,
+        on_token: impl FnMut(u32),
+    ) -> Result<Generation, EngineError> {
+        self.generate_with(prompt, opts, on_token, |_, _| {})
+    }
+
+    /// [`Engine::generate`], also calling `on_prefill(done, total)` after each prefill chunk.
+    /// Refuses a prompt plus `opts.gen` beyond the model's context ([`context_needed`]).
+    pub fn generate_with(
+        &self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
         mut on_token: impl FnMut(u32),
+        mut on_prefill: impl FnMut(usize, usize),
     ) -> Result<Generation, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let capacity = prompt.len() + opts.gen.max(1);
+        let capacity = context_needed(&self.model.cfg, prompt.len(), opts.gen)?;
         let chunk = opts.prefill_chunk.clamp(1, capacity);
         let mut sess = self.session(capacity, chunk)?;
         let mut out = Generation { prompt_ids: prompt.to_vec(), ..Default::default() };
@@ -232,24 +311,37 @@ impl<S: WeightSource + LayerHook> Engine<S> {
         let cfg = &self.model.cfg;
         let mut log = match &opts.route_log {
             Some(path) => Some(RouteLog {
-                writer: crate::storage::stream::cache_sim::TraceWriter::create(
+                writer: crate::storage::stream::cache_sim::TraceWriter::create_sized(
                     path,
                     cfg.n_layers,
                     cfg.moe.n_experts,
                     cfg.moe.top_k,
+                    Some(cfg.expert_bytes()),
                 )?,
                 base: 0,
                 error: None,
             }),
             None => None,
         };
+        let stopped = || opts.stop.is_some_and(|s| s.load(Ordering::Relaxed));
         let start = Instant::now();
-        self.prefill_logged(&mut sess, prompt, &mut log)?;
+        // Chunk by chunk here (the same chunks `prefill` makes), to report progress and stop.
+        for piece in prompt.chunks(chunk) {
+            if stopped() {
+                out.interrupted = true;
+                break;
+            }
+            let rows = if opts.prompt_logits { Some(&mut out.prompt_logits) } else { None };
+            self.prefill_logged(&mut sess, piece, &mut log, rows)?;
+            out.prompt_done += piece.len();
+            on_prefill(out.prompt_done, prompt.len());
+        }
         out.prefill_seconds = start.elapsed().as_secs_f64();
         let decode_start = Instant::now();
         let vocab = self.model.cfg.vocab_size;
         let mut context: Vec<u32> = prompt.to_vec();
-        for step in 0..opts.gen {
+        let steps = if out.interrupted { 0 } else { opts.gen };
+        for step in 0..steps {
             let logits = &sess.logits[..vocab];
             if opts.keep_logits {
                 out.logits.push(logits.to_vec());
@@ -264,12 +356,16 @@ impl<S: WeightSource + LayerHook> Engine<S> {
             if step + 1 == opts.gen {
                 break;
             }
+            if stopped() {
+                out.interrupted = true;
+                break;
+            }
             context.push(next);
             if opts.full_recompute {
                 sess.state.reset();
                 self.prefill(&mut sess, &context, LogitRows::Last, None)?;
             } else {
-                self.prefill_logged(&mut sess, &[next], &mut log)?;
+                self.prefill_logged(&mut sess, &[next], &mut log, None)?;
             }
         }
         if let Some(log) = log {
@@ -307,20 +403,8 @@ impl Probe for RouteLog {
     }
 }
 
-/// `MemAvailable` from /proc/meminfo, in bytes.
-pub fn mem_available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    meminfo_field(&text, "MemAvailable:")
-}
-
 /// Peak resident set size of this process (VmHWM), in bytes.
 pub fn peak_rss_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    meminfo_field(&text, "VmHWM:")
-}
-
-fn meminfo_field(text: &str, key: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.starts_with(key))?;
-    let kib: u64 = line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
-    Some(kib * 1024)
+    crate::memory::kib_field(&text, "VmHWM:")
 }

@@ -51,8 +51,8 @@ impl HeadScratch {
     }
 }
 
-/// Computes the final hidden state of tokens `rows` (a range of the chunk) and their logits
-/// into `logits` ([rows.len(), V]). `hidden` receives h when asked (debug probes).
+/// Computes the final hidden state of the chunk's tokens and the logits of the tokens `rows`
+/// (in that order) into `logits` ([rows.len(), V]). Returns h (debug probes).
 #[allow(clippy::too_many_arguments)]
 pub fn forward<'a>(
     k: &Kernels,
@@ -62,26 +62,19 @@ pub fn forward<'a>(
     snapshots: &[Vec<f32>],
     partial: &[f32],
     t: usize,
-    rows: std::ops::Range<usize>,
+    rows: &[usize],
     s: &'a mut HeadScratch,
     logits: &mut [f32],
 ) -> &'a [f32] {
     let d = cfg.hidden_size;
     attn_res::forward(k, view, &w.output_res, snapshots, partial, t, d, &mut s.res, &mut s.h[..t * d]);
     vector_into(view.bytes(w.norm.id), w.norm.dtype, &mut s.norm_w);
-    for tok in rows.clone() {
-        let r = tok * d..(tok + 1) * d;
-        k.rmsnorm(&s.h[r.clone()], &s.norm_w, cfg.rms_norm_eps, &mut s.hn[r]);
+    // Gathered into consecutive rows of hn: the product's rows do not depend on their neighbours.
+    for (i, &tok) in rows.iter().enumerate() {
+        k.rmsnorm(&s.h[tok * d..(tok + 1) * d], &s.norm_w, cfg.rms_norm_eps, &mut s.hn[i * d..(i + 1) * d]);
     }
     let n = rows.len();
     let head = &w.lm_head;
-    k.par_matmul_bf16(
-        view.bytes(head.id),
-        head.rows,
-        head.cols,
-        &s.hn[rows.start * d..rows.end * d],
-        n,
-        &mut logits[..n * head.rows],
-    );
+    k.par_matmul_bf16(view.bytes(head.id), head.rows, head.cols, &s.hn[..n * d], n, &mut logits[..n * head.rows]);
     &s.h[..t * d]
 }

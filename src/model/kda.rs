@@ -10,7 +10,6 @@ use rayon::prelude::*;
 
 use super::buffers::Buffers;
 use super::weights::{f32_at, KdaWeights, TrunkView};
-use super::ModelError;
 use crate::config::Config;
 
 /// l2norm eps inside the square root (spec 5).
@@ -37,6 +36,18 @@ impl KdaState {
     pub fn reset(&mut self) {
         self.s.fill(0.0);
         self.conv.fill(0.0);
+    }
+
+    /// Appends the state matrices and the conv history (see [`super::ModelState::save_into`]).
+    pub fn save_into(&self, out: &mut Vec<u8>) {
+        super::put_f32s(out, &self.s);
+        super::put_f32s(out, &self.conv);
+    }
+
+    /// Reads what [`KdaState::save_into`] wrote.
+    pub fn load_from(&mut self, bytes: &mut &[u8]) -> Result<(), String> {
+        super::take_f32s(bytes, &mut self.s).map_err(|e| format!("KDA state: {e}"))?;
+        super::take_f32s(bytes, &mut self.conv).map_err(|e| format!("KDA conv history: {e}"))
     }
 
     /// Bytes this state holds.
@@ -79,19 +90,17 @@ impl KdaScratch {
     }
 }
 
-/// Runs KDA for `t` tokens: `x` is the normalised input [t, D], `out` [t, D].
-#[allow(clippy::too_many_arguments)]
-pub fn forward(
+/// The row-wise first half for the `t` rows of a step, whatever sequences they belong to:
+/// the q, k, v projections, the decay gate alpha, beta and the output gate.
+pub fn project(
     k: &Kernels,
     cfg: &Config,
     view: &dyn TrunkView,
     w: &KdaWeights,
-    st: &mut KdaState,
     x: &[f32],
     t: usize,
     s: &mut KdaScratch,
-    out: &mut [f32],
-) -> Result<(), ModelError> {
+) {
     let kd = &cfg.kda;
     let (width, hd, heads) = (kd.width(), kd.head_dim, kd.n_heads);
     let tw = t * width;
@@ -101,21 +110,6 @@ pub fn forward(
     };
     for (i, proj) in [&w.q_proj, &w.k_proj, &w.v_proj].into_iter().enumerate() {
         mm(proj, &x[..t * d], &mut s.raw[i][..tw]);
-    }
-    for (i, conv_w) in [&w.q_conv1d, &w.k_conv1d, &w.v_conv1d].into_iter().enumerate() {
-        let hist_len = width * (kd.conv_kernel_size - 1);
-        let hist = &mut st.conv[i * hist_len..(i + 1) * hist_len];
-        short_conv(view.bytes(conv_w.id), kd.conv_kernel_size, width, t, &s.raw[i][..tw], hist, &mut s.conv[i][..tw]);
-        k.silu(&mut s.conv[i][..tw]);
-    }
-    let q_scale = 1.0 / (hd as f32).sqrt();
-    let [q, kk, v] = &mut s.conv;
-    for tok in 0..t {
-        for h in 0..heads {
-            let r = tok * width + h * hd..tok * width + (h + 1) * hd;
-            l2norm(k, &mut q[r.clone()], Some(q_scale));
-            l2norm(k, &mut kk[r], None);
-        }
     }
     // Gate: z = f_b(f_a x); g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias)); alpha = exp(g).
     mm(&w.f_a_proj, &x[..t * d], &mut s.za[..t * hd]);
@@ -137,7 +131,58 @@ pub fn forward(
     k.sigmoid(&mut s.beta[..t * heads]);
     mm(&w.g_proj, &x[..t * d], &mut s.out_gate[..tw]);
     k.sigmoid(&mut s.out_gate[..tw]);
-    recurrence(k, cfg, st, q, kk, v, &s.gate, &s.beta, t, &mut s.heads_out, &mut s.step);
+}
+
+/// The part that carries state, for the `rows` of a step (of `t` rows) that belong to the
+/// sequence whose state is `st`: the causal short conv with its history, the per-head l2norm
+/// and the delta-rule recurrence. Rows of other sequences are untouched.
+#[allow(clippy::too_many_arguments)]
+pub fn mix(
+    k: &Kernels,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &KdaWeights,
+    st: &mut KdaState,
+    rows: std::ops::Range<usize>,
+    t: usize,
+    s: &mut KdaScratch,
+) {
+    let kd = &cfg.kda;
+    let (width, hd, heads) = (kd.width(), kd.head_dim, kd.n_heads);
+    let span = rows.start * width..rows.end * width;
+    for (i, conv_w) in [&w.q_conv1d, &w.k_conv1d, &w.v_conv1d].into_iter().enumerate() {
+        let hist_len = width * (kd.conv_kernel_size - 1);
+        let hist = &mut st.conv[i * hist_len..(i + 1) * hist_len];
+        let (u, c) = (&s.raw[i][span.clone()], &mut s.conv[i][span.clone()]);
+        short_conv(view.bytes(conv_w.id), kd.conv_kernel_size, width, rows.len(), u, hist, c);
+        k.silu(c);
+    }
+    let q_scale = 1.0 / (hd as f32).sqrt();
+    let [q, kk, v] = &mut s.conv;
+    for tok in rows.clone() {
+        for h in 0..heads {
+            let r = tok * width + h * hd..tok * width + (h + 1) * hd;
+            l2norm(k, &mut q[r.clone()], Some(q_scale));
+            l2norm(k, &mut kk[r], None);
+        }
+    }
+    recurrence(k, cfg, st, q, kk, v, &s.gate, &s.beta, rows, t, &mut s.heads_out, &mut s.step);
+}
+
+/// The row-wise second half for the `t` rows of a step: head-wise norm, output gate and the
+/// output projection into `out` [t, D].
+pub fn output(
+    k: &Kernels,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &KdaWeights,
+    t: usize,
+    s: &mut KdaScratch,
+    out: &mut [f32],
+) {
+    let kd = &cfg.kda;
+    let (width, hd, heads) = (kd.width(), kd.head_dim, kd.n_heads);
+    let d = cfg.hidden_size;
     // o' = RMSNorm_head(o; o_norm) * sigmoid(g_proj x), back to token-major [t, W].
     let o_norm_bytes = view.bytes(w.o_norm.id);
     for (i, wn) in s.o_norm.iter_mut().enumerate() {
@@ -153,8 +198,7 @@ pub fn forward(
             }
         }
     }
-    mm(&w.o_proj, &s.o[..tw], &mut out[..t * d]);
-    Ok(())
+    k.par_matmul_bf16(view.bytes(w.o_proj.id), w.o_proj.rows, w.o_proj.cols, &s.o[..t * width], t, &mut out[..t * d]);
 }
 
 /// Depthwise causal conv of width `kw` (no bias): c_t = sum_i W[ch, 0, i] * u_{t-kw+1+i}, tap
@@ -188,7 +232,8 @@ fn l2norm(k: &Kernels, x: &mut [f32], scale: Option<f32>) {
     }
 }
 
-/// The delta-rule recurrence, heads in parallel. Writes o to `heads_out` as [heads, t, V].
+/// The delta-rule recurrence over `rows` of a step of `t` rows, heads in parallel. Writes o to
+/// `heads_out` as [heads, t, V].
 #[allow(clippy::too_many_arguments)]
 fn recurrence(
     k: &Kernels,
@@ -199,6 +244,7 @@ fn recurrence(
     v: &[f32],
     alpha: &[f32],
     beta: &[f32],
+    rows: std::ops::Range<usize>,
     t: usize,
     heads_out: &mut [f32],
     step: &mut [f32],
@@ -210,7 +256,7 @@ fn recurrence(
         .zip(step.par_chunks_mut(hd))
         .enumerate()
         .for_each(|(h, ((state, o), scratch))| {
-            for tok in 0..t {
+            for tok in rows.clone() {
                 let r = tok * width + h * hd..tok * width + (h + 1) * hd;
                 k.kda_step(
                     state,

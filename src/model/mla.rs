@@ -37,6 +37,28 @@ impl MlaCache {
         self.len = 0;
     }
 
+    /// Appends the cache's length, width and its `len` rows (see
+    /// [`super::ModelState::save_into`]); rows past `len` are never read, so not saved.
+    pub fn save_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&(self.width as u64).to_le_bytes());
+        super::put_f32s(out, &self.data[..self.len * self.width]);
+    }
+
+    /// Reads what [`MlaCache::save_into`] wrote; its length must be `pos`, the position of the
+    /// whole state (every MLA layer caches every position).
+    pub fn load_from(&mut self, bytes: &mut &[u8], pos: usize) -> Result<(), String> {
+        let width = super::take_u64(bytes)?;
+        if width != self.width as u64 {
+            return Err(format!("MLA cache rows of {width} values where this model has {}", self.width));
+        }
+        if pos > self.capacity() {
+            return Err(format!("MLA cache of {pos} positions, beyond the {} this session holds", self.capacity()));
+        }
+        super::take_f32s(bytes, &mut self.data[..pos * self.width]).map_err(|e| format!("MLA cache: {e}"))?;
+        self.len = pos;
+        Ok(())
+    }
+
     pub fn capacity(&self) -> usize {
         self.data.len() / self.width
     }
@@ -81,28 +103,21 @@ impl MlaScratch {
     }
 }
 
-/// Runs MLA for `t` tokens at positions cache.len()..cache.len()+t; appends them to the cache.
-#[allow(clippy::too_many_arguments)]
-pub fn forward(
+/// The row-wise first half for the `t` rows of a step, whatever sequences they belong to: the
+/// query path, the latent rows (not yet normalised or cached) and the output gate.
+pub fn project(
     k: &Kernels,
     cfg: &Config,
     view: &dyn TrunkView,
     w: &MlaWeights,
-    cache: &mut MlaCache,
     x: &[f32],
     t: usize,
     s: &mut MlaScratch,
-    out: &mut [f32],
-) -> Result<(), ModelError> {
+) {
     let m = &cfg.mla;
     let d = cfg.hidden_size;
-    let (qlr, klr) = (m.q_lora_rank, m.kv_lora_rank);
-    let qk = m.qk_head_dim();
+    let qlr = m.q_lora_rank;
     let hv = m.n_heads * m.v_head_dim;
-    let start = cache.len;
-    if start + t > cache.capacity() {
-        return Err(ModelError::ContextFull { capacity: cache.capacity() });
-    }
     let mm = |mat: &Mat, input: &[f32], y: &mut [f32]| {
         k.par_matmul_bf16(view.bytes(mat.id), mat.rows, mat.cols, input, t, y);
     };
@@ -112,20 +127,58 @@ pub fn forward(
         let r = tok * qlr..(tok + 1) * qlr;
         k.rmsnorm(&s.cq[r.clone()], &s.norm_w[..qlr], MLA_LATENT_NORM_EPS, &mut s.cqn[r]);
     }
-    mm(&w.q_b_proj, &s.cqn[..t * qlr], &mut s.q[..t * m.n_heads * qk]);
+    mm(&w.q_b_proj, &s.cqn[..t * qlr], &mut s.q[..t * m.n_heads * m.qk_head_dim()]);
+    mm(&w.kv_a_proj_with_mqa, &x[..t * d], &mut s.ckv[..t * m.cache_width()]);
+    mm(&w.g_proj, &x[..t * d], &mut s.gate[..t * hv]);
+    k.sigmoid(&mut s.gate[..t * hv]);
+}
+
+/// The part that reads and extends one sequence's latent cache, for the `rows` of a step (of
+/// `t` rows) that belong to it: appends their normalised latents at positions cache.len()..,
+/// then attends causally. Rows of other sequences are untouched.
+#[allow(clippy::too_many_arguments)]
+pub fn mix(
+    k: &Kernels,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &MlaWeights,
+    cache: &mut MlaCache,
+    rows: std::ops::Range<usize>,
+    t: usize,
+    s: &mut MlaScratch,
+) -> Result<(), ModelError> {
+    let m = &cfg.mla;
+    let klr = m.kv_lora_rank;
+    let start = cache.len;
+    if start + rows.len() > cache.capacity() {
+        return Err(ModelError::ContextFull { capacity: cache.capacity() });
+    }
     let cw = m.cache_width();
-    mm(&w.kv_a_proj_with_mqa, &x[..t * d], &mut s.ckv[..t * cw]);
     vector_into(view.bytes(w.kv_a_layernorm.id), w.kv_a_layernorm.dtype, &mut s.norm_w[..klr]);
-    for tok in 0..t {
+    for (i, tok) in rows.clone().enumerate() {
         let row = &s.ckv[tok * cw..(tok + 1) * cw];
-        let dst = &mut cache.data[(start + tok) * cw..(start + tok + 1) * cw];
+        let dst = &mut cache.data[(start + i) * cw..(start + i + 1) * cw];
         k.rmsnorm(&row[..klr], &s.norm_w[..klr], MLA_LATENT_NORM_EPS, &mut dst[..klr]);
         dst[klr..].copy_from_slice(&row[klr..]);
     }
-    cache.len = start + t;
-    mm(&w.g_proj, &x[..t * d], &mut s.gate[..t * hv]);
-    k.sigmoid(&mut s.gate[..t * hv]);
-    attend(k, cfg, view.bytes(w.kv_b_proj.id), cache, start, t, &s.q, &mut s.heads_out, &mut s.per_head);
+    cache.len = start + rows.len();
+    attend(k, cfg, view.bytes(w.kv_b_proj.id), cache, start, rows, t, &s.q, &mut s.heads_out, &mut s.per_head);
+    Ok(())
+}
+
+/// The row-wise second half for the `t` rows of a step: output gate and projection into `out`.
+pub fn output(
+    k: &Kernels,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &MlaWeights,
+    t: usize,
+    s: &mut MlaScratch,
+    out: &mut [f32],
+) {
+    let m = &cfg.mla;
+    let d = cfg.hidden_size;
+    let hv = m.n_heads * m.v_head_dim;
     for tok in 0..t {
         for h in 0..m.n_heads {
             let src = &s.heads_out[(h * t + tok) * m.v_head_dim..(h * t + tok + 1) * m.v_head_dim];
@@ -135,11 +188,11 @@ pub fn forward(
             }
         }
     }
-    mm(&w.o_proj, &s.o[..t * hv], &mut out[..t * d]);
-    Ok(())
+    k.par_matmul_bf16(view.bytes(w.o_proj.id), w.o_proj.rows, w.o_proj.cols, &s.o[..t * hv], t, &mut out[..t * d]);
 }
 
-/// Causal attention over the latent cache, heads in parallel; writes [heads, t, v].
+/// Causal attention over the latent cache for `rows` of a step of `t` rows, whose latents sit
+/// at positions `start..` of the cache; heads in parallel; writes [heads, t, v].
 #[allow(clippy::too_many_arguments)]
 fn attend(
     k: &Kernels,
@@ -147,6 +200,7 @@ fn attend(
     kv_b: &[u8],
     cache: &MlaCache,
     start: usize,
+    rows: std::ops::Range<usize>,
     t: usize,
     q: &[f32],
     heads_out: &mut [f32],
@@ -169,11 +223,11 @@ fn attend(
             let w_vb = &kv_b[(h * rows_per_head + nope) * row_bytes..(h + 1) * rows_per_head * row_bytes];
             let (q_lat, rest) = scratch.split_at_mut(klr);
             let (o_lat, scores) = rest.split_at_mut(klr);
-            for tok in 0..t {
+            for (i, tok) in rows.clone().enumerate() {
                 let qh = &q[(tok * m.n_heads + h) * qk..(tok * m.n_heads + h + 1) * qk];
                 let (q_nope, q_shared) = qh.split_at(nope);
                 k.matvec_t_bf16(w_kb, nope, klr, q_nope, q_lat);
-                let n_pos = start + tok + 1;
+                let n_pos = start + i + 1;
                 for (sc, pos) in scores[..n_pos].iter_mut().zip(0..n_pos) {
                     let c = &cache.data[pos * cw..(pos + 1) * cw];
                     *sc = (k.dot(q_lat, &c[..klr]) + k.dot(q_shared, &c[klr..])) * scale;

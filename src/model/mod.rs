@@ -210,9 +210,16 @@ pub(crate) fn exp1(k: &Kernels, x: f32) -> f32 {
     v[0]
 }
 
+/// The rows of a step that belong to one sequence, whose state is `states[slot]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub slot: usize,
+    pub rows: std::ops::Range<usize>,
+}
+
 impl Model {
-    /// Runs `tokens` (at most the scratch's chunk) through the model at the state's position,
-    /// advancing it. Logits of the requested rows go to `logits` ([rows, V]).
+    /// Runs `tokens` (at most the scratch's chunk) of one sequence through the model at the
+    /// state's position, advancing it. Logits of the requested rows go to `logits` ([rows, V]).
     #[allow(clippy::too_many_arguments)]
     pub fn forward<S: WeightSource>(
         &self,
@@ -223,27 +230,64 @@ impl Model {
         tokens: &[u32],
         rows: LogitRows,
         logits: &mut [f32],
+        probe: Option<&mut (dyn Probe + '_)>,
+    ) -> Result<(), ModelError> {
+        let t = tokens.len();
+        if t == 0 {
+            return Err(ModelError::Internal("a chunk of 0 tokens".into()));
+        }
+        let segment = [Segment { slot: 0, rows: 0..t }];
+        let states = std::slice::from_mut(st);
+        match rows {
+            LogitRows::Last => self.forward_batch(src, hook, states, &segment, sc, tokens, &[t - 1], logits, probe),
+            LogitRows::All => {
+                let all: Vec<usize> = (0..t).collect();
+                self.forward_batch(src, hook, states, &segment, sc, tokens, &all, logits, probe)
+            }
+        }
+    }
+
+    /// Runs one step of several sequences: `tokens` (at most the scratch's chunk) are rows, and
+    /// `segments` say which consecutive rows belong to which state in `states` (each state at
+    /// most once; together they cover every row in order). Every row-wise product runs once
+    /// over all rows; only the attention's recurrence and cache are per sequence, so a row's
+    /// result is the one it has in a solo run. Advances each segment's state by its row count.
+    /// Logits of the rows `logit_rows` go to `logits` ([logit_rows.len(), V]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_batch<S: WeightSource>(
+        &self,
+        src: &S,
+        hook: &dyn LayerHook,
+        states: &mut [ModelState],
+        segments: &[Segment],
+        sc: &mut Scratch,
+        tokens: &[u32],
+        logit_rows: &[usize],
+        logits: &mut [f32],
         mut probe: Option<&mut (dyn Probe + '_)>,
     ) -> Result<(), ModelError> {
         let t = tokens.len();
         if t == 0 || t > sc.chunk {
             return Err(ModelError::Internal(format!("chunk of {t} tokens with scratch for {}", sc.chunk)));
         }
-        if st.pos + t > st.capacity {
-            return Err(ModelError::ContextFull { capacity: st.capacity });
+        check_segments(states, segments, t)?;
+        if let Some(&row) = logit_rows.iter().find(|&&r| r >= t) {
+            return Err(ModelError::Internal(format!("logits asked for row {row} of a step of {t}")));
+        }
+        for seg in segments {
+            let st = &states[seg.slot];
+            if st.pos + seg.rows.len() > st.capacity {
+                return Err(ModelError::ContextFull { capacity: st.capacity });
+            }
         }
         let d = self.cfg.hidden_size;
         head::embed(&self.cfg, src, &self.weights.globals, tokens, &mut sc.embed_rows, &mut sc.partial[..t * d])?;
         let mut n_snap = 0;
         for l in 0..self.cfg.n_layers {
-            n_snap = self.layer(src, hook, st, sc, l, t, n_snap, &mut probe)?;
+            n_snap = self.layer(src, hook, states, segments, sc, l, t, n_snap, &mut probe)?;
         }
         let g = src.trunk(TrunkUnit::Head)?;
         let head_span = self.tracer.as_ref().map(|t| t.span(ComputeOp::Head));
-        let out_rows = match rows {
-            LogitRows::Last => t - 1..t,
-            LogitRows::All => 0..t,
-        };
         let h = head::forward(
             &self.kernels,
             &self.cfg,
@@ -252,7 +296,7 @@ impl Model {
             &sc.snapshots[..n_snap],
             &sc.partial,
             t,
-            out_rows,
+            logit_rows,
             &mut sc.head,
             logits,
         );
@@ -263,7 +307,9 @@ impl Model {
                 p.tensor(Some(j), "snapshot", t, &snap[..t * d]);
             }
         }
-        st.pos += t;
+        for seg in segments {
+            states[seg.slot].pos += seg.rows.len();
+        }
         Ok(())
     }
 
@@ -273,7 +319,8 @@ impl Model {
         &self,
         src: &S,
         hook: &dyn LayerHook,
-        st: &mut ModelState,
+        states: &mut [ModelState],
+        segments: &[Segment],
         sc: &mut Scratch,
         l: usize,
         t: usize,
@@ -313,14 +360,24 @@ impl Model {
         let attn_span =
             self.tracer.as_ref().map(|t| t.span_args(ComputeOp::Attention, SpanArgs::new().layer(l as u32)));
         norm_rows(k, view.bytes(lw.input_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
-        match (&lw.attn, &mut st.layers[l]) {
-            (AttnWeights::Kda(w), LayerState::Kda(s)) => {
-                kda::forward(k, cfg, &view, w, s, &sc.xn, t, &mut sc.kda, &mut sc.a)?
+        let disagree = || ModelError::Internal(format!("layer {l}: state and weights disagree"));
+        match &lw.attn {
+            AttnWeights::Kda(w) => {
+                kda::project(k, cfg, &view, w, &sc.xn, t, &mut sc.kda);
+                for seg in segments {
+                    let LayerState::Kda(s) = &mut states[seg.slot].layers[l] else { return Err(disagree()) };
+                    kda::mix(k, cfg, &view, w, s, seg.rows.clone(), t, &mut sc.kda);
+                }
+                kda::output(k, cfg, &view, w, t, &mut sc.kda, &mut sc.a);
             }
-            (AttnWeights::Mla(w), LayerState::Mla(c)) => {
-                mla::forward(k, cfg, &view, w, c, &sc.xn, t, &mut sc.mla, &mut sc.a)?
+            AttnWeights::Mla(w) => {
+                mla::project(k, cfg, &view, w, &sc.xn, t, &mut sc.mla);
+                for seg in segments {
+                    let LayerState::Mla(c) = &mut states[seg.slot].layers[l] else { return Err(disagree()) };
+                    mla::mix(k, cfg, &view, w, c, seg.rows.clone(), t, &mut sc.mla)?;
+                }
+                mla::output(k, cfg, &view, w, t, &mut sc.mla, &mut sc.a);
             }
-            _ => return Err(ModelError::Internal(format!("layer {l}: state and weights disagree"))),
         }
         report(probe, l, "attn_out", t, &sc.a[..td]);
         add_into(&mut sc.partial[..td], &sc.a[..td]);
@@ -355,6 +412,25 @@ impl Model {
     }
 }
 
+/// Segments must cover rows 0..t in order, each non-empty, each state at most once.
+fn check_segments(states: &[ModelState], segments: &[Segment], t: usize) -> Result<(), ModelError> {
+    let bad = |why: &str| Err(ModelError::Internal(format!("segments of a step of {t} rows: {why}")));
+    let mut next = 0;
+    for (i, seg) in segments.iter().enumerate() {
+        if seg.rows.start != next || seg.rows.is_empty() {
+            return bad("they must cover the rows in order, none empty");
+        }
+        if seg.slot >= states.len() || segments[..i].iter().any(|s| s.slot == seg.slot) {
+            return bad("each must name a distinct state");
+        }
+        next = seg.rows.end;
+    }
+    if next != t {
+        return bad("they must cover every row");
+    }
+    Ok(())
+}
+
 fn report(probe: &mut Option<&mut (dyn Probe + '_)>, l: usize, what: &'static str, t: usize, data: &[f32]) {
     if let Some(p) = probe.as_deref_mut() {
         p.tensor(Some(l), what, t, data);
@@ -375,6 +451,52 @@ fn add_into(p: &mut [f32], a: &[f32]) {
 }
 
 impl ModelState {
+    /// Appends the carried state of every layer (a kind byte, then little-endian lengths and
+    /// f32s; an MLA cache only up to its length) for a state file. [`ModelState::load_from`]
+    /// reads it back.
+    pub fn save_into(&self, out: &mut Vec<u8>) {
+        for l in &self.layers {
+            match l {
+                LayerState::Kda(s) => {
+                    out.push(0);
+                    s.save_into(out);
+                }
+                LayerState::Mla(c) => {
+                    out.push(1);
+                    c.save_into(out);
+                }
+            }
+        }
+    }
+
+    /// Replaces the state with one [`ModelState::save_into`] wrote at position `pos`, consuming
+    /// its bytes from `bytes`. Refuses (saying why) a state of another layer plan or shape, or
+    /// longer than this state's capacity; on refusal the state is reset.
+    pub fn load_from(&mut self, bytes: &mut &[u8], pos: usize) -> Result<(), String> {
+        if pos > self.capacity {
+            return Err(format!("position {pos} is beyond this session's {} positions", self.capacity));
+        }
+        let r = self.load_layers(bytes, pos);
+        match r {
+            Ok(()) => self.pos = pos,
+            Err(_) => self.reset(),
+        }
+        r
+    }
+
+    fn load_layers(&mut self, bytes: &mut &[u8], pos: usize) -> Result<(), String> {
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let kind = take_bytes(bytes, 1).map_err(|e| format!("layer {i}: {e}"))?[0];
+            let r = match (l, kind) {
+                (LayerState::Kda(s), 0) => s.load_from(bytes),
+                (LayerState::Mla(c), 1) => c.load_from(bytes, pos),
+                (_, k) => Err(format!("kind {k} does not match this model's layer plan")),
+            };
+            r.map_err(|e| format!("layer {i}: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// Forgets the context: zero states, empty caches, position 0. Keeps the allocations.
     pub fn reset(&mut self) {
         for l in &mut self.layers {
@@ -385,4 +507,43 @@ impl ModelState {
         }
         self.pos = 0;
     }
+}
+
+/// Appends `v` as little-endian f32s after its length (u64).
+pub(crate) fn put_f32s(out: &mut Vec<u8>, v: &[f32]) {
+    out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+    for x in v {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// Takes `n` bytes from the front of `bytes`.
+pub(crate) fn take_bytes<'a>(bytes: &mut &'a [u8], n: usize) -> Result<&'a [u8], String> {
+    if bytes.len() < n {
+        return Err(format!("needs {n} more bytes, {} left", bytes.len()));
+    }
+    let (head, rest) = bytes.split_at(n);
+    *bytes = rest;
+    Ok(head)
+}
+
+/// Takes a little-endian u64.
+pub(crate) fn take_u64(bytes: &mut &[u8]) -> Result<u64, String> {
+    let b = take_bytes(bytes, 8)?;
+    let mut a = [0u8; 8];
+    a.copy_from_slice(b);
+    Ok(u64::from_le_bytes(a))
+}
+
+/// Fills `into` from a length-prefixed run of f32s that must be exactly `into.len()` long.
+pub(crate) fn take_f32s(bytes: &mut &[u8], into: &mut [f32]) -> Result<(), String> {
+    let n = take_u64(bytes)?;
+    if n != into.len() as u64 {
+        return Err(format!("{n} values where this model has {}", into.len()));
+    }
+    let b = take_bytes(bytes, 4 * into.len())?;
+    for (x, c) in into.iter_mut().zip(b.chunks_exact(4)) {
+        *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+    Ok(())
 }

@@ -129,6 +129,13 @@ impl Pipeline {
         s
     }
 
+    /// Waits until the reads already sent have completed and are counted (see
+    /// [`io_stage::IoStage::settle`]): call it at the end of a run, before taking the report and writing
+    /// the trace, so the two agree. Bounded by one second; returns whether it settled.
+    pub fn settle(&self) -> bool {
+        self.io.settle(std::time::Duration::from_secs(1))
+    }
+
     /// The tracer reads and stalls are recorded in.
     pub fn tracer(&self) -> &Arc<Tracer> {
         self.store.tracer()

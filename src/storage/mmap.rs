@@ -6,8 +6,7 @@
 use std::fs::File;
 use std::sync::Arc;
 
-use memmap2::Mmap;
-
+use super::sigbus::MappedFile;
 use crate::checkpoint::{CheckpointIndex, EXPERT_PARTS};
 use crate::exit::{Classify, ExitCode};
 use crate::model::weights::{ExpertBytes, ExpertView, Mat, SourceError, TensorId, TrunkUnit, TrunkView, WeightSource};
@@ -34,7 +33,7 @@ impl Classify for StoreError {
 /// All shards mapped.
 pub struct MmapSource {
     index: Arc<CheckpointIndex>,
-    maps: Vec<Mmap>,
+    maps: Vec<MappedFile>,
 }
 
 impl MmapSource {
@@ -48,10 +47,9 @@ impl MmapSource {
             if now != shard.file_len {
                 return Err(StoreError::Changed { path: shard.path.clone(), indexed: shard.file_len, now });
             }
-            // SAFETY: the map is read-only and private to this process. If another process
-            // truncates the shard while it is mapped, reads fault (SIGBUS); checkpoints are
-            // treated as immutable while k3ring runs, and the size was checked just above.
-            let map = unsafe { Mmap::map(&file) }.map_err(map_err)?;
+            // A shard that shrinks later, or a disk error under a mapped page, faults on read;
+            // `sigbus` turns that into exit 4 naming the shard.
+            let map = MappedFile::map(&file, &shard.path).map_err(map_err)?;
             maps.push(map);
         }
         Ok(MmapSource { index, maps })

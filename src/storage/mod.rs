@@ -4,10 +4,11 @@
 //! pipeline (`crate::pipeline`) drives.
 //!
 //! This and `storage::io` are the only modules allowed unsafe code (mmap, io_uring buffers,
-//! mlock); each unsafe block states its invariant.
+//! mlock, the SIGBUS handler of [`sigbus`]); each unsafe block states its invariant.
 
 pub mod io;
 pub mod mmap;
 pub mod pack;
 pub mod plan;
+pub mod sigbus;
 pub mod stream;

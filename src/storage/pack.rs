@@ -4,22 +4,32 @@
 //! multiples of the device's O_DIRECT alignment, with its tensors in the order the forward pass
 //! reads them (each at a 64-byte boundary for SIMD loads). A JSON manifest gives per-unit
 //! offsets, per-tensor offsets, dtypes and shapes, and an xxh3 checksum per unit. Routed experts
-//! are not copied: they are read in place from the shards.
+//! are not copied: they are read in place from the shards, and the manifest holds a checksum of
+//! each ([`experts`]), which the store checks on every read.
 //!
 //! Crash safety: the old manifest is removed before anything is written, the pack is written
 //! under a temporary name, synced and renamed, and only then is the manifest written (also via a
 //! synced rename) with `complete: true`. An interrupted pack therefore never leaves a manifest
-//! that claims to be complete. A fingerprint of the source (config, shard names, sizes, mtimes
-//! and headers) makes a second run on an up-to-date pack a no-op.
+//! that claims to be complete, and a failed one (a full disk) removes its partial file. One pack
+//! at a time per directory ([`lock`]). A content [`fingerprint`] of the source makes a second
+//! run on an up-to-date pack a no-op, also on a copy of the checkpoint.
+
+pub mod experts;
+pub mod fingerprint;
+pub mod lock;
+pub mod verify;
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
+pub use self::experts::LayerExpertSums;
+pub use self::fingerprint::fingerprint;
+use self::lock::PackLock;
 use crate::checkpoint::{expected_tensors, CheckpointIndex, Dtype, MODEL_PREFIX};
 use crate::config::Config;
 use crate::exit::{Classify, ExitCode};
@@ -28,13 +38,16 @@ pub const MANIFEST_FILE: &str = "trunk.manifest.json";
 pub const PACK_FILE: &str = "trunk.pack";
 const PARTIAL_SUFFIX: &str = ".partial";
 pub const FORMAT: &str = "k3ring-trunk-pack";
-pub const VERSION: u32 = 2;
+/// 3: expert checksums and a content fingerprint (v2 manifests are refused: pack again).
+pub const VERSION: u32 = 3;
 /// Tensors start at this boundary inside a unit.
 pub const TENSOR_ALIGN: u64 = 64;
 /// Units start and end at a multiple of at least this, whatever the device reports.
 pub const UNIT_ALIGN_MIN: u64 = 4096;
 /// Copy granularity.
-const COPY_CHUNK: usize = 16 << 20;
+pub(crate) const COPY_CHUNK: usize = 16 << 20;
+/// Layers a manifest may give expert checksums for (the checkpoint index's own bound).
+const EXPERT_LAYERS_MAX: usize = 4096;
 /// Units copied at once (each holds one COPY_CHUNK buffer).
 const COPY_THREADS: usize = 4;
 
@@ -43,20 +56,30 @@ const COPY_THREADS: usize = 4;
 pub enum PackError {
     #[error("cannot {op} {path}: {source}")]
     Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("no trunk pack in {dir}: {MANIFEST_FILE} is missing (not a pack directory, or a `k3ring pack` that was interrupted); run `k3ring pack --model ... --out {dir}`")]
+    NoManifest { dir: PathBuf },
     #[error("{path}: {message}")]
     Corrupt { path: PathBuf, message: String },
     #[error("the trunk pack in {dir} was made from another checkpoint (or the checkpoint changed since): run `k3ring pack --model ... --out {dir}` again")]
     Stale { dir: PathBuf },
     #[error("{path}: unit {unit} fails its checksum (manifest {want}, file {got}): the pack is damaged; run `k3ring pack` again")]
     Checksum { path: PathBuf, unit: String, want: String, got: String },
+    #[error("another `k3ring pack` is writing into {dir} (it holds {lock}); wait for it to finish, or pack into another --out")]
+    Busy { dir: PathBuf, lock: PathBuf },
+    #[error("`k3ring pack --verify` found {count} mismatch(es) in the trunk pack in {dir} or its checkpoint (to pack again, remove {dir}/trunk.manifest.json first); the first: {first}")]
+    Verify { dir: PathBuf, count: usize, first: String },
 }
 
-/// 4 for I/O failures, 3 for a pack that is corrupt, stale or damaged.
+/// 4 for I/O failures and a directory another pack holds, 3 for a pack that is corrupt, stale
+/// or damaged.
 impl Classify for PackError {
     fn exit_code(&self) -> ExitCode {
         match self {
-            PackError::Io { .. } => ExitCode::Io,
-            PackError::Corrupt { .. } | PackError::Stale { .. } | PackError::Checksum { .. } => ExitCode::Data,
+            PackError::Io { .. } | PackError::Busy { .. } | PackError::NoManifest { .. } => ExitCode::Io,
+            PackError::Corrupt { .. }
+            | PackError::Stale { .. }
+            | PackError::Checksum { .. }
+            | PackError::Verify { .. } => ExitCode::Data,
         }
     }
 }
@@ -125,6 +148,8 @@ pub struct Manifest {
     pub alignment: u64,
     pub pack_len: u64,
     pub units: Vec<UnitEntry>,
+    /// Checksums of the routed experts (read in place from the shards), per MoE layer.
+    pub experts: Vec<LayerExpertSums>,
 }
 
 /// What `write_pack` did.
@@ -134,33 +159,15 @@ pub struct PackReport {
     pub units: usize,
     pub tensors: usize,
     pub bytes: u64,
+    /// Experts checksummed, and their bytes.
+    pub experts: usize,
+    pub expert_bytes: u64,
     pub seconds: f64,
     pub alignment: u64,
 }
 
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> PackError + 'a {
+pub(crate) fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> PackError + 'a {
     move |source| PackError::Io { op, path: path.to_owned(), source }
-}
-
-/// A fingerprint of what the pack is made from: config bytes, and each shard's name, size,
-/// modification time and header.
-pub fn fingerprint(model_dir: &Path, index: &CheckpointIndex) -> Result<String, PackError> {
-    let mut h = Xxh3::new();
-    let cfg_path = model_dir.join("config.json");
-    h.update(&std::fs::read(&cfg_path).map_err(io_err("read", &cfg_path))?);
-    for shard in &index.shards {
-        let meta = std::fs::metadata(&shard.path).map_err(io_err("stat", &shard.path))?;
-        let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
-        h.update(shard.path.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
-        h.update(&meta.len().to_le_bytes());
-        h.update(&mtime.map_or(0, |d| d.as_nanos()).to_le_bytes());
-        let mut header = vec![0u8; shard.data_start as usize];
-        File::open(&shard.path)
-            .and_then(|mut f| f.read_exact(&mut header))
-            .map_err(io_err("read header of", &shard.path))?;
-        h.update(&header);
-    }
-    Ok(format!("{:016x}", h.digest()))
 }
 
 /// The trunk tensors of `cfg` grouped into units, in forward order.
@@ -197,27 +204,29 @@ pub fn unit_alignment(out_dir: &Path) -> u64 {
 }
 
 /// Writes (or confirms up to date) the trunk pack of a validated model into `out_dir`.
-/// `progress` is called with (bytes done, bytes total).
+/// `progress` is called with (bytes done, bytes total): the trunk copied, then the experts
+/// checksummed. Holds the directory's lock throughout; a failure removes the partial pack.
 pub fn write_pack(
     model_dir: &Path,
     cfg: &Config,
     index: &CheckpointIndex,
     out_dir: &Path,
-    mut progress: impl FnMut(u64, u64) + Send,
+    progress: impl FnMut(u64, u64) + Send,
 ) -> Result<PackReport, PackError> {
     let start = std::time::Instant::now();
     std::fs::create_dir_all(out_dir).map_err(io_err("create", out_dir))?;
+    let _lock = PackLock::acquire(out_dir)?;
     let fp = fingerprint(model_dir, index)?;
     let manifest_path = out_dir.join(MANIFEST_FILE);
-    let pack_path = out_dir.join(PACK_FILE);
     if let Ok(m) = Manifest::load(out_dir) {
         if m.fingerprint == fp {
-            let tensors = m.units.iter().map(|u| u.tensors.len()).sum();
             return Ok(PackReport {
                 up_to_date: true,
                 units: m.units.len(),
-                tensors,
+                tensors: m.units.iter().map(|u| u.tensors.len()).sum(),
                 bytes: m.pack_len,
+                experts: m.experts.iter().map(|l| l.checksums.len()).sum(),
+                expert_bytes: index.experts.iter().map(|r| experts::expert_len(index, r)).sum(),
                 seconds: start.elapsed().as_secs_f64(),
                 alignment: m.alignment,
             });
@@ -230,38 +239,9 @@ pub fn write_pack(
     }
     let alignment = unit_alignment(out_dir);
     let (units, pack_len) = layout(cfg, index, alignment)?;
-    let total: u64 = units.iter().map(|u| u.len).sum();
-    let partial = out_dir.join(format!("{PACK_FILE}{PARTIAL_SUFFIX}"));
-    let file = create_pack_file(&partial)?;
-    file.set_len(pack_len).map_err(io_err("size", &partial))?;
-    // Units are copied in parallel (each into its own range of the file), so the disk sees
-    // several reads and writes at once; each copy goes through one bounded buffer.
-    let written = std::sync::Mutex::new((0u64, &mut progress));
-    let copy = |mut unit: UnitEntry| -> Result<UnitEntry, PackError> {
-        // The embedding is copied in whole rows so each row's checksum comes out of the copy.
-        let row = if unit.unit == PackUnit::Embed.name() { Some(2 * cfg.hidden_size) } else { None };
-        let (sum, rows) = copy_unit(index, &unit, row, &file, &partial, alignment, &mut |n| {
-            let mut w = written.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            w.0 += n;
-            let done = w.0;
-            (w.1)(done, total);
-        })?;
-        unit.checksum = sum;
-        unit.row_checksums = rows;
-        Ok(unit)
-    };
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(COPY_THREADS).build().map_err(|e| PackError::Io {
-        op: "start copy threads for",
-        path: partial.clone(),
-        source: std::io::Error::other(e),
-    })?;
-    let units_out: Vec<UnitEntry> = pool.install(|| {
-        use rayon::prelude::*;
-        units.into_par_iter().map(copy).collect::<Result<_, _>>()
-    })?;
-    file.sync_all().map_err(io_err("sync", &partial))?;
-    drop(file);
-    std::fs::rename(&partial, &pack_path).map_err(io_err("rename", &partial))?;
+    let partial = PartialFile(out_dir.join(format!("{PACK_FILE}{PARTIAL_SUFFIX}")));
+    let (units, experts) = write_partial(cfg, index, units, pack_len, alignment, &partial.0, progress)?;
+    std::fs::rename(&partial.0, out_dir.join(PACK_FILE)).map_err(io_err("rename", &partial.0))?;
     let manifest = Manifest {
         format: FORMAT.to_owned(),
         version: VERSION,
@@ -269,19 +249,89 @@ pub fn write_pack(
         fingerprint: fp,
         alignment,
         pack_len,
-        units: units_out,
+        units,
+        experts,
     };
-    let tensors = manifest.units.iter().map(|u| u.tensors.len()).sum();
-    let n_units = manifest.units.len();
+    let report = PackReport {
+        up_to_date: false,
+        units: manifest.units.len(),
+        tensors: manifest.units.iter().map(|u| u.tensors.len()).sum(),
+        bytes: pack_len,
+        experts: index.experts.len(),
+        expert_bytes: index.experts.iter().map(|r| experts::expert_len(index, r)).sum(),
+        seconds: 0.0,
+        alignment,
+    };
     write_synced(&manifest_path, &serde_json::to_vec_pretty(&manifest).unwrap_or_default())?;
     sync_dir(out_dir)?;
-    Ok(PackReport {
-        up_to_date: false,
-        units: n_units,
-        tensors,
-        bytes: pack_len,
-        seconds: start.elapsed().as_secs_f64(),
-        alignment,
+    Ok(PackReport { seconds: start.elapsed().as_secs_f64(), ..report })
+}
+
+/// A partial file (the pack, the manifest), removed when dropped unless renamed into place
+/// first: a failed or panicking pack (a full disk) leaves nothing behind.
+struct PartialFile(PathBuf);
+
+impl Drop for PartialFile {
+    fn drop(&mut self) {
+        match std::fs::remove_file(&self.0) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                tracing::warn!("cannot remove the partial pack {}: {e}", self.0.display());
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Writes the pack's units into `partial` (synced) and checksums every expert; returns the
+/// units with their checksums and the experts' checksums.
+fn write_partial(
+    cfg: &Config,
+    index: &CheckpointIndex,
+    units: Vec<UnitEntry>,
+    pack_len: u64,
+    alignment: u64,
+    partial: &Path,
+    mut progress: impl FnMut(u64, u64) + Send,
+) -> Result<(Vec<UnitEntry>, Vec<LayerExpertSums>), PackError> {
+    let file = create_pack_file(partial)?;
+    file.set_len(pack_len).map_err(io_err("size", partial))?;
+    let expert_bytes: u64 = index.experts.iter().map(|r| experts::expert_len(index, r)).sum();
+    let total = units.iter().map(|u| u.len).sum::<u64>() + expert_bytes;
+    // Units are copied in parallel (each into its own range of the file), so the disk sees
+    // several reads and writes at once; each copy goes through one bounded buffer. Experts are
+    // then read in disk order, runs of them per thread.
+    let written = std::sync::Mutex::new((0u64, &mut progress));
+    let advance = |n: u64| {
+        let mut w = written.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        w.0 += n;
+        let done = w.0;
+        (w.1)(done, total);
+    };
+    let copy = |mut unit: UnitEntry| -> Result<UnitEntry, PackError> {
+        // The embedding is copied in whole rows so each row's checksum comes out of the copy.
+        let row = if unit.unit == PackUnit::Embed.name() { Some(2 * cfg.hidden_size) } else { None };
+        let (sum, rows) = copy_unit(index, &unit, row, &file, partial, alignment, &mut |n| advance(n))?;
+        unit.checksum = sum;
+        unit.row_checksums = rows;
+        Ok(unit)
+    };
+    let pool = copy_pool(partial)?;
+    let (units_out, expert_sums) = pool.install(|| {
+        use rayon::prelude::*;
+        let units: Vec<UnitEntry> = units.into_par_iter().map(copy).collect::<Result<_, _>>()?;
+        let sums = experts::checksum_all(index, &advance)?;
+        Ok::<_, PackError>((units, sums))
+    })?;
+    file.sync_all().map_err(io_err("sync", partial))?;
+    Ok((units_out, expert_sums))
+}
+
+/// The threads that copy units (and read experts) at once.
+pub(crate) fn copy_pool(path: &Path) -> Result<rayon::ThreadPool, PackError> {
+    rayon::ThreadPoolBuilder::new().num_threads(COPY_THREADS).build().map_err(|e| PackError::Io {
+        op: "start copy threads for",
+        path: path.to_owned(),
+        source: std::io::Error::other(e),
     })
 }
 
@@ -337,49 +387,87 @@ fn copy_unit(
 ) -> Result<(String, Vec<u64>), PackError> {
     let mut hash = Xxh3::new();
     let mut rows = Vec::new();
-    // Windows start on the alignment and on row boundaries, so no row spans two windows.
-    let grain = row_len.map_or(alignment, |r| lcm(r as u64, alignment)) as usize;
-    let window = (COPY_CHUNK / grain).max(1) * grain;
+    let window = unit_window(row_len, alignment);
     let mut buf = super::io::AlignedBuf::new(window, &super::io::BufOptions::default()).map_err(|e| PackError::Io {
         op: "allocate a copy buffer for",
         path: out_path.to_owned(),
         source: std::io::Error::other(e),
     })?;
-    let mut sources: Vec<(usize, File)> = Vec::new();
+    let mut sources = ShardFiles::default();
     let mut at = 0u64;
     while at < unit.len {
         let n = ((unit.len - at) as usize).min(window);
         let chunk = &mut buf.as_mut_slice()[..n];
-        chunk.fill(0);
-        for t in unit.tensors.iter().filter(|t| t.offset < at + n as u64 && t.offset + t.len > at) {
-            let info = index.get(&t.name).ok_or_else(|| PackError::Corrupt {
-                path: index.dir.clone(),
-                message: format!("tensor {} is missing", t.name),
-            })?;
-            let path = &index.shards[info.shard].path;
-            if !sources.iter().any(|(s, _)| *s == info.shard) {
-                sources.push((info.shard, File::open(path).map_err(io_err("open", path))?));
-            }
-            let src = sources
-                .iter()
-                .find(|(s, _)| *s == info.shard)
-                .map(|(_, f)| f)
-                .ok_or_else(|| PackError::Corrupt { path: path.clone(), message: "source file vanished".to_owned() })?;
-            let from = t.offset.max(at);
-            let to = (t.offset + t.len).min(at + n as u64);
-            let dst = &mut chunk[(from - at) as usize..(to - at) as usize];
-            src.read_exact_at(dst, info.offset + (from - t.offset)).map_err(io_err("read", path))?;
-            progress(to - from);
-        }
+        fill_window(index, unit, at, chunk, &mut sources)?;
+        progress(n as u64);
         hash.update(chunk);
-        if let (Some(r), Some(t)) = (row_len, unit.tensors.first()) {
-            let end = (t.offset + t.len).saturating_sub(at).min(n as u64) as usize;
-            rows.extend(chunk[..end].chunks(r).map(xxhash_rust::xxh3::xxh3_64));
-        }
+        rows.extend(row_checksums(unit, row_len, at, chunk));
         out.write_all_at(chunk, unit.offset + at).map_err(io_err("write", out_path))?;
         at += n as u64;
     }
     Ok((format!("{:016x}", hash.digest()), rows))
+}
+
+/// Bytes per copy window of a unit: windows start on the alignment and on row boundaries, so no
+/// row spans two windows.
+pub(crate) fn unit_window(row_len: Option<usize>, alignment: u64) -> usize {
+    let grain = row_len.map_or(alignment, |r| lcm(r as u64, alignment)) as usize;
+    (COPY_CHUNK / grain).max(1) * grain
+}
+
+/// The checksums of the `row_len`-byte rows of the unit's first tensor inside the window at `at`.
+pub(crate) fn row_checksums(unit: &UnitEntry, row_len: Option<usize>, at: u64, chunk: &[u8]) -> Vec<u64> {
+    match (row_len, unit.tensors.first()) {
+        (Some(r), Some(t)) => {
+            let end = (t.offset + t.len).saturating_sub(at).min(chunk.len() as u64) as usize;
+            chunk[..end].chunks(r).map(xxhash_rust::xxh3::xxh3_64).collect()
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// Shard files opened on first use.
+#[derive(Default)]
+pub(crate) struct ShardFiles(Vec<(usize, File)>);
+
+impl ShardFiles {
+    fn get(&mut self, index: &CheckpointIndex, shard: usize) -> Result<&File, PackError> {
+        let at = match self.0.iter().position(|(s, _)| *s == shard) {
+            Some(at) => at,
+            None => {
+                let path = &index.shards[shard].path;
+                self.0.push((shard, File::open(path).map_err(io_err("open", path))?));
+                self.0.len() - 1
+            }
+        };
+        Ok(&self.0[at].1)
+    }
+}
+
+/// Assembles the window of `unit` starting at `at` from the shards: the bytes of every tensor
+/// overlapping it, zeros elsewhere (exactly what the pack holds there).
+pub(crate) fn fill_window(
+    index: &CheckpointIndex,
+    unit: &UnitEntry,
+    at: u64,
+    chunk: &mut [u8],
+    sources: &mut ShardFiles,
+) -> Result<(), PackError> {
+    let n = chunk.len() as u64;
+    chunk.fill(0);
+    for t in unit.tensors.iter().filter(|t| t.offset < at + n && t.offset + t.len > at) {
+        let info = index.get(&t.name).ok_or_else(|| PackError::Corrupt {
+            path: index.dir.clone(),
+            message: format!("tensor {} is missing", t.name),
+        })?;
+        let path = &index.shards[info.shard].path;
+        let src = sources.get(index, info.shard)?;
+        let from = t.offset.max(at);
+        let to = (t.offset + t.len).min(at + n);
+        let dst = &mut chunk[(from - at) as usize..(to - at) as usize];
+        src.read_exact_at(dst, info.offset + (from - t.offset)).map_err(io_err("read", path))?;
+    }
+    Ok(())
 }
 
 fn lcm(a: u64, b: u64) -> u64 {
@@ -408,11 +496,11 @@ pub fn checksum(bytes: &[u8]) -> String {
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), PackError> {
-    let tmp = path.with_extension("json.partial");
-    let mut f = File::create(&tmp).map_err(io_err("create", &tmp))?;
-    f.write_all(bytes).map_err(io_err("write", &tmp))?;
-    f.sync_all().map_err(io_err("sync", &tmp))?;
-    std::fs::rename(&tmp, path).map_err(io_err("rename", &tmp))
+    let tmp = PartialFile(path.with_extension("json.partial"));
+    let mut f = File::create(&tmp.0).map_err(io_err("create", &tmp.0))?;
+    f.write_all(bytes).map_err(io_err("write", &tmp.0))?;
+    f.sync_all().map_err(io_err("sync", &tmp.0))?;
+    std::fs::rename(&tmp.0, path).map_err(io_err("rename", &tmp.0))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), PackError> {
@@ -424,13 +512,34 @@ impl Manifest {
     /// non-overlapping units, tensors inside their unit.
     pub fn load(dir: &Path) -> Result<Manifest, PackError> {
         let path = dir.join(MANIFEST_FILE);
-        let text = std::fs::read(&path).map_err(io_err("read", &path))?;
-        let corrupt = |message: String| PackError::Corrupt { path: path.clone(), message };
-        let m: Manifest = serde_json::from_slice(&text).map_err(|e| corrupt(format!("not a trunk manifest: {e}")))?;
-        if m.format != FORMAT || m.version != VERSION {
+        let text = std::fs::read(&path).map_err(|source| match source.kind() {
+            std::io::ErrorKind::NotFound => PackError::NoManifest { dir: dir.to_owned() },
+            _ => io_err("read", &path)(source),
+        })?;
+        let pack = dir.join(PACK_FILE);
+        let pack_file_len = || Ok(std::fs::metadata(&pack).map_err(io_err("stat", &pack))?.len());
+        Manifest::parse(&text, &path, &pack, pack_file_len)
+    }
+
+    /// The checks of [`Self::load`] on manifest bytes; `pack_file_len` gives the pack file's
+    /// actual length once the manifest is known to be a complete one. `path` and `pack` only
+    /// name the files in errors.
+    pub fn parse(
+        text: &[u8],
+        path: &Path,
+        pack: &Path,
+        pack_file_len: impl FnOnce() -> Result<u64, PackError>,
+    ) -> Result<Manifest, PackError> {
+        let corrupt = |message: String| PackError::Corrupt { path: path.to_owned(), message };
+        let m: Manifest = serde_json::from_slice(text).map_err(|e| corrupt(format!("not a trunk manifest: {e}")))?;
+        if m.format != FORMAT {
+            return Err(corrupt(format!("format {} is not {FORMAT}: run `k3ring pack` again", m.format)));
+        }
+        if m.version != VERSION {
+            let why = if m.version < VERSION { "an older k3ring (before expert checksums)" } else { "a newer k3ring" };
             return Err(corrupt(format!(
-                "format {} v{} is not {FORMAT} v{VERSION}: run `k3ring pack` again",
-                m.format, m.version
+                "the pack was made by {why}: its format is v{}, this k3ring reads v{VERSION}; run `k3ring pack` again",
+                m.version
             )));
         }
         if !m.complete {
@@ -439,23 +548,27 @@ impl Manifest {
         if m.alignment < UNIT_ALIGN_MIN || !m.alignment.is_power_of_two() {
             return Err(corrupt(format!("alignment {} is not a power of two >= {UNIT_ALIGN_MIN}", m.alignment)));
         }
-        let pack = dir.join(PACK_FILE);
-        let len = std::fs::metadata(&pack).map_err(io_err("stat", &pack))?.len();
+        let len = pack_file_len()?;
         if len != m.pack_len {
             return Err(corrupt(format!("{} is {len} bytes but the manifest says {}", pack.display(), m.pack_len)));
         }
         let mut end = 0;
+        let mut seen = std::collections::BTreeSet::new();
         for u in &m.units {
-            if PackUnit::parse(&u.unit).is_none() {
+            // Only the canonical spelling: lookups go by name, so "layer.01" would never be found.
+            let Some(unit) = PackUnit::parse(&u.unit).filter(|p| p.name() == u.unit) else {
                 return Err(corrupt(format!("unknown unit {:?}", u.unit)));
+            };
+            if !seen.insert(unit) {
+                return Err(corrupt(format!("unit {} appears twice", u.unit)));
             }
             if u.offset % m.alignment != 0 || u.len % m.alignment != 0 || u.offset < end {
                 return Err(corrupt(format!("unit {} at {}+{} is misaligned or overlaps", u.unit, u.offset, u.len)));
             }
-            end = u.offset + u.len;
-            if end > m.pack_len {
-                return Err(corrupt(format!("unit {} ends past the pack", u.unit)));
-            }
+            end = match u.offset.checked_add(u.len) {
+                Some(e) if e <= m.pack_len => e,
+                _ => return Err(corrupt(format!("unit {} ends past the pack", u.unit))),
+            };
             if u.unit == "embed" {
                 let rows = u.tensors.first().map_or(0, |t| t.shape.first().copied().unwrap_or(0));
                 if u.row_checksums.len() as u64 != rows {
@@ -466,10 +579,17 @@ impl Manifest {
                 }
             }
             for t in &u.tensors {
-                if t.offset + t.len > u.len || Dtype::parse(&t.dtype).is_none() {
+                if t.offset.checked_add(t.len).is_none_or(|e| e > u.len) || Dtype::parse(&t.dtype).is_none() {
                     return Err(corrupt(format!("tensor {} of unit {} is out of bounds or untyped", t.name, u.unit)));
                 }
             }
+        }
+        let mut last_layer = None;
+        for l in &m.experts {
+            if last_layer.is_some_and(|p| l.layer <= p) || l.layer >= EXPERT_LAYERS_MAX {
+                return Err(corrupt(format!("expert checksums of layer {} are out of order or out of range", l.layer)));
+            }
+            last_layer = Some(l.layer);
         }
         Ok(m)
     }
@@ -488,31 +608,20 @@ impl Manifest {
         Ok(())
     }
 
-    /// Verifies every unit's checksum against the pack file (`k3ring pack --verify`).
-    pub fn verify_all(&self, dir: &Path) -> Result<(), PackError> {
-        let path = dir.join(PACK_FILE);
-        let f = File::open(&path).map_err(io_err("open", &path))?;
-        let mut buf = Vec::new();
-        for u in &self.units {
-            buf.resize(u.len as usize, 0);
-            f.read_exact_at(&mut buf, u.offset).map_err(io_err("read", &path))?;
-            self.verify_unit(&path, u, &buf)?;
+    /// The checksum of every expert of `index`, per layer by expert id; an expert without one
+    /// is a corrupt manifest.
+    pub fn expert_checksums(&self, dir: &Path, index: &CheckpointIndex) -> Result<Vec<Vec<u64>>, PackError> {
+        let table = experts::lookup_table(&self.experts);
+        match index.experts.iter().find(|r| table.get(r.layer).and_then(|l| l.get(r.expert)).is_none()) {
+            Some(r) => Err(PackError::Corrupt {
+                path: dir.join(MANIFEST_FILE),
+                message: format!(
+                    "no checksum for layer {} expert {} of the checkpoint: run `k3ring pack` again",
+                    r.layer, r.expert
+                ),
+            }),
+            None => Ok(table),
         }
-        Ok(())
-    }
-
-    /// Checks one unit's bytes against its checksum.
-    pub fn verify_unit(&self, path: &Path, u: &UnitEntry, bytes: &[u8]) -> Result<(), PackError> {
-        let got = checksum(bytes);
-        if got != u.checksum {
-            return Err(PackError::Checksum {
-                path: path.to_owned(),
-                unit: u.unit.clone(),
-                want: u.checksum.clone(),
-                got,
-            });
-        }
-        Ok(())
     }
 }
 
@@ -538,5 +647,9 @@ mod tests {
             got: "01".into(),
         };
         assert_eq!(sum.exit_code(), ExitCode::Data);
+        let busy = PackError::Busy { dir: PathBuf::from("/t"), lock: PathBuf::from("/t/trunk.lock") };
+        assert_eq!(busy.exit_code(), ExitCode::Io);
+        let verify = PackError::Verify { dir: PathBuf::from("/t"), count: 2, first: "layer 1 expert 3".into() };
+        assert_eq!(verify.exit_code(), ExitCode::Data);
     }
 }

@@ -11,13 +11,16 @@ use serde::Serialize;
 use super::pack::PackUnit;
 use crate::exit::{Classify, ExitCode};
 
-/// Why a budget was refused (exit 2).
+/// Why a budget was refused (exit 2). The messages state the budget in GB, not the flag that
+/// gave it: the CLI names the flag (`run --mem-gb`, `bench --budgets`, `demo --budget-share` ...).
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
-    #[error("--mem-gb {budget_gb:.3} is below this model's minimum of {min_gb:.3} GB ({detail}); raise the budget")]
+    #[error(
+        "a budget of {budget_gb:.3} GB is below this model's minimum of {min_gb:.3} GB ({detail}); raise the budget"
+    )]
     BelowMinimum { budget_gb: f64, min_gb: f64, detail: String },
-    #[error("--mem-gb {budget_gb:.3} is above 95% of available memory ({available_gb:.3} GB available); lower the budget or free memory")]
-    AboveAvailable { budget_gb: f64, available_gb: f64 },
+    #[error("a budget of {budget_gb:.3} GB is above 95% of available memory ({available_gb:.3} GB available, limited by {limited_by}); lower the budget or free memory")]
+    AboveAvailable { budget_gb: f64, available_gb: f64, limited_by: String },
     #[error("unknown preset {0:?}; choose from: laptop, desktop, workstation, server, max, auto")]
     UnknownPreset(String),
 }
@@ -35,7 +38,12 @@ impl Classify for PlanError {
 /// Bytes in a decimal gigabyte (budgets are given in GB).
 pub const GB: f64 = 1e9;
 
-/// Budget of a named preset, in bytes; `max` and `auto` derive from `MemAvailable`.
+/// Shares of available memory that `--preset max` and `--preset auto` budget.
+pub const PRESET_MAX_PERCENT: u64 = 95;
+pub const PRESET_AUTO_PERCENT: u64 = 80;
+
+/// Budget of a named preset, in bytes; `max` and `auto` derive from the memory available to the
+/// process (`MemAvailable` or a cgroup's headroom, [`crate::memory::available`]).
 pub fn preset_bytes(name: &str, mem_available: u64) -> Result<u64, PlanError> {
     let gb = |x: f64| (x * GB) as u64;
     Ok(match name {
@@ -43,8 +51,8 @@ pub fn preset_bytes(name: &str, mem_available: u64) -> Result<u64, PlanError> {
         "desktop" => gb(48.0),
         "workstation" => gb(192.0),
         "server" => gb(768.0),
-        "max" => mem_available / 100 * 95,
-        "auto" => mem_available / 100 * 80,
+        "max" => mem_available / 100 * PRESET_MAX_PERCENT,
+        "auto" => mem_available / 100 * PRESET_AUTO_PERCENT,
         other => return Err(PlanError::UnknownPreset(other.to_owned())),
     })
 }
@@ -53,8 +61,9 @@ pub fn preset_bytes(name: &str, mem_available: u64) -> Result<u64, PlanError> {
 #[derive(Clone, Debug)]
 pub struct PlanInput {
     pub budget: u64,
-    /// `MemAvailable`; `None` skips the 95% check (tests on machines without /proc).
-    pub mem_available: Option<u64>,
+    /// Memory available to the process; `None` skips the 95% check (tests on machines without
+    /// /proc).
+    pub mem_available: Option<crate::memory::Available>,
     /// Trunk units that can be pinned or streamed, with their packed sizes (the embedding is
     /// read by rows and never streamed whole).
     pub units: Vec<(PackUnit, u64)>,
@@ -66,8 +75,11 @@ pub struct PlanInput {
     pub prefetch_window: usize,
     /// Streamed trunk units read ahead of the one computing.
     pub readahead: usize,
-    /// States and KV cache for the context.
+    /// States and KV cache of one sequence for the context.
     pub states_bytes: u64,
+    /// Sequences decoded together (`k3ring batch --max-batch`); the plan gives each a slot of
+    /// `states_bytes` if the budget allows, else as many as fit (at least one).
+    pub sequences: usize,
     /// Scratch, logits and the embedding row buffer.
     pub scratch_bytes: u64,
     /// At most this share of what is left after the fixed parts goes to pinned trunk units
@@ -86,7 +98,14 @@ pub struct Plan {
     pub ring_slot_bytes: u64,
     pub expert_slots: usize,
     pub expert_slot_bytes: u64,
+    /// States and KV cache of all sequence slots.
     pub states_bytes: u64,
+    /// Sequence slots: as many as asked for, or fewer when the budget allows no more.
+    pub sequences: usize,
+    /// Sequence slots asked for.
+    pub sequences_asked: usize,
+    /// States and KV cache of one sequence slot.
+    pub sequence_bytes: u64,
     pub scratch_bytes: u64,
     /// Sum of everything above: what the run will allocate.
     pub planned_bytes: u64,
@@ -104,19 +123,24 @@ impl Plan {
     /// Divides the budget; refuses one below the minimum or above 95% of available memory.
     pub fn make(input: &PlanInput) -> Result<Plan, PlanError> {
         let to_gb = |b: u64| b as f64 / GB;
-        if let Some(avail) = input.mem_available {
-            if input.budget > avail / 100 * 95 {
-                return Err(PlanError::AboveAvailable { budget_gb: to_gb(input.budget), available_gb: to_gb(avail) });
+        if let Some(avail) = &input.mem_available {
+            if input.budget > avail.bytes / 100 * PRESET_MAX_PERCENT {
+                return Err(PlanError::AboveAvailable {
+                    budget_gb: to_gb(input.budget),
+                    available_gb: to_gb(avail.bytes),
+                    limited_by: avail.limited_by.to_string(),
+                });
             }
         }
         let ring_slots = (input.readahead + 1).max(2);
         let pool_min = input.top_k + input.prefetch_window;
         let pool_min_bytes = pool_min as u64 * input.expert_slot_bytes;
-        let fixed = input.states_bytes + input.scratch_bytes;
         let mut units = input.units.clone();
         units.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         let largest = units.first().map_or(0, |u| u.1);
-        let minimum = fixed + pool_min_bytes + ring_slots as u64 * largest;
+        // The minimum holds one sequence; more sequences come before pinned trunk, since a
+        // batch run asked for them and pinning only saves reads.
+        let minimum = input.states_bytes + input.scratch_bytes + pool_min_bytes + ring_slots as u64 * largest;
         if input.budget < minimum {
             let detail = format!(
                 "states and KV cache {:.3} GB, scratch {:.3} GB, {ring_slots} trunk slots of {:.3} GB, {pool_min} expert slots of {:.4} GB",
@@ -127,6 +151,11 @@ impl Plan {
             );
             return Err(PlanError::BelowMinimum { budget_gb: to_gb(input.budget), min_gb: to_gb(minimum), detail });
         }
+        let asked = input.sequences.max(1);
+        let more = (input.budget - minimum) / input.states_bytes.max(1);
+        let sequences = asked.min(1 + usize::try_from(more).unwrap_or(usize::MAX));
+        let states_bytes = sequences as u64 * input.states_bytes;
+        let fixed = states_bytes + input.scratch_bytes;
         let avail = input.budget - fixed - pool_min_bytes;
         // The ring is always affordable (the minimum includes it); the share caps pinning only.
         let trunk_avail = match input.trunk_share {
@@ -153,7 +182,10 @@ impl Plan {
             ring_slot_bytes,
             expert_slots,
             expert_slot_bytes: input.expert_slot_bytes,
-            states_bytes: input.states_bytes,
+            states_bytes,
+            sequences,
+            sequences_asked: asked,
+            sequence_bytes: input.states_bytes,
             scratch_bytes: input.scratch_bytes,
             planned_bytes: planned,
             minimum_bytes: minimum,
@@ -165,9 +197,9 @@ impl Plan {
 
     /// One line per part, for the console.
     pub fn describe(&self) -> String {
-        let gb = super::io::fmt_bytes;
+        let gb = fmt_gb;
         format!(
-            "plan: budget {} | trunk pinned {} units ({}), streamed {} units through {} slots of {} | expert pool {} slots of {} ({}) | states+KV {} | scratch {} | planned {} (minimum {}) | trunk read/token {}",
+            "plan: budget {} | trunk pinned {} units ({}), streamed {} units through {} slots of {} | expert pool {} slots of {} ({}) | states+KV {}{} | scratch {} | planned {} (minimum {}) | trunk read/token {}",
             gb(self.budget_bytes),
             self.pinned.len(),
             gb(self.pinned_bytes),
@@ -178,12 +210,40 @@ impl Plan {
             gb(self.expert_slot_bytes),
             gb(self.expert_slots as u64 * self.expert_slot_bytes),
             gb(self.states_bytes),
+            self.describe_sequences(),
             gb(self.scratch_bytes),
             gb(self.planned_bytes),
             gb(self.minimum_bytes),
             gb(self.trunk_read_bytes_per_token),
         )
     }
+}
+
+impl Plan {
+    fn describe_sequences(&self) -> String {
+        let gb = fmt_gb;
+        match (self.sequences, self.sequences_asked) {
+            (1, 1) => String::new(),
+            (n, asked) if n == asked => format!(" ({n} sequences of {})", gb(self.sequence_bytes)),
+            (n, asked) => {
+                format!(
+                    " ({n} sequences of {}: the budget holds no more of the {asked} asked for)",
+                    gb(self.sequence_bytes)
+                )
+            }
+        }
+    }
+}
+
+/// Bytes in GB (10^9), the unit budgets are given in, to three significant digits: a plan line
+/// then reads in the unit of `--mem-gb` ("budget 0.00138 GB", "trunk pinned 1.17 GB").
+pub fn fmt_gb(bytes: u64) -> String {
+    let gb = bytes as f64 / GB;
+    if gb <= 0.0 {
+        return "0 GB".to_owned();
+    }
+    let decimals = (2 - gb.log10().floor() as i32).clamp(0, 12) as usize;
+    format!("{gb:.decimals$} GB")
 }
 
 type Unit = (PackUnit, u64);
@@ -224,6 +284,15 @@ fn choose_pinned(units: &[Unit], avail: u64, ring_slots: usize) -> (Vec<Unit>, V
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::memory::{Available, CgroupLimit};
+
+    #[test]
+    fn plan_sizes_print_in_gb_to_three_significant_digits() {
+        assert_eq!(fmt_gb(1_380_000), "0.00138 GB");
+        assert_eq!(fmt_gb(1_170_000_000), "1.17 GB");
+        assert_eq!(fmt_gb(123_400_000_000), "123 GB");
+        assert_eq!(fmt_gb(0), "0 GB");
+    }
 
     fn input(budget: u64) -> PlanInput {
         PlanInput {
@@ -236,9 +305,34 @@ mod tests {
             prefetch_window: 4,
             readahead: 1,
             states_bytes: 50,
+            sequences: 1,
             scratch_bytes: 50,
             trunk_share: None,
         }
+    }
+
+    #[test]
+    fn sequences_get_slots_before_pinned_trunk_and_fewer_when_the_budget_is_short() {
+        let min = 100 + 80 + 2 * 300;
+        let asked = |budget: u64, n: usize| Plan::make(&PlanInput { sequences: n, ..input(budget) }).unwrap();
+        // The minimum holds one sequence, whatever was asked.
+        let p = asked(min, 16);
+        assert_eq!((p.sequences, p.sequences_asked, p.states_bytes), (1, 16, 50));
+        assert!(p.describe().contains("1 sequences of"), "{}", p.describe());
+        // Each further 50 bytes buy one more slot, before more trunk is pinned than the minimum's.
+        let p = asked(min + 2 * 50, 16);
+        assert_eq!((p.sequences, p.states_bytes), (3, 150));
+        assert_eq!(p.pinned_bytes, asked(min, 16).pinned_bytes);
+        assert!(asked(min + 2 * 50, 1).pinned_bytes > p.pinned_bytes);
+        assert_eq!(asked(min + 2 * 50 + 49, 16).sequences, 3, "49 bytes buy no fourth slot");
+        assert!(p.planned_bytes <= p.budget_bytes);
+        // Enough for all: the rest goes to the trunk as before.
+        let p = asked(min + 15 * 50 + 500, 16);
+        assert_eq!(p.sequences, 16);
+        assert!(p.pinned_bytes > 0);
+        assert!(p.planned_bytes <= p.budget_bytes);
+        let one = asked(min + 15 * 50 + 500, 1);
+        assert!(one.pinned_bytes > p.pinned_bytes, "unused slots go to the trunk");
     }
 
     #[test]
@@ -290,10 +384,30 @@ mod tests {
         assert!(none.pinned_bytes <= half.pinned_bytes && none.expert_slots >= half.expert_slots);
     }
 
+    fn available(bytes: u64) -> Option<Available> {
+        let limit = CgroupLimit { version: 2, limit_file: "/cg/memory.max".into(), limit: bytes + 5, usage: 5 };
+        crate::memory::combine(Some(u64::MAX), &[limit])
+    }
+
     #[test]
-    fn above_available_is_refused() {
+    fn above_available_is_refused_naming_the_limit() {
         let mut i = input(10_000);
-        i.mem_available = Some(10_000);
-        assert!(matches!(Plan::make(&i), Err(PlanError::AboveAvailable { .. })));
+        i.mem_available = available(10_000);
+        let err = Plan::make(&i).unwrap_err();
+        assert!(matches!(err, PlanError::AboveAvailable { .. }));
+        assert!(err.to_string().contains("limited by the cgroup v2 limit /cg/memory.max"), "{err}");
+    }
+
+    /// `--preset max` is 95% of one reading of available memory, and the check compares against
+    /// the same reading, so it never refuses its own preset (it did when memory was read twice).
+    #[test]
+    fn presets_pass_their_own_check() {
+        for bytes in [1_000_000u64, 1_000_099, 3_999_999_999, 123_456_789_012, 7 << 40] {
+            for preset in ["max", "auto"] {
+                let mut i = input(preset_bytes(preset, bytes).unwrap());
+                i.mem_available = available(bytes);
+                assert!(Plan::make(&i).is_ok(), "--preset {preset} at {bytes} bytes available refused");
+            }
+        }
     }
 }

@@ -267,12 +267,12 @@ impl SynthOptions {
             return Err(bad("--experts", format!("{} is outside 2..={EXPERTS_MAX}", self.experts)));
         }
         if self.top_k == 0 {
-            return Err(bad("--topk", "must be at least 1".to_owned()));
+            return Err(bad("--top-k", "must be at least 1".to_owned()));
         }
         if self.experts < self.top_k {
             return Err(bad(
                 "--experts",
-                format!("{} is fewer than --topk {}: raise --experts or lower --topk", self.experts, self.top_k),
+                format!("{} is fewer than --top-k {}: raise --experts or lower --top-k", self.experts, self.top_k),
             ));
         }
         if !(2 * ADDED_TOKENS..=VOCAB_MAX).contains(&self.vocab) {

@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use super::args::SpanArgs;
-use super::kind::Stage;
+use super::flows::{self, Flows};
+use super::kind::{SpanKind, Stage};
 use super::recorder::{Event, EventKind};
 use super::Tracer;
 use crate::exit::{Classify, ExitCode};
@@ -46,18 +47,6 @@ impl Classify for TraceError {
 }
 
 const TRACE_PID: u32 = 1;
-
-#[derive(Serialize)]
-struct ChromeSpan<'a> {
-    ph: &'static str,
-    name: &'a str,
-    cat: &'static str,
-    ts: f64,
-    dur: f64,
-    pid: u32,
-    tid: u32,
-    args: &'a SpanArgs,
-}
 
 #[derive(Serialize)]
 struct ChromeCounter<'a> {
@@ -108,17 +97,194 @@ impl Tracer {
 
     /// Writes `{"traceEvents":[metadata..., events sorted by ts...],"displayTimeUnit":"ms"}`.
     fn write_chrome_events(&self, out: &mut dyn Write) -> io::Result<()> {
-        let (mut events, names) = self.events_and_thread_names();
-        // Parents before children at equal start, so viewers nest them.
-        events.sort_by(|a, b| a.ts_us.total_cmp(&b.ts_us).then(b.dur_us.total_cmp(&a.dur_us)));
+        let (events, names) = self.events_and_thread_names();
         let tids = track_tids(&events);
+        let flows = flows::link(&events);
+        let mut records: Vec<Record> = Vec::with_capacity(events.len() + flows.markers.len());
+        for (i, ev) in events.iter().enumerate() {
+            match ev.kind {
+                EventKind::Span { async_id, .. } if async_id != 0 => {
+                    records.push(Record { ts_us: ev.ts_us, rank: 0, dur_us: ev.dur_us, what: What::Begin(i) });
+                    records.push(Record { ts_us: ev.ts_us + ev.dur_us, rank: 1, dur_us: 0.0, what: What::End(i) });
+                }
+                _ => records.push(Record { ts_us: ev.ts_us, rank: 0, dur_us: ev.dur_us, what: What::Event(i) }),
+            }
+        }
+        for (k, m) in flows.markers.iter().enumerate() {
+            records.push(Record { ts_us: m.ts_us, rank: 0, dur_us: 0.0, what: What::Marker(k) });
+        }
+        // Parents before children at equal start, so viewers nest them; an async slice's end
+        // after its begin even when it lasted no time.
+        records
+            .sort_by(|a, b| a.ts_us.total_cmp(&b.ts_us).then(a.rank.cmp(&b.rank)).then(b.dur_us.total_cmp(&a.dur_us)));
         out.write_all(b"{\"traceEvents\":[")?;
         write_metadata(out, &tids, &names)?;
-        for ev in &events {
+        let ctx = Ctx { events: &events, tids: &tids, flows: &flows };
+        for r in &records {
             out.write_all(b",\n")?;
-            write_event(out, ev, &tids)?;
+            ctx.write(out, r.what)?;
         }
         out.write_all(b"],\"displayTimeUnit\":\"ms\"}\n")
+    }
+}
+
+/// One output event, placed in time.
+struct Record {
+    ts_us: f64,
+    /// 0 for begins and slices, 1 for async ends.
+    rank: u8,
+    dur_us: f64,
+    what: What,
+}
+
+#[derive(Clone, Copy)]
+enum What {
+    /// A thread-track slice or a counter (event index).
+    Event(usize),
+    /// An async slice's begin and end (event index).
+    Begin(usize),
+    End(usize),
+    /// A flow start marker (index in `Flows::markers`).
+    Marker(usize),
+}
+
+#[derive(Serialize)]
+struct AsyncEvent<'a> {
+    ph: &'static str,
+    name: &'a str,
+    cat: &'static str,
+    id: String,
+    ts: f64,
+    pid: u32,
+    tid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    args: Option<&'a SpanArgs>,
+    #[serde(flatten)]
+    flow: FlowFields,
+}
+
+/// Flow v2 fields: the arrow's id and which ends of it this slice is.
+#[derive(Serialize, Default)]
+struct FlowFields {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bind_id: Option<u64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    flow_in: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    flow_out: bool,
+}
+
+#[derive(Serialize)]
+struct ChromeSpan<'a> {
+    ph: &'static str,
+    name: &'a str,
+    cat: &'static str,
+    ts: f64,
+    dur: f64,
+    pid: u32,
+    tid: u32,
+    args: &'a SpanArgs,
+    #[serde(flatten)]
+    flow: FlowFields,
+}
+
+struct Ctx<'a> {
+    events: &'a [Event],
+    tids: &'a BTreeMap<(usize, u32), u32>,
+    flows: &'a Flows,
+}
+
+impl Ctx<'_> {
+    fn tid(&self, kind: SpanKind, thread_index: u32) -> u32 {
+        self.tids.get(&(kind.stage().index(), thread_index)).copied().unwrap_or(0)
+    }
+
+    fn write(&self, out: &mut dyn Write, what: What) -> io::Result<()> {
+        match what {
+            What::Event(i) => self.write_event(out, i),
+            What::Begin(i) | What::End(i) => self.write_async(out, i, matches!(what, What::Begin(_))),
+            What::Marker(k) => {
+                let m = self.flows.markers[k];
+                let EventKind::Span { kind, thread_index, .. } = self.events[m.cause].kind else {
+                    return Ok(());
+                };
+                // The read's own arguments: which expert of which layer, why, how many bytes.
+                let read_args = match self.events[m.read].kind {
+                    EventKind::Span { args, .. } => args,
+                    EventKind::Counter { .. } => SpanArgs::new(),
+                };
+                let span = ChromeSpan {
+                    ph: "X",
+                    name: "route",
+                    cat: kind.stage().as_str(),
+                    ts: m.ts_us,
+                    dur: 0.0,
+                    pid: TRACE_PID,
+                    tid: self.tid(kind, thread_index),
+                    args: &read_args,
+                    flow: FlowFields { bind_id: Some(m.bind_id), flow_in: false, flow_out: true },
+                };
+                serde_json::to_writer(out, &span).map_err(io::Error::from)
+            }
+        }
+    }
+
+    fn write_event(&self, out: &mut dyn Write, i: usize) -> io::Result<()> {
+        let ev = &self.events[i];
+        match ev.kind {
+            EventKind::Span { kind, thread_index, ref args, .. } => {
+                let flow = match self.flows.computes.get(&i) {
+                    Some(&id) => FlowFields { bind_id: Some(id), flow_in: true, flow_out: false },
+                    None => FlowFields::default(),
+                };
+                let span = ChromeSpan {
+                    ph: "X",
+                    name: kind.name(),
+                    cat: kind.stage().as_str(),
+                    ts: ev.ts_us,
+                    dur: ev.dur_us,
+                    pid: TRACE_PID,
+                    tid: self.tid(kind, thread_index),
+                    args,
+                    flow,
+                };
+                serde_json::to_writer(out, &span)?;
+            }
+            EventKind::Counter { name, value } => {
+                let counter =
+                    ChromeCounter { ph: "C", name, ts: ev.ts_us, pid: TRACE_PID, args: CounterArgs { value } };
+                serde_json::to_writer(out, &counter)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_async(&self, out: &mut dyn Write, i: usize, begin: bool) -> io::Result<()> {
+        let ev = &self.events[i];
+        let EventKind::Span { kind, thread_index, ref args, async_id } = ev.kind else {
+            return Ok(());
+        };
+        // Named by kind first, so a viewer groups the reads of one kind on tracks of one name.
+        let name = match args.kind {
+            Some(k) => format!("{k} {}", kind.name()),
+            None => kind.name().to_owned(),
+        };
+        let flow = match (begin, self.flows.reads.get(&i)) {
+            (true, Some(&(flow_in, flow_out))) => FlowFields { bind_id: Some(async_id), flow_in, flow_out },
+            _ => FlowFields::default(),
+        };
+        let event = AsyncEvent {
+            ph: if begin { "b" } else { "e" },
+            name: &name,
+            cat: kind.stage().as_str(),
+            id: format!("{async_id:#x}"),
+            ts: if begin { ev.ts_us } else { ev.ts_us + ev.dur_us },
+            pid: TRACE_PID,
+            tid: self.tid(kind, thread_index),
+            args: begin.then_some(args),
+            flow,
+        };
+        serde_json::to_writer(out, &event).map_err(io::Error::from)
     }
 }
 
@@ -153,31 +319,6 @@ fn write_metadata(out: &mut dyn Write, tids: &BTreeMap<(usize, u32), u32>, names
         let sort = ChromeMeta { ph: "M", name: "thread_sort_index", pid: TRACE_PID, tid: Some(tid), args };
         out.write_all(b",\n")?;
         serde_json::to_writer(&mut *out, &sort)?;
-    }
-    Ok(())
-}
-
-fn write_event(out: &mut dyn Write, ev: &Event, tids: &BTreeMap<(usize, u32), u32>) -> io::Result<()> {
-    match ev.kind {
-        EventKind::Span { kind, thread_index, ref args } => {
-            let stage = kind.stage();
-            let tid = tids.get(&(stage.index(), thread_index)).copied().unwrap_or(0);
-            let span = ChromeSpan {
-                ph: "X",
-                name: kind.name(),
-                cat: stage.as_str(),
-                ts: ev.ts_us,
-                dur: ev.dur_us,
-                pid: TRACE_PID,
-                tid,
-                args,
-            };
-            serde_json::to_writer(out, &span)?;
-        }
-        EventKind::Counter { name, value } => {
-            let counter = ChromeCounter { ph: "C", name, ts: ev.ts_us, pid: TRACE_PID, args: CounterArgs { value } };
-            serde_json::to_writer(out, &counter)?;
-        }
     }
     Ok(())
 }

@@ -35,6 +35,7 @@
 
 mod args;
 mod chrome;
+mod flows;
 mod fold;
 mod intervals;
 mod kind;
@@ -105,6 +106,8 @@ pub struct Tracer {
     folded_until_bits: AtomicU64,
     /// Earliest `now_us` at which recording may ask for another fold (f64 bits).
     next_fold_bits: AtomicU64,
+    /// The next id of a [`Tracer::complete_async`] span (from 1: 0 means a thread-track span).
+    next_async_id: AtomicU64,
     /// When not NaN, `now_us` returns this: tests drive folds with synthetic time.
     #[cfg(test)]
     fake_now_bits: AtomicU64,
@@ -140,6 +143,7 @@ impl Tracer {
             fold: Mutex::new(FoldState::new()),
             folded_until_bits: AtomicU64::new(f64::NEG_INFINITY.to_bits()),
             next_fold_bits: AtomicU64::new(f64::NEG_INFINITY.to_bits()),
+            next_async_id: AtomicU64::new(1),
             #[cfg(test)]
             fake_now_bits: AtomicU64::new(f64::NAN.to_bits()),
         }
@@ -187,7 +191,24 @@ impl Tracer {
         let name = kind.name();
         assert!(start_us.is_finite(), "span {name}: start {start_us} is not finite");
         assert!(end_us >= start_us, "span {name}: end {end_us} is before start {start_us}");
-        self.record_span(self.thread_index(), kind, start_us, end_us, args, true);
+        self.record_span(self.thread_index(), kind, start_us, end_us, args, true, 0);
+    }
+
+    /// [`Tracer::complete`] for a span that may overlap others of the calling thread without
+    /// nesting (reads in flight on the I/O thread): the trace-event format allows no such `X`
+    /// slices on one track, so it is exported as an async slice (`b`/`e` with an id of its own)
+    /// named after its `kind` argument and name ("demand expert read"). Counts in the metrics as
+    /// [`Tracer::complete`] does.
+    ///
+    /// # Panics
+    /// If `start_us` is not finite or `end_us < start_us`.
+    pub fn complete_async(&self, kind: impl Into<SpanKind>, start_us: f64, end_us: f64, args: SpanArgs) {
+        let kind = kind.into();
+        let name = kind.name();
+        assert!(start_us.is_finite(), "span {name}: start {start_us} is not finite");
+        assert!(end_us >= start_us, "span {name}: end {end_us} is before start {start_us}");
+        let id = self.next_async_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.record_span(self.thread_index(), kind, start_us, end_us, args, true, id);
     }
 
     /// Records a counter sample (bytes in flight, pool occupancy) at the current time.

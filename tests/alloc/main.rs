@@ -65,7 +65,41 @@ fn main() {
         println!("{isa:?}: {per_step} allocations per decode step");
         assert_eq!(per_step, 0.0, "{isa:?}: the decode step allocates");
     }
+    batched(&dir);
     streaming(&dir);
+}
+
+struct Discard;
+
+impl k3ring::engine::BatchSink for Discard {
+    fn token(&mut self, _ticket: k3ring::engine::Ticket, _id: u32) -> bool {
+        false
+    }
+    fn finished(&mut self, _finished: k3ring::engine::Finished) {}
+}
+
+/// Issue 18: a batched decode step allocates nothing once every sequence is decoding.
+fn batched(dir: &Path) {
+    use k3ring::engine::{BatchOptions, BatchRequest, Sampling};
+    let o = open_resident(dir, 2, Kernels::detect()).unwrap();
+    let mut b = o.engine.batcher(BatchOptions { max_batch: 4, prefill_chunk: 8, context: 64 }).unwrap();
+    for i in 0..4u32 {
+        let sampling =
+            Sampling { temperature: 0.7 * (i % 2) as f32, top_k: Some(40), top_p: Some(0.9), seed: u64::from(i) };
+        b.submit(BatchRequest { prompt: vec![512, 199 + i, 167], max_tokens: 50, sampling, stop_ids: vec![] }).unwrap();
+    }
+    // Prefill and the first decode steps (first-touch growth of any lazily sized structure).
+    for _ in 0..5 {
+        b.step(&mut Discard).unwrap();
+    }
+    assert_eq!(b.running(), 4);
+    let before = ALLOCS.load(Ordering::Relaxed);
+    for _ in 0..20 {
+        b.step(&mut Discard).unwrap();
+    }
+    let per_step = (ALLOCS.load(Ordering::Relaxed) - before) as f64 / 20.0;
+    println!("batched: {per_step} allocations per decode step of 4 sequences");
+    assert_eq!(per_step, 0.0, "the batched decode step allocates");
 }
 
 /// The streaming store's decode step: reads are issued in small batches whose op lists are
@@ -77,6 +111,7 @@ fn streaming(dir: &Path) {
     k3ring::storage::pack::write_pack(dir, &cfg, &index, trunk.path(), |_, _| {}).unwrap();
     let run = k3ring::engine::StreamingRun {
         budget_bytes: 1_400_000,
+        sequences: 1,
         context: 64,
         chunk: 8,
         threads: 2,
@@ -86,6 +121,7 @@ fn streaming(dir: &Path) {
         placement: None,
         trace_detail: false,
         trunk_share: None,
+        available_memory: None,
     };
     let (o, _) = k3ring::engine::open_streaming(dir, trunk.path(), &run, Kernels::detect(), |_| {}).unwrap();
     let e = &o.engine;

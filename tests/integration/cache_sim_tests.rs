@@ -31,7 +31,7 @@ fn write_trace(dir: &Path, name: &str, skew: f64, seed: u64) -> PathBuf {
             p
         })
         .collect();
-    let mut w = TraceWriter::create(&path, LAYERS + 1, EXPERTS, TOP_K).unwrap();
+    let mut w = TraceWriter::create_sized(&path, LAYERS + 1, EXPERTS, TOP_K, Some(17_500_000)).unwrap();
     for token in 0..TOKENS {
         for (layer, ranks) in ranks.iter().enumerate() {
             let mut picked: Vec<usize> = Vec::new();
@@ -56,7 +56,7 @@ fn write_trace(dir: &Path, name: &str, skew: f64, seed: u64) -> PathBuf {
 fn run_json(args: &[&str]) -> Value {
     let mut all = vec!["cache-sim"];
     all.extend_from_slice(args);
-    all.push("--json");
+    all.extend(["--json", "-"]);
     let (code, out, err) = k3ring(&all);
     assert_eq!(code, 0, "k3ring {all:?} failed: {err}");
     serde_json::from_str(&out).unwrap()
@@ -226,4 +226,37 @@ fn cache_sim_missing_trace_exits_4() {
     assert_eq!(code, 4, "{err}");
     assert!(err.starts_with(&format!("k3ring: error: opening expert trace {}: ", path.display())), "{err}");
     assert!(err.contains("No such file or directory"), "{err}");
+}
+
+/// Issue 16: the expert size comes from the trace's header (a run writes it), not a default
+/// 17.5 MB; a trace without it needs --expert-mb.
+#[test]
+fn cache_sim_takes_the_expert_size_from_the_trace_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.trace");
+    let model = crate::common::tiny_dir();
+    let (code, _, err) = k3ring(&[
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Once upon a time",
+        "--gen",
+        "4",
+        "--dump-trace",
+        routes.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let cfg = k3ring::config::Config::from_model_dir(&model).unwrap();
+    let header = std::fs::read_to_string(&routes).unwrap().lines().next().unwrap().to_owned();
+    assert!(header.ends_with(&format!(" expert_bytes={}", cfg.expert_bytes())), "{header}");
+    let report = run_json(&[routes.to_str().unwrap()]);
+    assert!((report["expert_mb"].as_f64().unwrap() - cfg.expert_bytes() as f64 / 1e6).abs() < 1e-12, "{report}");
+    let old = dir.path().join("old.trace");
+    std::fs::write(&old, "# k3ring expert trace v1 layers=2 experts=8 top_k=2\n0 1 0 5\n").unwrap();
+    let (code, _, err) = k3ring(&["cache-sim", old.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("records no expert size") && err.contains("give --expert-mb"), "{err}");
+    let (code, _, err) = k3ring(&["cache-sim", old.to_str().unwrap(), "--expert-mb", "1"]);
+    assert_eq!(code, 0, "{err}");
 }

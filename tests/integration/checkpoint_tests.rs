@@ -97,7 +97,7 @@ fn inspect_prints_the_layer_map_and_json() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("layer map   KKKMKKKMKKKMM"), "{out}");
     assert!(out.contains("block starts [0, 3, 6, 9, 12]"), "{out}");
-    let (code, out, _) = k3ring(&["inspect", "--model", dir.to_str().unwrap(), "--json"]);
+    let (code, out, _) = k3ring(&["inspect", "--model", dir.to_str().unwrap(), "--json", "-"]);
     assert_eq!(code, 0);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["layer_map"], "KKKMKKKMKKKMM");
@@ -303,4 +303,32 @@ fn serialize_round_trips_through_the_parser() {
     let entries = parse_header_json(&bytes[8..8 + n]).unwrap();
     assert_eq!(entries.len(), 2);
     assert_eq!(entries[1].1.data_offsets, [8, 11]);
+}
+
+/// Issue 16: tensors outside `language_model.` are not silently ignored.
+#[test]
+fn inspect_warns_about_tensors_outside_the_expected_prefix() {
+    let (_tmp, dir) = copy_tiny();
+    let header = br#"{"vision_tower.patch.weight":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(header);
+    file.extend_from_slice(&[0u8; 8]);
+    std::fs::write(dir.join("extra.safetensors"), file).unwrap();
+    let index_path = dir.join("model.safetensors.index.json");
+    let mut index: Value = serde_json::from_slice(&std::fs::read(&index_path).unwrap()).unwrap();
+    index["weight_map"]["vision_tower.patch.weight"] = Value::from("extra.safetensors");
+    std::fs::write(&index_path, serde_json::to_vec(&index).unwrap()).unwrap();
+    let (code, out, err) = inspect(&dir);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(
+            "warning: 1 tensors lie outside the expected prefix language_model. and are not used: \
+             vision_tower.patch.weight"
+        ),
+        "{out}"
+    );
+    let (code, out, _) = k3ring(&["inspect", "--model", dir.to_str().unwrap(), "--json", "-"]);
+    assert_eq!(code, 0);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["validation"]["outside_prefix"], serde_json::json!(["vision_tower.patch.weight"]));
 }

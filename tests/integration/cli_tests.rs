@@ -89,7 +89,7 @@ fn refused_flags_exit_2_naming_the_flag() {
         (vec!["run", "--model", d, "--prompt", "x", "--isa", "neon"], "--isa \"neon\" is unknown"),
         (vec!["run", "--model", d, "--ids", "1,99999"], "--ids: token 99999 is outside the vocabulary of 768"),
         (vec!["run", "--model", d], "--prompt"),
-        (vec!["run", "--model", d, "--prompt", "x", "--gen", "4000000000"], "are available"),
+        (vec!["run", "--model", d, "--prompt", "x", "--gen", "4000000000"], "beyond the model's context of 4096"),
         (vec!["inspect"], "--model"),
     ] {
         let (code, _, err) = k3ring(&args);
@@ -240,4 +240,466 @@ fn a_resident_run_keeps_the_flags_it_honours() {
     );
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, "placement: NUMA node 0 | compute 1 threads on CPUs 0 | I/O on CPU 1\n");
+}
+
+/// `bench --batch` (issue 18): a cell per budget and batch size with its counters, bound and
+/// ids check against solo runs. Nothing here is timed: only fields and the relations between
+/// them are checked.
+#[test]
+fn bench_batch_cells_have_their_fields_and_match_solo_runs() {
+    let model = tiny_dir();
+    let trunk = pack(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("b.json");
+    let (code, out, err) = k3ring(&[
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--trunk",
+        trunk.path().to_str().unwrap(),
+        "--budgets",
+        "0.004",
+        "--modes",
+        "pipelined",
+        "--batch",
+        "1,2",
+        "--tokens",
+        "2",
+        "--warmup",
+        "1",
+        "--device-reads",
+        "8",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("equal their solo runs: yes"), "{out}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["cells"].as_array().unwrap().len(), 1, "the mode cell is still there");
+    let batch = &v["batch"];
+    assert_eq!(batch["ids_match_solo"], true, "{batch}");
+    let cells = batch["cells"].as_array().unwrap();
+    assert_eq!(cells.iter().map(|c| c["batch"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2]);
+    let cfg = k3ring::config::Config::from_model_dir(&model).unwrap();
+    let (experts, top_k) = (cfg.moe.n_experts as f64, cfg.moe.top_k as f64);
+    for c in cells {
+        for key in [
+            "seconds_per_step",
+            "tokens_per_second",
+            "trunk_bytes_per_step",
+            "trunk_bytes_per_token",
+            "expert_bytes_per_step",
+            "expert_bytes_per_token",
+            "distinct_experts_per_layer_step",
+            "expected_distinct_experts_per_layer_step",
+            "expert_reads_per_layer_step",
+            "device_read_rate_during",
+            "resident_seconds_per_step",
+            "bound_seconds_per_step",
+            "efficiency",
+        ] {
+            assert!(c[key].as_f64().is_some(), "{key} missing in {c}");
+        }
+        assert_eq!(c["ids_match_solo"], true, "{c}");
+        let b = c["batch"].as_f64().unwrap();
+        let per_step = |k: &str| c[k].as_f64().unwrap();
+        assert_eq!(per_step("trunk_bytes_per_token") * b, per_step("trunk_bytes_per_step"), "{c}");
+        assert_eq!(per_step("expert_bytes_per_token") * b, per_step("expert_bytes_per_step"), "{c}");
+        // Each MoE layer asks once per step for its rows' union: k experts for one row, at
+        // most k per row for more.
+        let distinct = per_step("distinct_experts_per_layer_step");
+        if b == 1.0 {
+            assert_eq!(distinct, top_k, "{c}");
+        }
+        assert!(distinct >= top_k && distinct <= (b * top_k).min(experts), "{c}");
+        let expected = experts * (1.0 - (1.0 - top_k / experts).powf(b));
+        assert!((per_step("expected_distinct_experts_per_layer_step") - expected).abs() < 1e-9, "{c}");
+        let io = (per_step("trunk_bytes_per_step") + per_step("expert_bytes_per_step"))
+            / per_step("device_read_rate_during");
+        let bound = io.max(per_step("resident_seconds_per_step"));
+        assert!((per_step("bound_seconds_per_step") - bound).abs() <= 1e-12 * bound.max(1.0), "{c}");
+        assert!((per_step("efficiency") - bound / per_step("seconds_per_step")).abs() <= 1e-9, "{c}");
+        assert_eq!(c["bound_by"], if io >= per_step("resident_seconds_per_step") { "device" } else { "compute" });
+    }
+    let ratios = batch["ratios"].as_array().unwrap();
+    assert_eq!(ratios.len(), 1, "{batch}");
+    assert_eq!(ratios[0]["batch"], 2);
+    assert_eq!(batch["resident_seconds_per_step"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn bench_refuses_a_zero_or_repeated_batch_size_naming_the_flag() {
+    let model = tiny_dir();
+    let m = model.to_str().unwrap();
+    for (batch, needle) in [("0", "--batch"), ("1,0", "--batch"), ("4,1,4", "--batch: 4 is given twice")] {
+        let (code, _, err) = k3ring(&["bench", "--model", m, "--trunk", m, "--budgets", "1", "--batch", batch]);
+        assert_eq!(code, 2, "--batch {batch}: {err}");
+        assert!(err.contains(needle), "--batch {batch}: {err}");
+    }
+}
+
+// Issue 16: flags mean one thing in every subcommand.
+
+fn json_value(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// `--json FILE` writes the report to FILE (stdout keeps its text); `--json -` puts the report,
+/// alone, on stdout. The same in inspect, synth, cache-sim and run.
+#[test]
+fn json_takes_a_file_or_dash_for_stdout_in_every_subcommand() {
+    let dir = tiny_dir();
+    let d = dir.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let file = |name: &str| tmp.path().join(name).to_str().unwrap().to_owned();
+    let routes = file("routes.txt");
+    let run = ["run", "--model", d, "--prompt", "Hello", "--gen", "3", "--ignore-eos"];
+    let (code, _, err) = k3ring(&[&run[..], &["--dump-trace", &routes]].concat());
+    assert_eq!(code, 0, "{err}");
+    let synth_out = file("synth");
+    let cases: [(Vec<&str>, &str); 4] = [
+        (vec!["inspect", "--model", d], "layer_map"),
+        (vec!["synth", "--dims", "tiny", "--layers", "2", "--vocab", "512", "--out", &synth_out], "top_k"),
+        (vec!["cache-sim", &routes], "rows"),
+        (run.to_vec(), "generated_ids"),
+    ];
+    for (args, key) in cases {
+        let path = file(&format!("{}.json", args[0]));
+        let (code, text_out, err) = k3ring(&[&args[..], &["--json", &path]].concat());
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert!(!text_out.trim().is_empty(), "{args:?}: with --json FILE, stdout keeps the text");
+        let from_file = json_value(&std::fs::read_to_string(&path).unwrap());
+        assert!(from_file.get(key).is_some(), "{args:?}: {from_file}");
+        let (code, out, err) = k3ring(&[&args[..], &["--json", "-"]].concat());
+        assert_eq!(code, 0, "{args:?}: {err}");
+        let from_stdout = json_value(&out);
+        assert!(from_stdout.get(key).is_some(), "{args:?}: {out}");
+    }
+    let (_, out, _) = k3ring(&[&run[..], &["--json", "-"]].concat());
+    let report = json_value(&out);
+    assert!(report["text"].is_string(), "the report holds the text that stdout would have had");
+}
+
+/// A bad output path fails before any work (exit 4 naming the flag and path); stdout is empty.
+#[test]
+fn output_files_are_created_before_the_work_starts() {
+    let dir = tiny_dir();
+    let d = dir.to_str().unwrap();
+    let bad = "/nonexistent-k3ring-dir/out.json";
+    let run = ["run", "--model", d, "--prompt", "Hello", "--gen", "3"];
+    for (args, flag) in [
+        ([&run[..], &["--json", bad]].concat(), "--json"),
+        ([&run[..], &["--dump-trace", bad]].concat(), "--dump-trace"),
+        (vec!["inspect", "--model", d, "--json", bad], "--json"),
+        (vec!["cache-sim", "/nonexistent-trace", "--json", bad], "--json"),
+        (vec!["tune", "--model", d, "--trunk", d, "--mem-gb", "1", "--json", bad], "--json"),
+        (vec!["tune", "--model", d, "--trunk", d, "--mem-gb", "1", "--csv", bad], "--csv"),
+        (vec!["bench", "--model", d, "--trunk", d, "--budgets", "1", "--json", bad], "--json"),
+        (vec!["batch", "--model", d, "--input", "-", "--output", "-", "--json", bad], "--json"),
+    ] {
+        let (code, out, err) = k3ring(&args);
+        assert_eq!(code, 4, "{args:?}: {err}");
+        assert!(err.contains(&format!("{flag} {bad}: cannot create the file")), "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?}: nothing generated before the refusal: {out}");
+    }
+    // A directory is no output file: refused at once too.
+    let tmp = tempfile::tempdir().unwrap();
+    let (code, out, err) = k3ring(&[&run[..], &["--json", tmp.path().to_str().unwrap()]].concat());
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("cannot create the file") && out.is_empty(), "{err}");
+    let (code, _, err) = k3ring(&["batch", "--model", d, "--input", "-", "--output", "-", "--json", "-"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--json - and --output - would both write stdout"), "{err}");
+}
+
+#[test]
+fn top_k_has_one_spelling_and_0_means_off() {
+    let (code, out, _) = k3ring(&["synth", "--help"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("--top-k <K>") && !out.contains("--topk"), "{out}");
+    let (code, out, _) = k3ring(&["run", "--help"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("0: off"), "{out}");
+    // The old spelling still parses (hidden), and refuses the same values.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("x");
+    let (code, _, err) = k3ring(&["synth", "--out", out.to_str().unwrap(), "--dims", "tiny", "--topk", "0"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--top-k: must be at least 1"), "{err}");
+    let dir = tiny_dir();
+    let sampled = |extra: &[&str]| {
+        let run = ["run", "--model", dir.to_str().unwrap(), "--prompt", "Hello", "--gen", "12", "--ignore-eos"];
+        let sampling = ["--temperature", "0.9", "--seed", "7", "--json", "-"];
+        let (code, out, err) = k3ring(&[&run[..], &sampling[..], extra].concat());
+        assert_eq!(code, 0, "{err}");
+        ids(&json_value(&out)["generated_ids"])
+    };
+    assert_eq!(sampled(&["--top-k", "0"]), sampled(&[]), "--top-k 0 samples from every token");
+    assert_ne!(sampled(&["--top-k", "1"]), sampled(&[]), "--top-k 1 is greedy, not off");
+}
+
+#[test]
+fn prompt_file_dash_reads_stdin() {
+    let dir = tiny_dir();
+    let run = ["run", "--model", dir.to_str().unwrap(), "--gen", "4", "--ignore-eos", "--json", "-"];
+    let (code, out, err) = k3ring_stdin(&[&run[..], &["--prompt-file", "-"]].concat(), "Once upon a time");
+    assert_eq!(code, 0, "{err}");
+    let from_stdin = json_value(&out);
+    let (code, out, err) = k3ring(&[&run[..], &["--prompt", "Once upon a time"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let from_flag = json_value(&out);
+    assert_eq!(ids(&from_stdin["prompt_ids"]), ids(&from_flag["prompt_ids"]));
+    assert_eq!(ids(&from_stdin["generated_ids"]), ids(&from_flag["generated_ids"]));
+}
+
+#[test]
+fn run_prints_tokens_per_second_and_no_rate_for_gen_0() {
+    let dir = tiny_dir();
+    let run = ["run", "--model", dir.to_str().unwrap(), "--prompt", "Hello", "--ignore-eos", "--gen"];
+    let (code, _, err) = k3ring(&[&run[..], &["4"]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains(" s/token, ") && err.contains(" tokens/s"), "{err}");
+    let (code, _, err) = k3ring(&[&run[..], &["0"]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("0 generated tokens") && err.contains("no tokens decoded"), "{err}");
+    assert!(!err.contains("s/token") && !err.contains("tokens/s"), "{err}");
+}
+
+#[test]
+fn sizes_are_printed_in_gb_not_mib() {
+    let (dir, trunk) = (tiny_dir(), pack(&tiny_dir()));
+    let (d, t) = (dir.to_str().unwrap(), trunk.path().to_str().unwrap());
+    let (code, _, err) =
+        k3ring(&["run", "--model", d, "--trunk", t, "--mem-gb", "0.0014", "--prompt", "x", "--gen", "2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("plan: budget 0.00140 GB"), "{err}");
+    // The lines with budgets and byte counts (the device line may speak of chunk sizes).
+    let starts = ["k3ring: plan:", "k3ring: storage", "k3ring: pipeline"];
+    let sized = |l: &&str| starts.iter().any(|s| l.starts_with(s)) || l.contains(" prompt + ");
+    for line in err.lines().filter(sized) {
+        for unit in ["KiB", "MiB", "GiB"] {
+            assert!(!line.contains(unit), "{unit} in: {line}");
+        }
+    }
+    assert_eq!(err.lines().filter(sized).count(), 4, "{err}");
+    let (code, out, err) = k3ring(&["inspect", "--model", d]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("KiB") && !out.contains("MiB") && out.contains(" kB"), "{out}");
+}
+
+#[test]
+fn every_subcommand_takes_negative_numbers_the_same_way() {
+    // A negative value reaches the flag's own check (a clean "invalid value" for the flag),
+    // rather than being taken for an unknown flag.
+    let dir = tiny_dir();
+    let d = dir.to_str().unwrap();
+    for args in [
+        vec!["run", "--model", d, "--prompt", "x", "--seed", "-1"],
+        vec!["synth", "--out", "/nonexistent", "--seed", "-1"],
+        vec!["cache-sim", "/nonexistent", "--expert-mb", "-1"],
+        vec!["tune", "--model", d, "--trunk", d, "--mem-gb", "-1"],
+        vec!["bench", "--model", d, "--trunk", d, "--budgets", "-1"],
+        vec!["demo", "--budget-share", "-1"],
+    ] {
+        let (code, _, err) = k3ring(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains("invalid value '-1'"), "{args:?}: {err}");
+        assert!(!err.contains("unexpected argument"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn tune_refuses_a_split_outside_0_to_1() {
+    let d = tiny_dir();
+    let d = d.to_str().unwrap();
+    for split in ["2", "0", "-0.5"] {
+        let (code, _, err) = k3ring(&["tune", "--model", d, "--trunk", d, "--mem-gb", "1", "--splits", split]);
+        assert_eq!(code, 2, "--splits {split}: {err}");
+        assert!(err.contains("is not a share of the budget in (0, 1]"), "--splits {split}: {err}");
+    }
+}
+
+/// Reads a `--logits` file: (header, rows of f32 for layout "full").
+fn read_logits(path: &std::path::Path) -> (serde_json::Value, Vec<Vec<f32>>) {
+    let raw = std::fs::read(path).unwrap();
+    let end = raw.iter().position(|&b| b == b'\n').unwrap();
+    let header: serde_json::Value = serde_json::from_slice(&raw[..end]).unwrap();
+    let cols = header["cols"].as_u64().unwrap() as usize;
+    let values: Vec<f32> = raw[end + 1..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(values.len() % cols.max(1), 0);
+    (header, values.chunks(cols).map(<[f32]>::to_vec).collect())
+}
+
+/// The bound docs/LOGITS.md documents.
+const LOGITS_REL_TOL: f64 = 3e-3;
+
+#[test]
+fn logits_of_the_tiny_model_match_the_reference() {
+    let dir = tiny_dir();
+    let r = reference_json(&dir);
+    let refs = reference_tensors(&dir);
+    let prompt = ids(&r["prompt_ids"]);
+    let greedy = ids(&r["greedy_ids"]);
+    let list: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let (path, top_path) = (tmp.path().join("logits.bin"), tmp.path().join("top.bin"));
+    let run = ["run", "--model", dir.to_str().unwrap(), "--ids", &list.join(","), "--ignore-eos", "--json", "-"];
+    let gen = greedy.len().to_string();
+    let (code, out, err) = k3ring(&[&run[..], &["--gen", &gen, "--logits", path.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(ids(&json_value(&out)["generated_ids"]), greedy, "--logits leaves the tokens unchanged");
+    let (h, rows) = read_logits(&path);
+    let (p, v) = (prompt.len(), 768);
+    assert_eq!((h["format"].as_str(), h["version"].as_u64()), (Some("k3ring-logits"), Some(1)));
+    assert_eq!(h["rows"].as_u64().unwrap() as usize, p + greedy.len() - 1);
+    assert_eq!((h["vocab"].as_u64(), h["cols"].as_u64(), h["prompt_rows"].as_u64()), (Some(768), Some(768), Some(18)));
+    assert_eq!(ids(&h["ids"]), [&prompt[..], &greedy[..greedy.len() - 1]].concat());
+    let fp = k3ring::engine::Fingerprint::of_dir(&dir).unwrap();
+    assert_eq!(h["fingerprint_checkpoint"], format!("{:016x}", fp.checkpoint));
+    let check = |row: &[f32], reference: &[f64], what: String| {
+        let diff = rel_max_diff(row, reference);
+        assert!(diff <= LOGITS_REL_TOL, "{what}: logits differ by {diff:e} (relative)");
+        let best = reference.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
+        assert_eq!(argmax(row), best, "{what}: argmax");
+    };
+    for (i, row) in rows[..p].iter().enumerate() {
+        check(row, &refs["logits_prompt"].data[i * v..(i + 1) * v], format!("prompt row {i}"));
+    }
+    for k in 0..greedy.len() {
+        check(&rows[p - 1 + k], &refs["logits_greedy"].data[k * v..(k + 1) * v], format!("generated step {k}"));
+    }
+    // --logits-top 5: the five largest of each row, ids then values.
+    let (code, _, err) =
+        k3ring(&[&run[..], &["--gen", "3", "--logits", top_path.to_str().unwrap(), "--logits-top", "5"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let raw = std::fs::read(&top_path).unwrap();
+    let end = raw.iter().position(|&b| b == b'\n').unwrap();
+    let th: serde_json::Value = serde_json::from_slice(&raw[..end]).unwrap();
+    assert_eq!((th["layout"].as_str(), th["cols"].as_u64(), th["rows"].as_u64()), (Some("top"), Some(5), Some(20)));
+    let body = &raw[end + 1..];
+    assert_eq!(body.len(), 20 * 5 * 8);
+    for (i, row) in body.chunks_exact(40).enumerate() {
+        let id = |j: usize| u32::from_le_bytes(row[4 * j..4 * j + 4].try_into().unwrap()) as usize;
+        let val = |j: usize| f32::from_le_bytes(row[20 + 4 * j..24 + 4 * j].try_into().unwrap());
+        assert_eq!(id(0) as u32, argmax(&rows[i]), "row {i}");
+        for j in 0..5 {
+            assert_eq!(val(j).to_bits(), rows[i][id(j)].to_bits(), "row {i} slot {j}");
+        }
+        assert!((1..5).all(|j| val(j - 1) >= val(j)), "row {i}: largest first");
+    }
+    let (code, _, err) = k3ring(&[&run[..], &["--logits-top", "5"]].concat());
+    assert_eq!(code, 2, "--logits-top needs --logits: {err}");
+    let state = tmp.path().join("s.state");
+    let with_state = ["--logits", path.to_str().unwrap(), "--save-state", state.to_str().unwrap()];
+    let (code, _, err) = k3ring(&[&run[..], &with_state[..]].concat());
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--logits does not go with --load-state or --save-state"), "{err}");
+}
+
+#[test]
+fn run_ids_works_on_a_model_without_tokenizer_files() {
+    let (_tmp, dir) = crate::checkpoint_tests::copy_tiny();
+    for name in ["tiktoken.model", "tokenizer_config.json", "reference.json"] {
+        std::fs::remove_file(dir.join(name)).unwrap();
+    }
+    let d = dir.to_str().unwrap();
+    let (code, out, err) = k3ring(&["run", "--model", d, "--ids", "1,2,3", "--gen", "3", "--ignore-eos"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(err.matches("no tokenizer (").count(), 1, "said once: {err}");
+    let printed: Vec<&str> = out.trim_end().split_inclusive('>').collect();
+    assert_eq!(printed.len(), 3, "three ids, as <id>: {out}");
+    assert!(printed.iter().all(|p| p.starts_with('<') && p[1..p.len() - 1].parse::<u32>().is_ok()), "{out}");
+    // Text still needs the tokenizer: refused naming the missing file.
+    let (code, _, err) = k3ring(&["run", "--model", d, "--prompt", "hello", "--gen", "1"]);
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("tiktoken.model") && err.contains("give token ids (--ids)"), "{err}");
+}
+
+#[test]
+fn a_random_model_says_so_before_its_text() {
+    let note = "k3ring: note: this model has random weights";
+    let dir = tiny_dir();
+    let (code, _, err) = k3ring(&["run", "--model", dir.to_str().unwrap(), "--prompt", "Hi", "--gen", "2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.starts_with(note), "first thing on stderr: {err}");
+    let (_tmp, copy) = crate::checkpoint_tests::copy_tiny();
+    std::fs::remove_file(copy.join("reference.json")).unwrap();
+    let (code, _, err) = k3ring(&["run", "--model", copy.to_str().unwrap(), "--prompt", "Hi", "--gen", "2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains(note), "a model not known to be random: {err}");
+}
+
+/// The long flags of `k3ring <sub> --help` (global ones aside).
+fn help_flags(sub: &str) -> Vec<String> {
+    let (code, out, err) = k3ring(&[sub, "--help"]);
+    assert_eq!(code, 0, "{err}");
+    let mut flags = Vec::new();
+    for line in out.lines().map(str::trim_start).filter(|l| l.starts_with('-')) {
+        let Some(at) = line.find("--") else { continue };
+        let name: String = line[at..].chars().skip(2).take_while(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+        if !["help", "verbose", "version"].contains(&name.as_str()) {
+            flags.push(format!("--{name}"));
+        }
+    }
+    flags
+}
+
+/// The README's usage lines of `sub`: each code-block line starting `k3ring <sub>` and the
+/// indented lines after it.
+fn readme_usage(readme: &str, sub: &str) -> String {
+    let mut out = String::new();
+    let mut in_block = false;
+    let mut taking = false;
+    for line in readme.lines() {
+        if line.starts_with("```") {
+            in_block = !in_block;
+            taking = false;
+            continue;
+        }
+        if !in_block {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("k3ring ") {
+            taking = rest.split_whitespace().next() == Some(sub);
+        } else if !line.starts_with(' ') {
+            taking = false;
+        }
+        if taking {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[test]
+fn readme_usage_lines_list_every_flag_of_help() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    for sub in ["demo", "inspect", "run", "pack", "batch", "chat", "serve", "synth", "bench", "tune", "cache-sim"] {
+        let usage = readme_usage(&readme, sub);
+        assert!(!usage.is_empty(), "no usage line for {sub}");
+        for flag in help_flags(sub) {
+            let listed = usage
+                .match_indices(&flag)
+                .any(|(at, _)| !usage[at + flag.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-'));
+            assert!(listed, "README's usage of `k3ring {sub}` lacks {flag}:\n{usage}");
+        }
+    }
+    // Figures the program prints: the demo model's size.
+    assert!(readme.contains("K3 model of 1.17 GB") && readme.contains("about 30 s"));
+}
+
+/// `bench` drops the whole system's page cache (as root): it says so before it starts, and
+/// `--no-drop-caches` keeps the cache (and the notice away). The run here stops at once on a
+/// missing model: only what is said up front is checked, nothing is measured.
+#[test]
+fn bench_says_it_drops_the_page_cache_and_can_keep_it() {
+    let notice = "bench drops the whole system's page cache before every cell";
+    let args = ["bench", "--model", "/nonexistent-k3ring-model", "--trunk", "/nonexistent", "--budgets", "1"];
+    let (code, _, err) = k3ring(&args);
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains(notice) && err.contains("--no-drop-caches keeps it"), "{err}");
+    let (code, _, err) = k3ring(&[&args[..], &["--no-drop-caches"]].concat());
+    assert_eq!(code, 4, "{err}");
+    assert!(!err.contains(notice), "{err}");
 }

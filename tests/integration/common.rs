@@ -74,3 +74,28 @@ pub fn pack(model: &Path) -> tempfile::TempDir {
 pub fn prompt() -> Vec<u32> {
     ids(&reference_json(&tiny_dir())["prompt_ids"])
 }
+
+/// Runs the k3ring binary with `args` and `stdin`: (exit code, stdout, stderr).
+pub fn k3ring_stdin(args: &[&str], stdin: &str) -> (i32, String, String) {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3ring"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A command that refuses its flags exits before reading stdin: the write then fails with
+    // a broken pipe, which is the child's business (its exit code and stderr say why), not ours.
+    if let Err(e) = child.stdin.take().unwrap().write_all(stdin.as_bytes()) {
+        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "writing the child's stdin: {e}");
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

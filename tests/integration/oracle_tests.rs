@@ -215,11 +215,17 @@ fn prompt_beyond_the_vocabulary_is_refused() {
 
 #[test]
 fn a_context_that_cannot_fit_in_memory_is_refused_up_front() {
-    let o = open(&tiny_dir(), 1, Isa::best());
+    // A context length far beyond memory, so the memory check is what refuses.
+    let (_tmp, model) = crate::checkpoint_tests::copy_tiny();
+    let path = model.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    v["text_config"]["max_position_embeddings"] = (1u64 << 40).into();
+    std::fs::write(&path, v.to_string()).unwrap();
+    let o = open(&model, 1, Isa::best());
     let opts = GenerateOptions { gen: 4_000_000_000, ..Default::default() };
     let err = o.engine.generate(&[1, 2], &opts, |_| {}).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("positions need") && msg.contains("are available"), "{msg}");
+    assert!(msg.contains("positions need") && msg.contains("are available (limited by"), "{msg}");
 }
 
 /// Runs the oracle generator; `None` (after a visible notice) when Python or numpy is missing.

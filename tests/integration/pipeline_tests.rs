@@ -19,6 +19,7 @@ const BUDGET: u64 = 1_400_000;
 fn base_run() -> StreamingRun {
     StreamingRun {
         budget_bytes: BUDGET,
+        sequences: 1,
         context: prompt().len() + GEN,
         chunk: 6,
         threads: 2,
@@ -28,6 +29,7 @@ fn base_run() -> StreamingRun {
         placement: None,
         trace_detail: false,
         trunk_share: None,
+        available_memory: None,
     }
 }
 
@@ -168,14 +170,26 @@ fn the_trace_is_valid_chrome_json_with_overlapping_reads_and_compute() {
             .map(|e| (e["ts"].as_f64().unwrap(), e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()))
             .collect()
     };
-    let (io, compute) = (spans("io"), spans("compute"));
+    // Reads overlap on the I/O thread, so they are async slices: pair each begin with its end.
+    let mut begins = std::collections::HashMap::new();
+    let mut io = Vec::new();
+    for e in events.iter().filter(|e| e["cat"] == "io") {
+        match e["ph"].as_str().unwrap() {
+            "b" => assert!(begins.insert(e["id"].to_string(), e["ts"].as_f64().unwrap()).is_none(), "{e}"),
+            "e" => io.push((begins.remove(&e["id"].to_string()).unwrap(), e["ts"].as_f64().unwrap())),
+            other => panic!("an I/O event of phase {other}: {e}"),
+        }
+    }
+    assert!(begins.is_empty(), "reads never ended: {begins:?}");
+    let compute = spans("compute");
     assert!(!io.is_empty() && !compute.is_empty());
     for e in events.iter().filter(|e| e["ph"] == "X") {
         for key in ["name", "ts", "dur", "pid", "tid"] {
             assert!(e.get(key).is_some(), "event without {key}: {e}");
         }
     }
-    let reads: Vec<&serde_json::Value> = events.iter().filter(|e| e["name"] == "expert read").collect();
+    let reads: Vec<&serde_json::Value> =
+        events.iter().filter(|e| e["ph"] == "b" && e["name"].as_str().unwrap().ends_with(" expert read")).collect();
     assert!(
         reads.iter().any(|e| e["args"]["kind"] == "speculative") && reads.iter().any(|e| e["args"]["kind"] == "demand")
     );
@@ -283,7 +297,20 @@ fn tune_sweeps_reports_and_recommends_with_identical_ids() {
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("recommended: k3ring run") && err.contains("--readahead"), "{err}");
+    // Exactly the measured knobs, speculation included (issue 16: it was omitted).
+    let recommended = err.lines().find(|l| l.starts_with("recommended: ")).unwrap();
+    assert!(recommended.contains(" --spec") || recommended.contains(" --no-spec"), "{recommended}");
+    for flag in ["--mem-gb 0.0015", "--queue-depth", "--io"] {
+        assert!(recommended.contains(flag), "{flag}: {recommended}");
+    }
     let rows = std::fs::read_to_string(&csv).unwrap();
+    let sweeps: Vec<&str> = rows.lines().skip(1).map(|l| l.split(',').next().unwrap()).collect();
+    assert_eq!(
+        sweeps,
+        [["split x read-ahead"; 4].as_slice(), &["speculation"; 5], &["queue depth"; 2], &["backend"; 2]].concat(),
+        "{rows}"
+    );
+    assert!(out.lines().next().unwrap().starts_with("sweep "), "{out}");
     // Header, the 2 x 2 grid, speculation off plus adaptive and fixed at 2 margins, 2 queue
     // depths, 2 backends.
     assert_eq!(rows.lines().count(), 1 + 4 + 5 + 2 + 2, "{rows}");
@@ -360,6 +387,7 @@ fn bench_reports_every_cell_with_identical_ids() {
     assert_eq!(v["speedups"].as_array().unwrap().len(), 2);
     assert_eq!(v["speculation_gains"].as_array().unwrap().len(), 2);
     assert!(out.contains("pipelined is") && out.contains("x no-spec"), "{out}");
+    assert!(v.get("batch").is_none() && !out.contains("batch cells"), "no batch cells without --batch");
 }
 
 #[test]

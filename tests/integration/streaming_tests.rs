@@ -20,6 +20,7 @@ const GEN: usize = 12;
 fn run_options(budget: u64, io: IoOptions) -> StreamingRun {
     StreamingRun {
         budget_bytes: budget,
+        sequences: 1,
         context: prompt().len() + GEN,
         chunk: 8,
         threads: 2,
@@ -29,6 +30,7 @@ fn run_options(budget: u64, io: IoOptions) -> StreamingRun {
         placement: None,
         trace_detail: false,
         trunk_share: None,
+        available_memory: None,
     }
 }
 
@@ -144,10 +146,10 @@ fn injected_eio_fails_the_run_naming_file_and_offset() {
         ..IoOptions::default()
     };
     let err = streamed_with(&model, trunk.path(), &run_options(min, stream)).unwrap_err();
-    assert!(
-        err.contains("failed") && err.contains("offset") && err.contains(".safetensors") || err.contains("trunk.pack"),
-        "{err}"
-    );
+    // The first read to fail may be the pack's or a shard's; either way the message names the
+    // file, the offset and the OS error.
+    assert!(err.contains(" at offset ") && err.contains("failed: Input/output error"), "{err}");
+    assert!(err.contains(".safetensors failed") || err.contains("trunk.pack failed"), "{err}");
 }
 
 #[test]
@@ -201,6 +203,42 @@ fn sim_every_seed_reproduces_the_output_or_fails_with_a_named_error() {
     }
     println!("sim seeds: {clean} reproduced the output, {failed} failed with a named error");
     assert!(clean >= 1, "no seed reproduced the output");
+}
+
+/// The shards are read only for experts, which are checksummed (issue 13): corrupting their
+/// reads must end in the checksum error, never in a different output; unchecked, the same
+/// corruption does change the output (so the check is what catches it).
+#[test]
+fn sim_corrupted_expert_reads_end_in_the_checksum_error() {
+    let model = tiny_dir();
+    let trunk = pack(&model);
+    let base = resident();
+    let min = minimum_budget(&model, trunk.path());
+    let (mut caught, mut wrong_unchecked) = (0, 0);
+    for seed in 1..=6 {
+        let mut sim = SimOptions::fault_free(seed);
+        sim.latency_max = 20;
+        sim.corrupt_ppm = 200_000;
+        sim.corruptible_files = vec![0, 1, 2];
+        for verify in [true, false] {
+            let stream = IoOptions { kind: IoKind::Sim, sim: Some(sim.clone()), ..IoOptions::default() };
+            let mut run = run_options(min, stream);
+            run.store.verify_experts = verify;
+            match streamed_with(&model, trunk.path(), &run) {
+                Ok((g, _, _)) if verify => assert!(same(&g, &base), "seed {seed}: a checked run changed the output"),
+                Ok((g, _, _)) => wrong_unchecked += usize::from(!same(&g, &base)),
+                Err(e) if verify => {
+                    let named = e.contains("layer ") && e.contains(" expert ") && e.contains("fails its checksum");
+                    assert!(named && e.contains(".safetensors"), "seed {seed}: {e}");
+                    caught += 1;
+                }
+                // Unchecked, a damaged scale byte may still be refused by the kernels.
+                Err(_) => {}
+            }
+        }
+    }
+    assert!(caught >= 3, "{caught} of 6 checked runs caught the corruption");
+    assert!(wrong_unchecked >= 1, "the corruption never changed an unchecked output: the test proves nothing");
 }
 
 fn streamed_cli(model: &Path, trunk: &Path, extra: &[&str]) -> (i32, String, String) {
@@ -408,7 +446,8 @@ fn pack_is_a_no_op_when_up_to_date_and_survives_interruption() {
     std::fs::remove_file(out.path().join("trunk.manifest.json")).unwrap();
     let (code, _, err) = streamed_cli(&tiny_dir(), out.path(), &[]);
     assert_eq!(code, 4, "{err}");
-    assert!(err.contains("trunk.manifest.json"), "{err}");
+    assert!(err.contains("trunk.manifest.json is missing"), "{err}");
+    assert!(err.contains("run `k3ring pack --model ... --out "), "a missing manifest says how to pack: {err}");
     let (code, stdout, _) = k3ring(&["pack", "--model", &model, "--out", dir]);
     assert_eq!(code, 0);
     assert!(stdout.contains("packed"), "a missing manifest means a full re-pack: {stdout}");

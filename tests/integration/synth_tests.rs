@@ -51,7 +51,7 @@ fn assert_finite_run(dir: &Path, prompt: &str, gen: &str) {
 fn tiny_synth_validates_runs_and_is_a_function_of_the_seed() {
     let tmp = tempfile::tempdir().unwrap();
     let a = tmp.path().join("a");
-    let (code, out, err) = k3ring(&["synth", "--dims", "tiny", "--seed", "1", "--out", s(&a), "--json"]);
+    let (code, out, err) = k3ring(&["synth", "--dims", "tiny", "--seed", "1", "--out", s(&a), "--json", "-"]);
     assert_eq!(code, 0, "{err}");
     let report: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["up_to_date"], false);
@@ -80,7 +80,8 @@ fn tiny_synth_validates_runs_and_is_a_function_of_the_seed() {
 fn tiny_dims_are_the_fixture_dims() {
     let synth_cfg =
         Config::from_json_str(&synth_config(&tiny_opts(PathBuf::new(), 0)).to_string(), Path::new("synth")).unwrap();
-    let fixture = Config::from_model_dir(&tiny_dir()).unwrap();
+    // config.json alone: the model directory adds the tokenizer's context length.
+    let fixture = Config::from_file(&tiny_dir().join("config.json")).unwrap();
     assert_eq!(synth_cfg, fixture);
 }
 
@@ -123,11 +124,11 @@ fn bad_options_exit_2_naming_the_flag() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("x");
     for (args, flag) in [
-        (&["--dims", "tiny", "--experts", "2", "--topk", "4"][..], "--experts"),
+        (&["--dims", "tiny", "--experts", "2", "--top-k", "4"][..], "--experts"),
         (&["--dims", "huge"][..], "--dims"),
         (&["--dims", "tiny", "--vocab", "300"][..], "--vocab"),
         (&["--dims", "tiny", "--layers", "1"][..], "--layers"),
-        (&["--dims", "tiny", "--topk", "0"][..], "--topk"),
+        (&["--dims", "tiny", "--top-k", "0"][..], "--top-k"),
     ] {
         let mut all = vec!["synth", "--out", s(&out)];
         all.extend_from_slice(args);
@@ -135,9 +136,9 @@ fn bad_options_exit_2_naming_the_flag() {
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(err.contains(flag), "{args:?}: {err}");
     }
-    let (_, _, err) = k3ring(&["synth", "--out", s(&out), "--dims", "tiny", "--experts", "2", "--topk", "4"]);
+    let (_, _, err) = k3ring(&["synth", "--out", s(&out), "--dims", "tiny", "--experts", "2", "--top-k", "4"]);
     assert!(
-        err.contains("k3ring: error: --experts: 2 is fewer than --topk 4: raise --experts or lower --topk"),
+        err.contains("k3ring: error: --experts: 2 is fewer than --top-k 4: raise --experts or lower --top-k"),
         "{err}"
     );
     assert!(!out.exists(), "refused options write nothing");
@@ -276,7 +277,7 @@ fn small_synth_validates_runs_and_has_the_release_layout() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("small");
     let (code, _, err) =
-        k3ring(&["synth", "--dims", "small", "--layers", "4", "--experts", "16", "--topk", "4", "--out", s(&dir)]);
+        k3ring(&["synth", "--dims", "small", "--layers", "4", "--experts", "16", "--top-k", "4", "--out", s(&dir)]);
     assert_eq!(code, 0, "{err}");
     let (code, out, err) = k3ring(&["inspect", "--model", s(&dir)]);
     assert_eq!(code, 0, "{err}");

@@ -10,14 +10,13 @@ use std::fs::File;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use memmap2::Mmap;
-
 use super::{AlignSource, Completion, DioAlign, IoError, IoStats, ReadBackend, ReadOp};
+use crate::storage::sigbus::MappedFile;
 
 /// Reads by copying out of read-only mappings.
 pub struct MappedReader {
     paths: Vec<PathBuf>,
-    maps: Vec<Option<Mmap>>,
+    maps: Vec<Option<MappedFile>>,
     ready: VecDeque<Completion>,
     ops_max: usize,
     stats: IoStats,
@@ -31,9 +30,9 @@ impl MappedReader {
             let open = |source| IoError::Open { path: path.clone(), source };
             let file = File::open(path).map_err(open)?;
             let len = file.metadata().map_err(open)?.len();
-            // SAFETY: read-only private mapping; the checkpoint and pack are not modified while
-            // k3ring runs (a truncation by another process would fault, as for any mmap reader).
-            let map = if len == 0 { None } else { Some(unsafe { Mmap::map(&file) }.map_err(open)?) };
+            // A file that shrinks later, or a disk error under a mapped page, faults in `copy`;
+            // `storage::sigbus` turns that into exit 4 naming the file.
+            let map = if len == 0 { None } else { Some(MappedFile::map(&file, path).map_err(open)?) };
             maps.push(map);
         }
         Ok(MappedReader {

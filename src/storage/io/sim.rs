@@ -32,8 +32,9 @@
 //! a clean message naming the file (exit 4), never a panic and never wrong output. `ShortRead` is a
 //! file shorter than the index says (exit 3). Corrupted bytes are invisible to the read layer and
 //! only detectable by a checksum, which is why corruption is restricted to `corruptible_files`:
-//! files the engine verifies (the trunk pack, whose checksum is checked on load), where it must
-//! end in a checksum error (exit 3). Corrupting an unverified weight shard would only prove that
+//! files the engine verifies (the trunk pack, whose checksum is checked on load, and the shards,
+//! which the store reads only for experts, each checked against its checksum before use), where
+//! it must end in a checksum error (exit 3). Corrupting an unverified file would only prove that
 //! unverified bytes are unverified. So a simulated run must end in exactly one of two ways: output
 //! equal to the fault-free run, or a clean named error.
 //!

@@ -2,7 +2,7 @@
 //! expert pool of a given size, under each [`CachePolicy`] and under Belady's offline optimum.
 //!
 //! Trace format (text, version 1): a header `# k3ring expert trace v1 layers=L experts=E
-//! top_k=K`, then one line per routing decision, `token layer e1 e2 ... eK`, the experts in the
+//! top_k=K [expert_bytes=B]` (B, the bytes of one expert, is optional: older traces lack it), then one line per routing decision, `token layer e1 e2 ... eK`, the experts in the
 //! token's top-k order, ordered by token and by layer within a token. Later lines starting with
 //! `#` are comments; blank lines are skipped. `layer` is the model's layer index (dense layers
 //! have no lines).
@@ -113,6 +113,8 @@ pub struct Trace {
     layers: usize,
     experts: usize,
     top_k: usize,
+    /// Bytes of one expert, from the header's `expert_bytes=` (absent in older traces).
+    expert_bytes: Option<u64>,
     /// (token, layer) of each batch, strictly increasing.
     batches: Vec<(u64, u32)>,
     /// `top_k` expert ids per batch. // [batches, top_k]
@@ -124,7 +126,12 @@ impl Trace {
     /// An empty trace of the given shape.
     pub fn new(layers: usize, experts: usize, top_k: usize) -> Result<Trace, TraceError> {
         check_shape(layers, experts, top_k).map_err(|reason| TraceError::Invalid { reason })?;
-        Ok(Trace { layers, experts, top_k, batches: Vec::new(), expert_ids: Vec::new(), tokens: 0 })
+        Ok(Trace { layers, experts, top_k, expert_bytes: None, batches: Vec::new(), expert_ids: Vec::new(), tokens: 0 })
+    }
+
+    /// Bytes of one expert of the model the trace was recorded on, when its header says.
+    pub fn expert_bytes(&self) -> Option<u64> {
+        self.expert_bytes
     }
 
     /// Appends one routing decision; (token, layer) must come after the last one.
@@ -255,9 +262,14 @@ fn check_record(
 
 /// Reads a trace written by [`TraceWriter`] (or by hand, in the same format).
 pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
+    let file = File::open(path).map_err(|source| TraceError::Io { op: "opening", path: path.to_owned(), source })?;
+    read_trace_from(BufReader::new(file), path)
+}
+
+/// Reads a trace from `reader` (a byte slice parses a trace held in memory); `path` only names
+/// the source in errors.
+pub fn read_trace_from(mut reader: impl BufRead, path: &Path) -> Result<Trace, TraceError> {
     let io = |op: &'static str| move |source| TraceError::Io { op, path: path.to_owned(), source };
-    let file = File::open(path).map_err(io("opening"))?;
-    let mut reader = BufReader::new(file);
     let malformed = |line: usize, reason: String| TraceError::Malformed { path: path.to_owned(), line, reason };
     let mut buf = Vec::new();
     let mut line_number = 0;
@@ -312,13 +324,16 @@ fn parse_header(text: &str) -> Result<Trace, String> {
             .ok_or_else(|| format!("{expected}: field {i} should be {name}=<number>"))
     };
     let (layers, experts, top_k) = (value(1, "layers")?, value(2, "experts")?, value(3, "top_k")?);
-    if fields.len() != 4 {
-        return Err(format!("{expected}: {} extra fields", fields.len() - 4));
+    let expert_bytes = if fields.len() >= 5 { Some(value(4, "expert_bytes")? as u64) } else { None };
+    if fields.len() > 5 {
+        return Err(format!("{expected}: {} extra fields", fields.len() - 5));
     }
-    Trace::new(layers, experts, top_k).map_err(|e| match e {
+    let mut trace = Trace::new(layers, experts, top_k).map_err(|e| match e {
         TraceError::Invalid { reason } => reason,
         other => other.to_string(),
-    })
+    })?;
+    trace.expert_bytes = expert_bytes;
+    Ok(trace)
 }
 
 fn parse_line(trace: &mut Trace, text: &str) -> Result<(), String> {
@@ -374,8 +389,20 @@ pub struct TraceWriter {
 }
 
 impl TraceWriter {
-    /// Creates (or truncates) `path` and writes the header.
+    /// Creates (or truncates) `path` and writes the header (without the expert size).
     pub fn create(path: &Path, layers: usize, experts: usize, top_k: usize) -> Result<TraceWriter, TraceError> {
+        TraceWriter::create_sized(path, layers, experts, top_k, None)
+    }
+
+    /// [`TraceWriter::create`], writing `expert_bytes=` in the header when given, so that
+    /// `cache-sim` turns misses into bytes with the model's own expert size.
+    pub fn create_sized(
+        path: &Path,
+        layers: usize,
+        experts: usize,
+        top_k: usize,
+        expert_bytes: Option<u64>,
+    ) -> Result<TraceWriter, TraceError> {
         check_shape(layers, experts, top_k).map_err(|reason| TraceError::Invalid { reason })?;
         let file =
             File::create(path).map_err(|source| TraceError::Io { op: "creating", path: path.to_owned(), source })?;
@@ -392,7 +419,9 @@ impl TraceWriter {
             written_last: None,
             line: String::new(),
         };
-        let header = format!("{HEADER_PREFIX} {FORMAT_VERSION} layers={layers} experts={experts} top_k={top_k}\n");
+        let size = expert_bytes.map_or_else(String::new, |b| format!(" expert_bytes={b}"));
+        let header =
+            format!("{HEADER_PREFIX} {FORMAT_VERSION} layers={layers} experts={experts} top_k={top_k}{size}\n");
         w.write(header.as_bytes())?;
         Ok(w)
     }

@@ -20,6 +20,7 @@ use super::policy::{CachePolicy, ExpertKey};
 use super::reads::{OpMeta, Priority, SendOp, Ticket};
 use super::{lock, Store};
 use crate::model::weights::{ExpertBytes, ExpertView, SourceError};
+use crate::storage::pack::experts::expert_checksum;
 use crate::storage::stream::arena::FileRange;
 use crate::storage::stream::layout::align_up;
 
@@ -81,6 +82,9 @@ pub(super) struct ExpertSlot {
     /// Tensor bytes of the expert held, and of its read windows.
     bytes: u64,
     window_bytes: u64,
+    /// The bytes read have matched the expert's checksum (or checking is off): only then are
+    /// they handed out.
+    verified: bool,
 }
 
 pub(super) struct ExpertPool {
@@ -109,6 +113,7 @@ impl ExpertPool {
                     pending_guess: None,
                     bytes: 0,
                     window_bytes: 0,
+                    verified: false,
                 })
                 .collect(),
             resident: HashMap::with_capacity(n),
@@ -328,7 +333,74 @@ impl Store {
         let filled = s.slot.filled().ok_or_else(|| {
             SourceError::Internal(format!("layer {layer} expert {expert}: its slot is not filled after its read"))
         })?;
-        Ok(ExpertGuard { store: self, slot, filled, parts: s.parts })
+        let (parts, verified) = (s.parts, s.verified || !self.verify_experts);
+        drop(pool);
+        if !verified {
+            // Outside the pool lock: the guard count taken above keeps the slot from being
+            // evicted or re-read while its bytes are hashed.
+            if let Err(e) = self.verify_expert(key, filled, &parts) {
+                let mut pool = lock(&self.pool);
+                self.drop_damaged(&mut pool, slot, key);
+                return Err(e);
+            }
+            lock(&self.pool).slots[slot].verified = true;
+        }
+        Ok(ExpertGuard { store: self, slot, filled, parts })
+    }
+
+    /// Checks an expert's bytes in its slot against its checksum in the pack's manifest.
+    fn verify_expert(&self, key: ExpertKey, filled: Filled, parts: &PartPlaces) -> Result<(), SourceError> {
+        let start = std::time::Instant::now();
+        let b = self.arena.bytes(filled);
+        let got = expert_checksum(&parts.map(|(at, len)| &b[at..at + len]));
+        let seconds = start.elapsed().as_secs_f64();
+        let want = self.expert_sums.get(key.0).and_then(|l| l.get(key.1)).copied();
+        {
+            let mut stats = lock(&self.stats);
+            stats.experts_verified += 1;
+            stats.expert_verified_bytes += parts.iter().map(|p| p.1 as u64).sum::<u64>();
+            stats.expert_verify_seconds += seconds;
+        }
+        if want == Some(got) {
+            return Ok(());
+        }
+        let r = self.index.experts.get(key.0, key.1);
+        let mut files: Vec<String> = r
+            .map(|r| {
+                r.parts
+                    .iter()
+                    .map(|&id| self.index.shards[self.index.tensors[id].shard].path.display().to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        files.dedup();
+        Err(SourceError::Corrupt {
+            what: format!("layer {} expert {} in {}", key.0, key.1, files.join(", ")),
+            message: format!(
+                "fails its checksum (manifest {}, read {got:016x}): the shard changed since `k3ring pack` or the \
+                 read returned damaged bytes; `k3ring pack --verify` checks every expert",
+                want.map_or_else(|| "none".to_owned(), |w| format!("{w:016x}"))
+            ),
+        })
+    }
+
+    /// Takes an expert whose bytes failed their checksum out of the pool (its guard count
+    /// released), so that nothing uses them.
+    fn drop_damaged(&self, pool: &mut ExpertPool, slot: usize, key: ExpertKey) {
+        let s = &mut pool.slots[slot];
+        s.users -= 1;
+        if s.users > 0 {
+            // Another caller holds the slot: it stays unverified, so its next use checks again.
+            return;
+        }
+        if s.slot.ticket().is_none() {
+            s.slot.clear();
+        }
+        s.key = None;
+        s.verified = false;
+        if pool.resident.remove(&key).is_some() {
+            pool.policy.on_evict(key);
+        }
     }
 
     /// Whether `key` is resident or being read.
@@ -416,6 +488,7 @@ impl Store {
         s.pending_guess = None;
         s.bytes = bytes;
         s.window_bytes = window_bytes;
+        s.verified = false;
         let replaced = pool.resident.insert(key, slot);
         assert!(replaced.is_none(), "expert {key:?} read into two slots");
         pool.policy.on_insert(key);

@@ -20,8 +20,9 @@
 //!
 //! Errors: a failed read fails the run naming file and offset, with the read layer's exit code
 //! (4 for an I/O failure, 3 for a file shorter than its index, 1 for a read built wrongly); a
-//! unit whose checksum does not match fails it with exit 3. No read failure ever drops an expert
-//! from a sum.
+//! unit or an expert whose checksum does not match fails it with exit 3 (experts are checked
+//! after their read lands and before any guard hands their bytes out). No read failure ever drops
+//! an expert from a sum.
 
 pub mod arena;
 pub mod cache_sim;
@@ -65,6 +66,9 @@ pub struct StoreOptions {
     pub chunk_tokens: usize,
     /// Check trunk checksums on every read, not only the first read of each unit.
     pub verify_every_read: bool,
+    /// Check each expert read from the shards against its checksum in the pack's manifest
+    /// before any compute uses it (on by default; `--no-verify-experts` turns it off).
+    pub verify_experts: bool,
     pub lock_memory: bool,
     pub numa_node: Option<u32>,
     /// Expert cache policy: "lru", "s3fifo" or "lfu".
@@ -77,6 +81,7 @@ impl Default for StoreOptions {
             readahead: 1,
             chunk_tokens: 32,
             verify_every_read: false,
+            verify_experts: true,
             lock_memory: true,
             numa_node: None,
             policy: "lru".to_owned(),
@@ -128,6 +133,7 @@ pub struct Prepared {
     align: u64,
     opts: StoreOptions,
     pinned_units: usize,
+    expert_sums: Vec<Vec<u64>>,
 }
 
 impl Prepared {
@@ -155,6 +161,9 @@ pub struct Store {
     reads: Arc<dyn ReadQueue>,
     tracer: Arc<Tracer>,
     verify_every_read: bool,
+    verify_experts: bool,
+    /// Per MoE layer, each expert's checksum (from the pack's manifest), by expert id.
+    expert_sums: Vec<Vec<u64>>,
     /// Per unit: the bytes of a pinned unit (loaded and verified at open).
     pinned: Vec<Option<Filled>>,
     ring: Mutex<TrunkRing>,
@@ -178,6 +187,7 @@ impl Store {
     ) -> Result<Prepared, StreamError> {
         let manifest = Manifest::load(trunk_dir)?;
         manifest.check_source(trunk_dir, model_dir, &index)?;
+        let expert_sums = manifest.expert_checksums(trunk_dir, &index)?;
         let pack_path = trunk_dir.join(PACK_FILE);
         let mut files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
         files.push(pack_path.clone());
@@ -201,6 +211,7 @@ impl Store {
             align,
             opts: opts.clone(),
             pinned_units: plan.pinned_units.len(),
+            expert_sums,
         })
     }
 
@@ -249,6 +260,8 @@ impl Store {
             reads,
             tracer,
             verify_every_read: p.opts.verify_every_read,
+            verify_experts: p.opts.verify_experts,
+            expert_sums: p.expert_sums,
             ring: Mutex::new(ring),
             pool: Mutex::new(pool),
             embed: Mutex::new(embed),
@@ -281,7 +294,10 @@ impl Store {
             lock(&self.ring).mark_verified(*u);
             bytes += self.pack.units[*u].len;
         }
-        lock(&self.stats).trunk_bytes_read += bytes;
+        let mut stats = lock(&self.stats);
+        stats.trunk_bytes_read += bytes;
+        // Each pinned unit was one read: counted, so bytes never appear with "0 reads".
+        stats.trunk_reads += slots.len() as u64;
         Ok(())
     }
 

@@ -24,6 +24,11 @@ pub struct StreamStats {
     pub expert_hits: u64,
     pub expert_misses: u64,
     pub expert_evictions: u64,
+    /// Experts checked against their checksum after their read, their bytes, and the time the
+    /// checks took (on the thread that first used each).
+    pub experts_verified: u64,
+    pub expert_verified_bytes: u64,
+    pub expert_verify_seconds: f64,
     /// Experts read on a prediction, and their bytes.
     pub spec_reads: u64,
     pub spec_bytes: u64,

@@ -1,0 +1,107 @@
+//! Twins of bf16 matmul.
+
+use super::*;
+
+/// (rows, cols) pairs: row counts around the 4-row and 64-row blocks, columns around 16 and
+/// the 256-column tile.
+fn bf16_shapes() -> Vec<(usize, usize)> {
+    let mut v = Vec::new();
+    for cols in [1, 2, 7, 8, 15, 16, 17, 31, 33, 47, 64, 70, 255, 256, 257, 300, 513] {
+        for rows in [1, 3, 4, 5, 9] {
+            v.push((rows, cols));
+        }
+    }
+    v.extend([(65, 40), (130, 33), (64, 7168)]);
+    v
+}
+
+fn run_bf16(k: &Kernels, par: bool, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize) -> Vec<f32> {
+    let mut y = vec![f32::NAN; t * rows];
+    if par {
+        k.par_matmul_bf16(w, rows, cols, x, t, &mut y);
+    } else {
+        k.matmul_bf16(w, rows, cols, x, t, &mut y);
+    }
+    y
+}
+
+#[test]
+fn matmul_bf16_twins_unaligned() {
+    let mut rng = Rng::new(2);
+    let s = scalar();
+    for k in all_kernels() {
+        for (rows, cols) in bf16_shapes() {
+            for t in [1usize, 2, 3, 17] {
+                if rows * cols * t > 2_000_000 {
+                    continue;
+                }
+                for specials in [false, true] {
+                    let w = rng.bf16_bytes(rows * cols, specials);
+                    let x = if specials { rng.specials(t * cols) } else { rng.adversarials(t * cols) };
+                    let (buf, off) = unaligned(&w);
+                    let w_odd = &buf[off..off + w.len()];
+                    let want = run_bf16(&s, false, &w, rows, cols, &x, t);
+                    let ctx = format!("{:?} {rows}x{cols} t={t} specials={specials}", k.isa());
+                    assert_bits(&ctx, &want, &run_bf16(&k, false, w_odd, rows, cols, &x, t));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_bf16_batch_invariance() {
+    let mut rng = Rng::new(3);
+    for k in all_kernels() {
+        for (rows, cols) in [(5, 16), (9, 300), (7, 513), (66, 40), (3, 1)] {
+            // Tiles of 3, 16 and 17 rows against tiles of 1 (issue 18: a batch step's rows).
+            for t in [2usize, 3, 5, 16, 17, 33] {
+                let w = rng.bf16_bytes(rows * cols, false);
+                let x = rng.adversarials(t * cols);
+                let batched = run_bf16(&k, false, &w, rows, cols, &x, t);
+                for tok in 0..t {
+                    let single = run_bf16(&k, false, &w, rows, cols, &x[tok * cols..][..cols], 1);
+                    let ctx = format!("{:?} {rows}x{cols} t={t} tok={tok}", k.isa());
+                    assert_bits_strict(&ctx, &single, &batched[tok * rows..][..rows]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_bf16_thread_invariance() {
+    let mut rng = Rng::new(4);
+    let pools = [pool(1), pool(2), pool(3)];
+    for k in all_kernels() {
+        for (rows, cols, t) in [(200, 48, 1), (200, 48, 3), (129, 257, 1), (64, 17, 2), (3, 5, 1)] {
+            let w = rng.bf16_bytes(rows * cols, false);
+            let x = rng.adversarials(t * cols);
+            let serial = run_bf16(&k, false, &w, rows, cols, &x, t);
+            for p in &pools {
+                let par = p.install(|| run_bf16(&k, true, &w, rows, cols, &x, t));
+                let ctx = format!("{:?} {rows}x{cols} t={t} threads={}", k.isa(), p.current_num_threads());
+                assert_bits_strict(&ctx, &serial, &par);
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_bf16_exact_small_case() {
+    // W = [[1, 2, 3], [-0.5, 0, 256]] in bf16; x = [1, 10, 100].
+    let w: Vec<u8> = [0x3F80u16, 0x4000, 0x4040, 0xBF00, 0x0000, 0x4380].iter().flat_map(|b| b.to_le_bytes()).collect();
+    for k in all_kernels() {
+        let mut y = [0.0f32; 2];
+        k.matmul_bf16(&w, 2, 3, &[1.0, 10.0, 100.0], 1, &mut y);
+        assert_eq!(y, [321.0, 25599.5], "{:?}", k.isa());
+    }
+}
+
+#[test]
+#[should_panic(expected = "matmul_bf16: x must hold")]
+fn matmul_bf16_shape_mismatch_panics() {
+    let k = Kernels::detect();
+    let mut y = [0.0f32; 2];
+    k.matmul_bf16(&[0u8; 12], 2, 3, &[1.0, 2.0], 1, &mut y);
+}

@@ -1,0 +1,401 @@
+//! Parsing a completion (the ids generated after the generation prompt) into reasoning and
+//! content, one id at a time so a REPL can stream each channel as it comes (spec section 6).
+//!
+//! Grammar, thinking on: `REASONING <|close|>think<|sep|><|open|>response<|sep|> CONTENT
+//! <|close|>response<|sep|><|close|>message<|sep|> END`, with END one of `<|end_of_msg|>` or
+//! `[EOS]`; thinking off starts at CONTENT. Payloads are ordinary ids: any added id inside one is
+//! an error. A tag's text is matched on its decoded bytes, not on particular ids, because the
+//! model may spell `think` with other tokens than the encoder would.
+#![forbid(unsafe_code)]
+
+use super::template::{Piece, Special, Specials};
+use crate::exit::{Classify, ExitCode};
+use crate::tokenizer::Tokenizer;
+
+/// Why a completion does not follow the template.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    #[error("id {id} at completion position {at} is a control id inside the {channel}")]
+    ControlInPayload { at: usize, id: u32, channel: &'static str },
+    #[error("id {found} at completion position {at} breaks the closing markup (expected {expected})")]
+    BadMarkup { at: usize, found: u32, expected: String },
+    #[error("id {found} at completion position {at} follows the closed message; expected exactly one end id")]
+    BadEnd { at: usize, found: u32 },
+    #[error("id {found} at completion position {at} comes after the end of the message")]
+    Trailing { at: usize, found: u32 },
+    #[error("the completion stops before the end of the message")]
+    Incomplete,
+}
+
+impl Classify for ParseError {
+    fn exit_code(&self) -> ExitCode {
+        ExitCode::Data
+    }
+}
+
+/// Which payload an id belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Channel {
+    Reasoning,
+    Content,
+}
+
+impl Channel {
+    fn name(self) -> &'static str {
+        match self {
+            Channel::Reasoning => "reasoning",
+            Channel::Content => "content",
+        }
+    }
+}
+
+/// What one id was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    Payload(Channel),
+    Markup,
+    /// The end id: the reply is complete.
+    End,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    Special(Special),
+    Tag(&'static str),
+}
+
+const AFTER_REASONING: [Step; 6] = [
+    Step::Special(Special::Close),
+    Step::Tag("think"),
+    Step::Special(Special::Sep),
+    Step::Special(Special::Open),
+    Step::Tag("response"),
+    Step::Special(Special::Sep),
+];
+
+const AFTER_CONTENT: [Step; 6] = [
+    Step::Special(Special::Close),
+    Step::Tag("response"),
+    Step::Special(Special::Sep),
+    Step::Special(Special::Close),
+    Step::Tag("message"),
+    Step::Special(Special::Sep),
+];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Payload(Channel),
+    AwaitEnd,
+    Done,
+}
+
+/// A parsed completion.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Completion {
+    pub reasoning_ids: Vec<u32>,
+    pub content_ids: Vec<u32>,
+    /// Reached the end id.
+    pub complete: bool,
+}
+
+/// An incremental parser of one completion.
+pub struct CompletionParser<'t> {
+    tok: &'t Tokenizer,
+    sp: Specials,
+    phase: Phase,
+    /// Inside the closing markup of the current channel: the step being matched.
+    step: Option<usize>,
+    /// Ids of the tag text being matched.
+    tag: Vec<u32>,
+    at: usize,
+    failed: bool,
+    out: Completion,
+}
+
+impl<'t> CompletionParser<'t> {
+    /// A parser for a completion after the generation prompt of `thinking` (on: reasoning first).
+    pub fn new(tok: &'t Tokenizer, sp: Specials, thinking: bool) -> CompletionParser<'t> {
+        let channel = if thinking { Channel::Reasoning } else { Channel::Content };
+        CompletionParser {
+            tok,
+            sp,
+            phase: Phase::Payload(channel),
+            step: None,
+            tag: Vec::new(),
+            at: 0,
+            failed: false,
+            out: Completion::default(),
+        }
+    }
+
+    /// Takes the next id. After an error the parser refuses every further id with that error's
+    /// position unchanged, and [`CompletionParser::closing`] closes from the current channel.
+    pub fn push(&mut self, id: u32) -> Result<Event, ParseError> {
+        let at = self.at;
+        self.at += 1;
+        let r = self.step_id(at, id);
+        if r.is_err() {
+            self.failed = true;
+            self.step = None;
+            self.tag.clear();
+        }
+        r
+    }
+
+    fn step_id(&mut self, at: usize, id: u32) -> Result<Event, ParseError> {
+        if self.failed {
+            return Err(ParseError::Trailing { at, found: id });
+        }
+        let channel = match self.phase {
+            Phase::Done => return Err(ParseError::Trailing { at, found: id }),
+            Phase::AwaitEnd if self.sp.end_ids().contains(&id) => {
+                self.phase = Phase::Done;
+                self.out.complete = true;
+                return Ok(Event::End);
+            }
+            Phase::AwaitEnd => return Err(ParseError::BadEnd { at, found: id }),
+            Phase::Payload(c) => c,
+        };
+        let Some(k) = self.step else {
+            if !self.sp.is_control(id) {
+                match channel {
+                    Channel::Reasoning => self.out.reasoning_ids.push(id),
+                    Channel::Content => self.out.content_ids.push(id),
+                }
+                return Ok(Event::Payload(channel));
+            }
+            if id != self.sp.close {
+                return Err(ParseError::ControlInPayload { at, id, channel: channel.name() });
+            }
+            self.step = Some(1);
+            return Ok(Event::Markup);
+        };
+        self.markup(at, id, channel, k)
+    }
+
+    /// Matches `id` against step `k` of the current channel's closing markup.
+    fn markup(&mut self, at: usize, id: u32, channel: Channel, k: usize) -> Result<Event, ParseError> {
+        let steps = markup_of(channel);
+        match steps[k] {
+            Step::Special(s) => {
+                if id != self.sp.id(s) {
+                    return Err(ParseError::BadMarkup { at, found: id, expected: s.spelling().to_owned() });
+                }
+            }
+            Step::Tag(t) => {
+                let text = self.tok.decode_bytes(&self.tag).unwrap_or_default();
+                if !self.sp.is_control(id) {
+                    self.tag.push(id);
+                    let longer = self.tok.decode_bytes(&self.tag).unwrap_or_default();
+                    if !t.as_bytes().starts_with(&longer) {
+                        return Err(ParseError::BadMarkup { at, found: id, expected: format!("the tag {t:?}") });
+                    }
+                    return Ok(Event::Markup);
+                }
+                if text != t.as_bytes() {
+                    return Err(ParseError::BadMarkup {
+                        at,
+                        found: id,
+                        expected: format!("the rest of the tag {t:?}"),
+                    });
+                }
+                self.tag.clear();
+                // The tag is complete; this control id is matched by the next step.
+                self.step = Some(k + 1);
+                return self.markup(at, id, channel, k + 1);
+            }
+        }
+        if k + 1 < steps.len() {
+            self.step = Some(k + 1);
+        } else {
+            self.step = None;
+            self.phase = match channel {
+                Channel::Reasoning => Phase::Payload(Channel::Content),
+                Channel::Content => Phase::AwaitEnd,
+            };
+        }
+        Ok(Event::Markup)
+    }
+
+    /// The pieces that close the message from here, so the transcript the model has seen stays
+    /// well formed after a reply that stopped early (token limit, Ctrl-C, a parse error).
+    pub fn closing(&self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        let mut push_steps = |steps: &[Step], tag_done: &[u8]| {
+            for (i, s) in steps.iter().enumerate() {
+                match *s {
+                    Step::Special(sp) => out.push(Piece::Special(sp)),
+                    // Only the first step may be a partly typed tag: finish its text.
+                    Step::Tag(t) if i == 0 => {
+                        let rest = t.as_bytes().get(tag_done.len()..).unwrap_or_default();
+                        if !rest.is_empty() {
+                            out.push(Piece::Text(String::from_utf8_lossy(rest).into_owned()));
+                        }
+                    }
+                    Step::Tag(t) => out.push(Piece::Text(t.to_owned())),
+                }
+            }
+        };
+        let done = self.tok.decode_bytes(&self.tag).unwrap_or_default();
+        match self.phase {
+            Phase::Done => return out,
+            Phase::AwaitEnd => {}
+            Phase::Payload(channel) => {
+                let k = self.step.unwrap_or(0);
+                push_steps(&markup_of(channel)[k..], &done);
+                if channel == Channel::Reasoning {
+                    push_steps(&AFTER_CONTENT, &[]);
+                }
+            }
+        }
+        out.push(Piece::Special(Special::EndOfMsg));
+        out
+    }
+
+    /// Whether the last id ended the message.
+    pub fn is_done(&self) -> bool {
+        self.phase == Phase::Done
+    }
+
+    pub fn completion(&self) -> &Completion {
+        &self.out
+    }
+
+    pub fn into_completion(self) -> Completion {
+        self.out
+    }
+}
+
+fn markup_of(channel: Channel) -> &'static [Step] {
+    match channel {
+        Channel::Reasoning => &AFTER_REASONING,
+        Channel::Content => &AFTER_CONTENT,
+    }
+}
+
+/// Parses a whole completion; it must reach its end id and stop there.
+pub fn parse(tok: &Tokenizer, sp: Specials, thinking: bool, ids: &[u32]) -> Result<Completion, ParseError> {
+    let mut p = CompletionParser::new(tok, sp, thinking);
+    for &id in ids {
+        p.push(id)?;
+    }
+    if !p.is_done() {
+        return Err(ParseError::Incomplete);
+    }
+    Ok(p.into_completion())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::chat::template::{generation_prompt, message, to_ids, Message, Thinking};
+
+    fn tiny() -> Tokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
+        Tokenizer::from_model_dir(&dir).unwrap()
+    }
+
+    /// The ids a model would generate for `m` after the generation prompt.
+    fn completion_ids(tok: &Tokenizer, sp: Specials, m: &Message, thinking: bool) -> Vec<u32> {
+        let th = Thinking { enabled: thinking, ..Thinking::default() };
+        let whole = to_ids(&message(m, th), tok, &sp).unwrap();
+        let prompt = to_ids(&generation_prompt(th), tok, &sp).unwrap();
+        assert!(whole.starts_with(&prompt));
+        whole[prompt.len()..].to_vec()
+    }
+
+    #[test]
+    fn splits_reasoning_from_content() {
+        let tok = tiny();
+        let sp = Specials::of(&tok).unwrap();
+        let m = Message::assistant(Some("Let me think."), "The answer is 42.");
+        let c = parse(&tok, sp, true, &completion_ids(&tok, sp, &m, true)).unwrap();
+        assert_eq!(tok.decode(&c.reasoning_ids).unwrap(), "Let me think.");
+        assert_eq!(tok.decode(&c.content_ids).unwrap(), "The answer is 42.");
+        assert!(c.complete);
+        let c = parse(&tok, sp, false, &completion_ids(&tok, sp, &m, false)).unwrap();
+        assert!(c.reasoning_ids.is_empty());
+        assert_eq!(tok.decode(&c.content_ids).unwrap(), "The answer is 42.");
+    }
+
+    #[test]
+    fn eos_also_ends_and_a_second_end_is_trailing() {
+        let tok = tiny();
+        let sp = Specials::of(&tok).unwrap();
+        let mut ids = completion_ids(&tok, sp, &Message::assistant(Some("r"), "c"), true);
+        *ids.last_mut().unwrap() = sp.eos;
+        parse(&tok, sp, true, &ids).unwrap();
+        ids.push(sp.end_of_msg);
+        assert!(matches!(parse(&tok, sp, true, &ids), Err(ParseError::Trailing { .. })));
+    }
+
+    #[test]
+    fn control_ids_inside_payloads_are_errors() {
+        let tok = tiny();
+        let sp = Specials::of(&tok).unwrap();
+        let mut ids = tok.encode("abc").unwrap();
+        ids.push(sp.open);
+        let err = parse(&tok, sp, true, &ids).unwrap_err();
+        assert_eq!(err, ParseError::ControlInPayload { at: 3, id: sp.open, channel: "reasoning" });
+        assert_eq!(err.exit_code(), ExitCode::Data);
+        let reserved = 600;
+        assert!(matches!(
+            parse(&tok, sp, false, &[reserved]),
+            Err(ParseError::ControlInPayload { channel: "content", .. })
+        ));
+        // The end id straight inside the content, without the closing markup.
+        assert!(matches!(parse(&tok, sp, false, &[sp.end_of_msg]), Err(ParseError::ControlInPayload { .. })));
+    }
+
+    #[test]
+    fn wrong_markup_and_missing_end_are_errors() {
+        let tok = tiny();
+        let sp = Specials::of(&tok).unwrap();
+        let mut ids = vec![sp.close];
+        ids.extend(tok.encode("thing").unwrap());
+        assert!(matches!(parse(&tok, sp, true, &ids), Err(ParseError::BadMarkup { .. })));
+        let mut ids = completion_ids(&tok, sp, &Message::assistant(None, "c"), false);
+        *ids.last_mut().unwrap() = tok.encode("x").unwrap()[0];
+        assert!(matches!(parse(&tok, sp, false, &ids), Err(ParseError::BadEnd { .. })));
+        ids.pop();
+        assert_eq!(parse(&tok, sp, false, &ids), Err(ParseError::Incomplete));
+    }
+
+    #[test]
+    fn closing_after_any_cut_makes_a_whole_message() {
+        let tok = tiny();
+        let sp = Specials::of(&tok).unwrap();
+        for thinking in [true, false] {
+            let ids = completion_ids(&tok, sp, &Message::assistant(Some("why"), "so"), thinking);
+            for cut in 0..=ids.len() {
+                let mut p = CompletionParser::new(&tok, sp, thinking);
+                for &id in &ids[..cut] {
+                    p.push(id).unwrap();
+                }
+                let mut all = ids[..cut].to_vec();
+                all.extend(to_ids(&p.closing(), &tok, &sp).unwrap());
+                let c = parse(&tok, sp, thinking, &all).unwrap_or_else(|e| panic!("cut {cut}: {e}"));
+                assert!(c.complete);
+                if cut == ids.len() {
+                    assert_eq!(all, ids, "nothing to close");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn closing_after_an_error_starts_from_the_channel() {
+        let tok = tiny();
+        let sp = Specials::of(&tok).unwrap();
+        let mut p = CompletionParser::new(&tok, sp, true);
+        p.push(tok.encode("a").unwrap()[0]).unwrap();
+        assert!(p.push(sp.open).is_err());
+        assert!(p.push(tok.encode("b").unwrap()[0]).is_err(), "refuses after an error");
+        let text = crate::chat::template::to_text(&p.closing());
+        assert_eq!(
+            text,
+            "<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+        );
+    }
+}

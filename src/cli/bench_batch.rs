@@ -1,0 +1,336 @@
+//! `k3ring bench --batch 1,4,16`: cells of B sequences decoding together, per budget, measured
+//! in the same alternation as the mode cells. A cell of B runs the first B of one set of
+//! distinct prompts (the bench prompt with a suffix per sequence), greedy, `--tokens` steps
+//! after `--warmup`, in the default mode. Per cell: aggregate tokens/s, trunk and expert bytes
+//! per step and per token, distinct experts per MoE layer per step against the union B uniform
+//! routings would give, the bound `max(bytes read per step / device rate, resident compute per
+//! step of B rows)`, efficiency = bound / measured, and whether every sequence's ids equal its
+//! solo run's.
+
+use anyhow::Context;
+use serde::Serialize;
+
+use super::bench::BenchArgs;
+use crate::config::Config;
+use crate::engine::measure::MeasureSpec;
+use crate::engine::measure_batch::{
+    expected_distinct_experts, ids_match_solo, measure_resident_batch, measure_streaming_batch, solo_ids,
+    BatchMeasurement, BatchSpec,
+};
+use crate::engine::StreamingRun;
+use crate::error::UsageError;
+use crate::tokenizer::Tokenizer;
+
+/// Sequences of one batch cell at most: every sequence gets a state slot and a solo run, so
+/// the limit keeps a typo from planning thousands of them.
+pub const BATCH_MAX: usize = 256;
+
+/// The mode the batch cells run in: the default, as `k3ring batch` would.
+pub const BATCH_MODE: &str = "pipelined";
+
+/// `--batch` values: 1..=[`BATCH_MAX`].
+pub(super) fn parse_batch(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=BATCH_MAX).contains(&n) => Ok(n),
+        _ => Err(format!("{s:?} is not a batch size in 1..={BATCH_MAX}")),
+    }
+}
+
+/// Refuses a batch size given twice: each size is one cell, and its median would mix two.
+pub(super) fn check_sizes(sizes: &[usize]) -> Result<(), UsageError> {
+    for (i, b) in sizes.iter().enumerate() {
+        if sizes[..i].contains(b) {
+            return Err(UsageError(format!("--batch: {b} is given twice; list each batch size once")));
+        }
+    }
+    Ok(())
+}
+
+/// The batch cells' workload: the sizes and one prompt per sequence of the largest.
+pub(super) struct BatchWork {
+    pub sizes: Vec<usize>,
+    prompts: Vec<Vec<u32>>,
+    warmup: usize,
+    steps: usize,
+    prefill_chunk: usize,
+}
+
+impl BatchWork {
+    /// `None` without `--batch`.
+    pub fn new(args: &BenchArgs, tok: &Tokenizer, spec: &MeasureSpec) -> anyhow::Result<Option<BatchWork>> {
+        let Some(&largest) = args.batch.iter().max() else { return Ok(None) };
+        let prompts = (0..largest)
+            .map(|i| tok.encode(&format!("{} #{}", args.prompt, i + 1)))
+            .collect::<Result<Vec<_>, _>>()
+            .context("encoding the batch cells' prompts")?;
+        Ok(Some(BatchWork {
+            sizes: args.batch.clone(),
+            prompts,
+            warmup: spec.warmup,
+            steps: spec.tokens,
+            prefill_chunk: spec.prefill_chunk,
+        }))
+    }
+
+    pub fn spec(&self, batch: usize) -> BatchSpec {
+        BatchSpec {
+            prompts: self.prompts[..batch].to_vec(),
+            warmup: self.warmup,
+            steps: self.steps,
+            prefill_chunk: self.prefill_chunk,
+        }
+    }
+
+    /// The streaming run of a cell of `batch`: `run` (a mode cell's) with a state slot per
+    /// sequence, scratch for the widest step and the slots' context.
+    pub fn run(&self, mut run: StreamingRun, batch: usize) -> StreamingRun {
+        let spec = self.spec(batch);
+        run.sequences = batch;
+        run.chunk = spec.options().step_rows();
+        run.context = spec.context();
+        run
+    }
+
+    /// Tokens of each solo run: the most any cell's sequence can generate.
+    fn solo_tokens(&self) -> usize {
+        self.sizes.iter().map(|&b| self.spec(b).max_tokens()).max().unwrap_or(1)
+    }
+}
+
+/// What the resident runs gave: per batch size the median compute per step, the solo runs'
+/// ids, and whether the resident batches reproduced them.
+pub(super) struct Resident {
+    seconds_per_step: Vec<(usize, f64)>,
+    solo: Vec<Vec<u32>>,
+    ids_match: bool,
+}
+
+/// Solo runs of every prompt, then each batch size's resident compute per step, `repeats`
+/// times with the sizes alternating; the median per size.
+pub(super) fn measure_resident(
+    args: &BenchArgs,
+    kernels: kernels::Kernels,
+    work: &BatchWork,
+) -> anyhow::Result<Resident> {
+    let solo = solo_ids(&args.model, kernels, args.threads, &work.prompts, work.solo_tokens(), work.prefill_chunk)
+        .context("solo runs of the batch cells' prompts")?;
+    let mut samples: Vec<(usize, f64)> = Vec::new();
+    let mut ids_match = true;
+    for _ in 0..args.repeats.max(1) {
+        for &b in &work.sizes {
+            let m = measure_resident_batch(&args.model, kernels, args.threads, &work.spec(b))
+                .with_context(|| format!("resident batch of {b}"))?;
+            ids_match &= ids_match_solo(&m.ids, &solo);
+            samples.push((b, m.seconds_per_step));
+        }
+    }
+    let seconds_per_step = work
+        .sizes
+        .iter()
+        .map(|&b| {
+            let mut v: Vec<f64> = samples.iter().filter(|s| s.0 == b).map(|s| s.1).collect();
+            v.sort_by(f64::total_cmp);
+            (b, v.get(v.len() / 2).copied().unwrap_or(0.0))
+        })
+        .collect();
+    Ok(Resident { seconds_per_step, solo, ids_match })
+}
+
+/// One batch cell streaming at `budget`.
+pub(super) fn measure_cell(
+    args: &BenchArgs,
+    kernels: kernels::Kernels,
+    work: &BatchWork,
+    run: StreamingRun,
+    batch: usize,
+) -> anyhow::Result<BatchMeasurement> {
+    let m = measure_streaming_batch(&args.model, &args.trunk, &work.run(run, batch), kernels, &work.spec(batch))?;
+    Ok(m)
+}
+
+/// One batch cell's median sample, its bound and checks.
+#[derive(Serialize)]
+pub(super) struct BatchCell {
+    budget_gb: f64,
+    mode: &'static str,
+    /// The plan pinned every trunk unit (else some stream through the ring every step).
+    trunk_pinned: bool,
+    #[serde(flatten)]
+    m: BatchMeasurement,
+    trunk_bytes_per_token: f64,
+    expert_bytes_per_token: f64,
+    /// `E (1 - (1 - k/E)^B)`: the distinct experts of B tokens each choosing top-k of E
+    /// uniformly.
+    expected_distinct_experts_per_layer_step: f64,
+    device_read_rate_during: f64,
+    /// The resident compute of one step of B decode rows (median of the resident runs).
+    resident_seconds_per_step: f64,
+    /// `max(bytes read per step / device rate, resident compute per step)`.
+    bound_seconds_per_step: f64,
+    /// "device" or "compute": the larger part of the bound.
+    bound_by: &'static str,
+    efficiency: f64,
+    /// Every sequence's ids, in every repeat of this cell, equal its solo run's.
+    ids_match_solo: bool,
+}
+
+/// Aggregate tokens/s of a cell over the batch of 1 at the same budget.
+#[derive(Serialize)]
+pub(super) struct BatchRatio {
+    budget_gb: f64,
+    batch: usize,
+    tokens_per_second_vs_batch_1: f64,
+}
+
+/// The batch part of the report (`batch` in `--json`).
+#[derive(Serialize)]
+pub(super) struct BatchReport {
+    /// Per batch size: the resident compute per step.
+    resident_seconds_per_step: Vec<(usize, f64)>,
+    cells: Vec<BatchCell>,
+    ratios: Vec<BatchRatio>,
+    /// Every batch cell's and resident batch's sequences equal their solo runs.
+    pub ids_match_solo: bool,
+}
+
+/// Reduces the samples (budget, measurement) to one cell per (budget, size): the median by
+/// s/step, with the device rate probed around that budget's cells (`device_rates`).
+pub(super) fn report(
+    samples: &[(f64, BatchMeasurement)],
+    device_rates: &[(f64, f64)],
+    resident: Resident,
+    work: &BatchWork,
+    cfg: &Config,
+) -> BatchReport {
+    let mut cells = Vec::new();
+    for &(budget, device_rate) in device_rates {
+        for &b in &work.sizes {
+            let runs: Vec<&BatchMeasurement> =
+                samples.iter().filter(|s| s.0 == budget && s.1.batch == b).map(|s| &s.1).collect();
+            let ids_match = runs.iter().all(|m| ids_match_solo(&m.ids, &resident.solo));
+            let mut sorted = runs.clone();
+            sorted.sort_by(|x, y| x.seconds_per_step.total_cmp(&y.seconds_per_step));
+            let Some(m) = sorted.get(sorted.len() / 2) else { continue };
+            let compute = resident.seconds_per_step.iter().find(|r| r.0 == b).map_or(0.0, |r| r.1);
+            cells.push(cell(budget, (*m).clone(), device_rate, compute, ids_match, cfg));
+        }
+    }
+    let ratios = ratios(&cells);
+    let ids_match_solo = resident.ids_match && cells.iter().all(|c| c.ids_match_solo);
+    BatchReport { resident_seconds_per_step: resident.seconds_per_step, cells, ratios, ids_match_solo }
+}
+
+fn cell(
+    budget_gb: f64,
+    m: BatchMeasurement,
+    device_rate: f64,
+    compute: f64,
+    ids_match: bool,
+    cfg: &Config,
+) -> BatchCell {
+    let b = m.batch.max(1) as f64;
+    let io = (m.trunk_bytes_per_step + m.expert_bytes_per_step) / device_rate;
+    let bound = io.max(compute);
+    BatchCell {
+        budget_gb,
+        mode: BATCH_MODE,
+        trunk_pinned: m.plan.as_ref().is_some_and(|p| p.streamed.is_empty()),
+        trunk_bytes_per_token: m.trunk_bytes_per_step / b,
+        expert_bytes_per_token: m.expert_bytes_per_step / b,
+        expected_distinct_experts_per_layer_step: expected_distinct_experts(cfg.moe.n_experts, cfg.moe.top_k, m.batch),
+        device_read_rate_during: device_rate,
+        resident_seconds_per_step: compute,
+        bound_seconds_per_step: bound,
+        bound_by: if io >= compute { "device" } else { "compute" },
+        efficiency: bound / m.seconds_per_step,
+        ids_match_solo: ids_match,
+        m,
+    }
+}
+
+fn ratios(cells: &[BatchCell]) -> Vec<BatchRatio> {
+    let one = |budget: f64| cells.iter().find(|c| c.budget_gb == budget && c.m.batch == 1);
+    cells
+        .iter()
+        .filter(|c| c.m.batch != 1)
+        .filter_map(|c| {
+            let base = one(c.budget_gb)?;
+            Some(BatchRatio {
+                budget_gb: c.budget_gb,
+                batch: c.m.batch,
+                tokens_per_second_vs_batch_1: c.m.tokens_per_second / base.m.tokens_per_second,
+            })
+        })
+        .collect()
+}
+
+pub(super) fn print(r: &BatchReport) {
+    println!(
+        "batch cells ({BATCH_MODE}; B sequences, distinct prompts, greedy; a step is one token of every sequence):"
+    );
+    println!(
+        "{:>7} {:>8} {:>5} {:>8} {:>7} {:>10} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>4}",
+        "budget",
+        "trunk",
+        "batch",
+        "s/step",
+        "tok/s",
+        "trunk/step",
+        "trunk/tok",
+        "exp/tok",
+        "experts/L",
+        "expected",
+        "reads/L",
+        "dev GB/s",
+        "compute",
+        "bound",
+        "by",
+        "effic.",
+        "ids"
+    );
+    for c in &r.cells {
+        println!(
+            "{:>6}G {:>8} {:>5} {:>8.3} {:>7.2} {:>9.2}G {:>8.3}G {:>7.3}G {:>9.1} {:>8.1} {:>9.1} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>7.2} {:>4}",
+            c.budget_gb,
+            if c.trunk_pinned { "pinned" } else { "streamed" },
+            c.m.batch,
+            c.m.seconds_per_step,
+            c.m.tokens_per_second,
+            c.m.trunk_bytes_per_step / 1e9,
+            c.trunk_bytes_per_token / 1e9,
+            c.expert_bytes_per_token / 1e9,
+            c.m.distinct_experts_per_layer_step,
+            c.expected_distinct_experts_per_layer_step,
+            c.m.expert_reads_per_layer_step,
+            c.device_read_rate_during / 1e9,
+            c.resident_seconds_per_step,
+            c.bound_seconds_per_step,
+            c.bound_by,
+            c.efficiency,
+            if c.ids_match_solo { "ok" } else { "DIFF" }
+        );
+    }
+    for x in &r.ratios {
+        println!(
+            "batch at {} GB: batch {} decodes {:.2}x the tokens/s of batch 1",
+            x.budget_gb, x.batch, x.tokens_per_second_vs_batch_1
+        );
+    }
+    for c in r.cells.iter().filter(|c| c.m.batch == r.cells.iter().map(|c| c.m.batch).max().unwrap_or(0)) {
+        if let Some(plan) = &c.m.plan {
+            println!("at {} GB, batch {}: {}", c.budget_gb, c.m.batch, plan.describe());
+        }
+    }
+    println!(
+        "experts/L: distinct experts per MoE layer per step as the expert pool counted them (resident, in flight or \
+         read); expected: E(1-(1-k/E)^B) for uniform routing; reads/L: those read"
+    );
+    println!(
+        "compute: the resident compute of one step of B rows; bound = max((trunk + expert bytes per step) / dev GB/s, \
+         compute); effic. = bound / s/step"
+    );
+    println!(
+        "ids of every batch cell (every repeat) and of the resident batches equal their solo runs: {}",
+        if r.ids_match_solo { "yes" } else { "NO" }
+    );
+}

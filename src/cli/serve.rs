@@ -1,0 +1,218 @@
+//! `k3ring serve`: the OpenAI-compatible HTTP server (crate::serve) behind the flags. Opens the
+//! model as `batch` does (resident, or streaming under a budget), binds, prints the address on
+//! stderr (`k3ring: listening on http://ADDR`), and serves until SIGINT/SIGTERM (exit 0).
+
+use std::net::{IpAddr, TcpListener, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use super::open_model::{ModelJob, OpenModel};
+use super::pipeline_flags::PipelineArgs;
+use super::run::refuse_streaming_flags;
+use super::StorageArgs;
+use crate::config::Config;
+use crate::engine::{BatchOptions, Opened};
+use crate::error::UsageError;
+use crate::model::weights::WeightSource;
+use crate::model::LayerHook;
+use crate::serve::{serve, Ready, ServeOptions};
+use crate::storage::plan::Plan;
+use crate::storage::stream::StreamStats;
+
+#[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true, args_override_self = true)]
+pub struct ServeArgs {
+    /// Model directory; without it, the tiny K3 model built into the binary.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// The model's name in the API (default: the model directory's name).
+    #[arg(long, value_name = "NAME")]
+    pub model_name: Option<String>,
+    /// Address to bind. Loopback by default; any other address is reachable from elsewhere.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to bind (0: any free port; the address is printed on stderr).
+    #[arg(long, value_name = "N", default_value_t = 8080)]
+    pub port: u16,
+    /// Sequences decoded together at most (fewer when the budget or memory holds fewer).
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = super::parse_chunk)]
+    pub max_batch: usize,
+    /// Requests that may wait for a sequence slot; beyond them a request gets 429.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_queue: usize,
+    /// max_tokens at most, and the default for a request that gives none.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    pub max_tokens: usize,
+    /// Positions of each sequence slot: prompt plus generated tokens (default: 4096, or the
+    /// model's context if smaller).
+    #[arg(long, value_name = "N")]
+    pub context: Option<usize>,
+    /// Prompt tokens per step, over all sequences being prefilled.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = super::parse_chunk)]
+    pub prefill_chunk: usize,
+    /// Every request must carry `Authorization: Bearer KEY` (else 401).
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Request body bytes at most (else 413).
+    #[arg(long, value_name = "BYTES", default_value_t = 1 << 20)]
+    pub max_body: usize,
+    /// Seconds requests in flight may go on after SIGINT/SIGTERM before they are cancelled.
+    #[arg(long, value_name = "S", default_value_t = 30.0)]
+    pub grace: f64,
+    /// Compute threads (0 = one per core).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub threads: usize,
+    /// Kernel instruction set: auto (the best this CPU has), scalar, avx2 or avx512.
+    #[arg(long, value_name = "ISA", default_value = "auto")]
+    pub isa: String,
+    #[command(flatten)]
+    pub storage: StorageArgs,
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
+    /// Ids of the flags given on the command line (filled by `main`).
+    #[arg(skip)]
+    pub given: Vec<String>,
+}
+
+/// Slot positions when `--context` is not given.
+const DEFAULT_CONTEXT: usize = 4096;
+
+pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    let kernels = super::kernels_for(&args.isa)?;
+    if args.storage.trunk.is_none() && !args.pipeline.print_placement {
+        refuse_streaming_flags(&args.given)?;
+    }
+    if args.pipeline.dump_trace.is_some() {
+        return Err(
+            UsageError("--dump-trace records the routing of one sequence; use `k3ring run` for it".into()).into()
+        );
+    }
+    if args.pipeline.trace.is_some() {
+        return Err(UsageError(
+            "--trace is not written by a server, which runs until stopped; trace the same requests with `k3ring batch --trace`".into(),
+        )
+        .into());
+    }
+    if !(args.grace.is_finite() && args.grace >= 0.0 && Duration::try_from_secs_f64(args.grace).is_ok()) {
+        return Err(UsageError(format!("--grace {} is not a number of seconds >= 0", args.grace)).into());
+    }
+    if args.max_tokens == 0 {
+        return Err(UsageError("--max-tokens 0 leaves no room for a reply".into()).into());
+    }
+    if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        return Err(UsageError("--api-key is empty".into()).into());
+    }
+    let placement = args.pipeline.placement(args.threads)?;
+    if args.pipeline.print_placement {
+        println!("{}", placement.describe());
+        return Ok(());
+    }
+    let (model_dir, default_name) = match &args.model {
+        Some(dir) => {
+            let name = dir.canonicalize().unwrap_or_else(|_| dir.clone());
+            let name = name.file_name().map_or_else(|| "k3".to_owned(), |n| n.to_string_lossy().into_owned());
+            (dir.clone(), name)
+        }
+        None => (super::embedded::tiny_model_dir()?, "tiny-k3".to_owned()),
+    };
+    let cfg = Config::from_model_dir(&model_dir)?;
+    let context = match (&cfg.context_length, args.context) {
+        (Some(c), Some(asked)) if asked > c.positions => {
+            return Err(UsageError(format!(
+                "--context {asked} is beyond the model's context of {} positions ({})",
+                c.positions, c.source
+            ))
+            .into())
+        }
+        (_, Some(asked)) => asked.max(2),
+        (Some(c), None) => c.positions.min(DEFAULT_CONTEXT),
+        (None, None) => DEFAULT_CONTEXT,
+    };
+    let listener = bind(&args.host, args.port)?;
+    let opts = ServeOptions {
+        model_name: args.model_name.clone().unwrap_or(default_name),
+        batch: BatchOptions { max_batch: args.max_batch, prefill_chunk: args.prefill_chunk, context },
+        max_queue: args.max_queue,
+        max_tokens: args.max_tokens,
+        api_key: args.api_key.clone(),
+        body_limit: args.max_body,
+        grace: Duration::from_secs_f64(args.grace),
+    };
+    let open = OpenModel {
+        model_dir: &model_dir,
+        storage: &args.storage,
+        pipeline: &args.pipeline,
+        threads: args.threads,
+        kernels,
+        placement,
+        sequences: args.max_batch,
+        chunk: args.max_batch + args.prefill_chunk,
+        context,
+    };
+    open.run(Start { listener, opts })
+}
+
+/// Serving, once the model is open.
+struct Start {
+    listener: TcpListener,
+    opts: ServeOptions,
+}
+
+impl ModelJob for Start {
+    fn run<S: WeightSource + LayerHook>(
+        self,
+        opened: &Opened<S>,
+        plan: Option<&Plan>,
+        storage: &dyn Fn(&S) -> Option<StreamStats>,
+    ) -> anyhow::Result<()> {
+        // The plan may hold fewer sequences than asked for.
+        let mut opts = self.opts;
+        if let Some(p) = plan {
+            opts.batch.max_batch = p.sequences;
+        }
+        start(opened, self.listener, &opts, storage)
+    }
+}
+
+/// Binds `host:port`, warning when the address is reachable from elsewhere without a key.
+fn bind(host: &str, port: u16) -> anyhow::Result<TcpListener> {
+    let addrs: Vec<_> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| UsageError(format!("--host {host:?} is not an address this machine can bind ({e})")))?
+        .collect();
+    let listener = TcpListener::bind(&addrs[..]).with_context(|| format!("binding {host}:{port}"))?;
+    Ok(listener)
+}
+
+fn start<S: WeightSource + LayerHook>(
+    opened: &Opened<S>,
+    listener: TcpListener,
+    opts: &ServeOptions,
+    storage: &dyn Fn(&S) -> Option<StreamStats>,
+) -> anyhow::Result<()> {
+    let loopback = listener.local_addr().map(|a| is_loopback(a.ip())).unwrap_or(false);
+    if !loopback && opts.api_key.is_none() {
+        eprintln!(
+            "k3ring: warning: serving on a non-loopback address without --api-key: anyone who can reach this machine can use the model"
+        );
+    }
+    let name = opts.model_name.clone();
+    serve(opened, listener, opts, storage, |r: &Ready| {
+        eprintln!(
+            "k3ring: serving model {name:?} with {} sequence slots of {} positions, up to {} waiting",
+            r.slots, r.context, opts.max_queue
+        );
+        eprintln!("k3ring: listening on http://{}", r.addr);
+    })?;
+    eprintln!("k3ring: server stopped");
+    Ok(())
+}
+
+fn is_loopback(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
+    }
+}

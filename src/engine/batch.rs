@@ -1,0 +1,377 @@
+//! Continuous batching: a [`Batcher`] advances a set of sequences one step at a time. Each step
+//! runs every layer once over all active rows: one decode row per running sequence, then
+//! prefill pieces of newly admitted ones, so the trunk is read once per step for all of them
+//! and each distinct expert once per layer per step. Sequences join between steps and leave on
+//! a stop id, on their token limit, or when the caller stops them (a stop string); a finished
+//! sequence's slot is reused by the next request in the queue.
+//!
+//! Every sequence's tokens equal its solo [`Engine::generate`]: the model computes each row as
+//! in a solo run whatever else is in the step ([`Model::forward_batch`]), and each sequence has
+//! its own state, cache and seeded sampler. Slots are allocated once, when the batcher is made,
+//! and a step allocates nothing in steady state.
+#![forbid(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::{context_needed, sampling, Engine, EngineError, Sampling};
+use crate::model::weights::WeightSource;
+use crate::model::{LayerHook, ModelError, ModelState, Scratch, Segment};
+use crate::rng::SplitMix64;
+
+/// One generation request.
+#[derive(Clone, Debug)]
+pub struct BatchRequest {
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (0: finish at once, nothing is run).
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    /// Finish after producing any of these (it is still reported).
+    pub stop_ids: Vec<u32>,
+}
+
+/// The batcher's name for a request, in submission order from 0.
+pub type Ticket = u64;
+
+/// Why a sequence finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// `max_tokens` reached.
+    Length,
+    /// A stop id was produced, or the caller stopped it (a stop string).
+    Stop,
+}
+
+/// How a sequence ended.
+#[derive(Clone, Debug)]
+pub struct Finished {
+    pub ticket: Ticket,
+    pub reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub generated: usize,
+    /// From submission to the last token (queueing included).
+    pub seconds: f64,
+}
+
+/// Receives what a step produced.
+pub trait BatchSink {
+    /// `ticket`'s sequence chose `id`. Return true to finish it here (e.g. a stop string).
+    fn token(&mut self, ticket: Ticket, id: u32) -> bool;
+    fn finished(&mut self, finished: Finished);
+}
+
+/// How a batcher is sized.
+#[derive(Clone, Debug)]
+pub struct BatchOptions {
+    /// Sequences decoded together at most (slots).
+    pub max_batch: usize,
+    /// Prompt tokens per step at most, over all sequences being prefilled.
+    pub prefill_chunk: usize,
+    /// Positions of each slot: prompt plus generated tokens of the longest request admitted.
+    pub context: usize,
+}
+
+impl BatchOptions {
+    /// Rows of the widest step: a decode row per slot plus the prefill tokens.
+    pub fn step_rows(&self) -> usize {
+        self.max_batch.max(1) + self.prefill_chunk.max(1)
+    }
+}
+
+/// Counters over the batcher's life.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BatchStats {
+    pub steps: u64,
+    pub decode_rows: u64,
+    pub prefill_rows: u64,
+    /// Tokens chosen (each sequence's first token comes from its last prefill row).
+    pub generated: u64,
+    /// Steps that ran `n` decode rows, at index `n`.
+    #[serde(skip)]
+    pub steps_by_width: Vec<u64>,
+}
+
+struct Running {
+    ticket: Ticket,
+    request: BatchRequest,
+    /// Prompt tokens run so far.
+    prefilled: usize,
+    /// The token to feed at the next step (decoding) or `None` (prefilling).
+    next: Option<u32>,
+    generated: usize,
+    rng: SplitMix64,
+    submitted: Instant,
+}
+
+/// Sequences in flight and their slots. See the module docs.
+pub struct Batcher<'e, S: WeightSource + LayerHook> {
+    engine: &'e Engine<S>,
+    opts: BatchOptions,
+    states: Vec<ModelState>,
+    slots: Vec<Option<Running>>,
+    /// Occupied slots in admission order (prefill goes first come, first served).
+    order: Vec<usize>,
+    queue: VecDeque<(Ticket, BatchRequest, Instant)>,
+    scratch: Scratch,
+    /// [slots, V]: each sequence has at most one row of logits per step.
+    logits: Vec<f32>,
+    tokens: Vec<u32>,
+    segments: Vec<Segment>,
+    logit_rows: Vec<usize>,
+    logit_slots: Vec<usize>,
+    candidates: Vec<(usize, f64)>,
+    next_ticket: Ticket,
+    stats: BatchStats,
+}
+
+impl<S: WeightSource + LayerHook> Engine<S> {
+    /// Bytes of one sequence slot (states and latent cache for `context` positions).
+    pub fn slot_bytes(&self, context: usize) -> u64 {
+        ModelState::bytes(&self.model.cfg, context)
+    }
+
+    /// Bytes a batcher with `slots` slots allocates besides the slots themselves.
+    pub fn batch_scratch_bytes(&self, opts: &BatchOptions, slots: usize) -> u64 {
+        let cfg = &self.model.cfg;
+        Scratch::bytes(cfg, opts.step_rows(), opts.context) + 4 * (slots * cfg.vocab_size) as u64
+    }
+
+    /// A batcher with `opts.max_batch` slots, or as many as available memory holds (at least
+    /// one, else [`EngineError::Memory`]); [`Batcher::slots`] says how many.
+    pub fn batcher(&self, opts: BatchOptions) -> Result<Batcher<'_, S>, EngineError> {
+        let cfg = &self.model.cfg;
+        let context = opts.context.max(1);
+        let wanted = opts.max_batch.max(1);
+        let slot = self.slot_bytes(context);
+        let fixed = self.batch_scratch_bytes(&opts, wanted);
+        let slots = match crate::memory::available() {
+            Some(available) => {
+                let fit = available.bytes.saturating_sub(fixed) / slot.max(1);
+                if fit == 0 {
+                    let need = fixed + slot;
+                    return Err(EngineError::Memory {
+                        positions: context,
+                        need,
+                        need_gb: need as f64 / 1e9,
+                        available: available.bytes,
+                        available_gb: available.bytes as f64 / 1e9,
+                        limited_by: available.limited_by.to_string(),
+                    });
+                }
+                wanted.min(usize::try_from(fit).unwrap_or(usize::MAX))
+            }
+            None => wanted,
+        };
+        let opts = BatchOptions { max_batch: slots, context, ..opts };
+        Ok(Batcher {
+            engine: self,
+            states: (0..slots).map(|_| ModelState::new(cfg, context)).collect(),
+            slots: (0..slots).map(|_| None).collect(),
+            order: Vec::with_capacity(slots),
+            queue: VecDeque::new(),
+            scratch: Scratch::new(cfg, opts.step_rows(), context),
+            logits: vec![0.0; slots * cfg.vocab_size],
+            tokens: Vec::with_capacity(opts.step_rows()),
+            segments: Vec::with_capacity(slots),
+            logit_rows: Vec::with_capacity(slots),
+            logit_slots: Vec::with_capacity(slots),
+            candidates: Vec::with_capacity(cfg.vocab_size),
+            next_ticket: 0,
+            stats: BatchStats { steps_by_width: vec![0; slots + 1], ..BatchStats::default() },
+            opts,
+        })
+    }
+}
+
+impl<S: WeightSource + LayerHook> Batcher<'_, S> {
+    /// Slots: sequences that run together at most.
+    pub fn slots(&self) -> usize {
+        self.opts.max_batch
+    }
+
+    pub fn options(&self) -> &BatchOptions {
+        &self.opts
+    }
+
+    pub fn stats(&self) -> &BatchStats {
+        &self.stats
+    }
+
+    /// Queues a request; it is refused here, not during a step, when it can never run (empty
+    /// prompt, a token outside the vocabulary, more positions than a slot holds).
+    pub fn submit(&mut self, request: BatchRequest) -> Result<Ticket, EngineError> {
+        if request.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let vocab = self.engine.model.weights.globals.embed_tokens.rows;
+        if let Some(&id) = request.prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ModelError::TokenOutOfRange { id: id as usize, vocab }.into());
+        }
+        let needed = context_needed(&self.engine.model.cfg, request.prompt.len(), request.max_tokens)?;
+        if needed > self.opts.context {
+            return Err(EngineError::SlotTooShort {
+                prompt: request.prompt.len(),
+                gen: request.max_tokens,
+                total: needed,
+                slot: self.opts.context,
+            });
+        }
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.queue.push_back((ticket, request, Instant::now()));
+        Ok(ticket)
+    }
+
+    /// Drops `ticket`'s request: out of the queue, or out of its slot (freed for the next
+    /// admission). Nothing is reported to a sink for it. Returns false when the ticket is not
+    /// queued or running (already finished, or never issued). The other sequences are not
+    /// touched: each has its own state, so their tokens do not change.
+    pub fn cancel(&mut self, ticket: Ticket) -> bool {
+        if let Some(at) = self.queue.iter().position(|(t, _, _)| *t == ticket) {
+            self.queue.remove(at);
+            return true;
+        }
+        let found = self.order.iter().copied().find(|&s| self.slots[s].as_ref().is_some_and(|r| r.ticket == ticket));
+        let Some(slot) = found else { return false };
+        self.slots[slot] = None;
+        self.order.retain(|&s| s != slot);
+        true
+    }
+
+    /// Requests queued (not yet in a slot).
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Requests queued or running.
+    pub fn pending(&self) -> usize {
+        self.queue.len() + self.order.len()
+    }
+
+    /// Sequences running (prefilling or decoding).
+    pub fn running(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Admits what fits, runs one step over every active row and hands the chosen tokens and
+    /// finished sequences to `sink`. Returns false when there was nothing to run.
+    pub fn step(&mut self, sink: &mut dyn BatchSink) -> Result<bool, EngineError> {
+        self.admit(sink);
+        if self.order.is_empty() {
+            return Ok(false);
+        }
+        self.compose();
+        let engine = self.engine;
+        let (states, segments, scratch) = (&mut self.states, &self.segments, &mut self.scratch);
+        let (tokens, logit_rows, logits) = (&self.tokens, &self.logit_rows, &mut self.logits);
+        engine.pool.install(|| {
+            let (src, hook) = (&engine.src, &engine.src as &dyn LayerHook);
+            engine.model.forward_batch(src, hook, states, segments, scratch, tokens, logit_rows, logits, None)
+        })?;
+        self.stats.steps += 1;
+        self.choose(sink);
+        Ok(true)
+    }
+
+    /// Moves queued requests into free slots (a request for no tokens finishes at once).
+    fn admit(&mut self, sink: &mut dyn BatchSink) {
+        while let Some(slot) = self.slots.iter().position(Option::is_none) {
+            let Some((ticket, request, submitted)) = self.queue.pop_front() else { break };
+            if request.max_tokens == 0 {
+                sink.finished(Finished {
+                    ticket,
+                    reason: FinishReason::Length,
+                    prompt_tokens: request.prompt.len(),
+                    generated: 0,
+                    seconds: submitted.elapsed().as_secs_f64(),
+                });
+                continue;
+            }
+            self.states[slot].reset();
+            let rng = SplitMix64::new(request.sampling.seed);
+            self.slots[slot] =
+                Some(Running { ticket, request, prefilled: 0, next: None, generated: 0, rng, submitted });
+            self.order.push(slot);
+        }
+    }
+
+    /// Rows of this step: a decode row per decoding sequence, then prompt pieces in admission
+    /// order up to the prefill chunk.
+    fn compose(&mut self) {
+        self.tokens.clear();
+        self.segments.clear();
+        self.logit_rows.clear();
+        self.logit_slots.clear();
+        let mut decode = 0;
+        for &slot in &self.order {
+            let Some(run) = &self.slots[slot] else { continue };
+            if let Some(next) = run.next {
+                let row = self.tokens.len();
+                self.tokens.push(next);
+                self.segments.push(Segment { slot, rows: row..row + 1 });
+                self.logit_rows.push(row);
+                self.logit_slots.push(slot);
+                decode += 1;
+            }
+        }
+        let mut budget = self.opts.prefill_chunk.max(1);
+        for &slot in &self.order {
+            let Some(run) = &mut self.slots[slot] else { continue };
+            if run.next.is_some() || budget == 0 {
+                continue;
+            }
+            let take = (run.request.prompt.len() - run.prefilled).min(budget);
+            let row = self.tokens.len();
+            self.tokens.extend_from_slice(&run.request.prompt[run.prefilled..run.prefilled + take]);
+            self.segments.push(Segment { slot, rows: row..row + take });
+            run.prefilled += take;
+            budget -= take;
+            if run.prefilled == run.request.prompt.len() {
+                self.logit_rows.push(row + take - 1);
+                self.logit_slots.push(slot);
+            }
+        }
+        self.stats.decode_rows += decode as u64;
+        self.stats.prefill_rows += (self.tokens.len() - decode) as u64;
+        self.stats.steps_by_width[decode] += 1;
+    }
+
+    /// Samples each sequence's next token from its row of logits; finishes the sequences that
+    /// are done and frees their slots.
+    fn choose(&mut self, sink: &mut dyn BatchSink) {
+        let vocab = self.engine.model.cfg.vocab_size;
+        for i in 0..self.logit_slots.len() {
+            let slot = self.logit_slots[i];
+            let Some(run) = &mut self.slots[slot] else { continue };
+            let logits = &self.logits[i * vocab..(i + 1) * vocab];
+            let id = sampling::sample(logits, &run.request.sampling, &mut run.rng, &mut self.candidates) as u32;
+            run.generated += 1;
+            self.stats.generated += 1;
+            let stopped = sink.token(run.ticket, id) || run.request.stop_ids.contains(&id);
+            let reason = if stopped {
+                Some(FinishReason::Stop)
+            } else if run.generated == run.request.max_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            match reason {
+                None => run.next = Some(id),
+                Some(reason) => {
+                    sink.finished(Finished {
+                        ticket: run.ticket,
+                        reason,
+                        prompt_tokens: run.request.prompt.len(),
+                        generated: run.generated,
+                        seconds: run.submitted.elapsed().as_secs_f64(),
+                    });
+                    self.slots[slot] = None;
+                    self.order.retain(|&s| s != slot);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,520 @@
+//! The OpenAI JSON shapes: requests as clients send them, checked into a [`Job`] (no tokenizer
+//! needed: the worker tokenizes), responses and chunks, and the error body
+//! `{"error": {"message", "type", "param", "code"}}`.
+#![forbid(unsafe_code)]
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::chat::template::{Effort, Message, Role, Thinking};
+
+/// An error as the client sees it: an HTTP status and the OpenAI error body.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{status} {kind}: {message}")]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+    pub param: Option<&'static str>,
+    pub message: String,
+    /// Seconds for a `Retry-After` header (429, 503).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: u16, kind: &'static str, code: Option<&'static str>, message: String) -> ApiError {
+        ApiError { status, kind, code, param: None, message, retry_after: None }
+    }
+
+    /// 400: the request is wrong.
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(400, "invalid_request_error", None, message.into())
+    }
+
+    /// 400 naming the offending field.
+    pub fn param(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { param: Some(param), ..ApiError::invalid(message) }
+    }
+
+    /// 400 with a code (e.g. `context_length_exceeded`).
+    pub fn invalid_code(code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError::new(400, "invalid_request_error", Some(code), message.into())
+    }
+
+    pub fn unauthorized(message: impl Into<String>) -> ApiError {
+        ApiError::new(401, "invalid_request_error", Some("invalid_api_key"), message.into())
+    }
+
+    pub fn not_found(code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError::new(404, "invalid_request_error", Some(code), message.into())
+    }
+
+    pub fn method_not_allowed(message: impl Into<String>) -> ApiError {
+        ApiError::new(405, "invalid_request_error", Some("method_not_allowed"), message.into())
+    }
+
+    pub fn too_large(message: impl Into<String>) -> ApiError {
+        ApiError::new(413, "invalid_request_error", Some("request_too_large"), message.into())
+    }
+
+    pub fn queue_full(message: impl Into<String>, retry_after: u64) -> ApiError {
+        ApiError {
+            retry_after: Some(retry_after),
+            ..ApiError::new(429, "rate_limit_error", Some("queue_full"), message.into())
+        }
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError { retry_after: Some(5), ..ApiError::new(503, "server_error", Some("shutting_down"), message.into()) }
+    }
+
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(500, "server_error", None, message.into())
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        serde_json::json!({
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        })
+    }
+}
+
+/// What a prompt is before tokenizing.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    /// Text (added tokens such as `<|open|>` are recognised, as in `k3ring run --prompt`).
+    Text(String),
+    Ids(Vec<u32>),
+    /// A conversation, rendered with the XTML template.
+    Chat {
+        messages: Vec<Message>,
+        thinking: Thinking,
+    },
+}
+
+/// A checked request, ready for the worker.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Job {
+    pub prompt: Prompt,
+    /// As asked; `None` means "up to the cap, as room allows".
+    pub max_tokens: Option<usize>,
+    pub temperature: f32,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    /// A separate last chunk with the usage (`stream_options.include_usage`).
+    pub include_usage: bool,
+    /// Keep generating past end-of-sequence ids (as `k3ring run --ignore-eos`; vLLM's field).
+    pub ignore_eos: bool,
+    /// Put the prompt's ids in the (non-streamed) response as `prompt_token_ids`.
+    pub return_token_ids: bool,
+}
+
+/// `stop`: one string or a list.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The fields both endpoints share. Unknown fields are ignored (clients send `user`,
+/// `metadata` and the like); fields that would change the output and are not supported are
+/// refused, never ignored.
+#[derive(Deserialize)]
+struct Common {
+    model: Option<String>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<u64>,
+    /// Any JSON number: read by hand so that a seed `k3ring run --seed` takes (0 to 2^64-1) is
+    /// taken, and others get an error naming `seed`.
+    seed: Option<serde_json::Number>,
+    stop: Option<Stop>,
+    n: Option<i64>,
+    #[serde(default)]
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    best_of: Option<i64>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    tools: Option<Vec<Value>>,
+    functions: Option<Vec<Value>>,
+    response_format: Option<Value>,
+    #[serde(default)]
+    ignore_eos: bool,
+    #[serde(default)]
+    return_token_ids: bool,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: Option<Value>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Option<Vec<ChatMessage>>,
+    /// k3ring: thinking on (default) or off.
+    thinking: Option<Value>,
+    /// `low`, `high` or `max` (`medium` is refused, as the K3 encoder does); `none` turns
+    /// thinking off.
+    reasoning_effort: Option<String>,
+    chat_template_kwargs: Option<ChatTemplateKwargs>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct ChatTemplateKwargs {
+    thinking: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct ChatMessage {
+    role: String,
+    content: Option<Value>,
+    reasoning_content: Option<String>,
+}
+
+/// Limits the server applies while checking.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// The name of the one model served.
+    pub model: String,
+    /// `max_tokens` at most.
+    pub max_tokens: usize,
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::invalid("the request body is empty; send a JSON object"));
+    }
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object"));
+    }
+    serde_json::from_value(value).map_err(|e| ApiError::invalid(format!("bad request field: {e}")))
+}
+
+/// Checks a `/v1/completions` body.
+pub fn completion_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
+    let b: CompletionBody = parse_json(body)?;
+    let prompt = match b.prompt {
+        None => return Err(ApiError::param("prompt", "give \"prompt\": text or an array of token ids")),
+        Some(Value::String(s)) => Prompt::Text(s),
+        Some(Value::Array(items)) => prompt_array(&items)?,
+        Some(_) => return Err(ApiError::param("prompt", "\"prompt\" must be text or an array of token ids")),
+    };
+    if b.common.echo == Some(true) {
+        return Err(ApiError::param("echo", "echo is not supported"));
+    }
+    if b.common.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::param("suffix", "suffix (insertion) is not supported"));
+    }
+    if b.common.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::param("best_of", "best_of must be 1: one completion per request"));
+    }
+    common_job(prompt, b.common, limits)
+}
+
+/// `prompt` as an array: token ids, or a single text or id list inside it.
+fn prompt_array(items: &[Value]) -> Result<Prompt, ApiError> {
+    let many = || ApiError::param("prompt", "one prompt per request: send the others as separate requests");
+    match items {
+        [] => Err(ApiError::param("prompt", "the prompt is empty: give at least one token")),
+        [Value::String(s)] => Ok(Prompt::Text(s.clone())),
+        [Value::Array(ids)] => Ok(Prompt::Ids(token_ids(ids)?)),
+        [Value::String(_) | Value::Array(_), ..] => Err(many()),
+        ids => Ok(Prompt::Ids(token_ids(ids)?)),
+    }
+}
+
+fn token_ids(items: &[Value]) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| ApiError::param("prompt", format!("{v} is not a token id (an integer >= 0)")))
+        })
+        .collect()
+}
+
+/// Checks a `/v1/chat/completions` body.
+pub fn chat_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
+    let b: ChatBody = parse_json(body)?;
+    let Some(raw) = b.messages else {
+        return Err(ApiError::param("messages", "give \"messages\": a list of {role, content}"));
+    };
+    if raw.is_empty() {
+        return Err(ApiError::param("messages", "\"messages\" is empty"));
+    }
+    if b.common.tools.as_ref().is_some_and(|t| !t.is_empty())
+        || b.common.functions.as_ref().is_some_and(|t| !t.is_empty())
+    {
+        return Err(ApiError::param("tools", "tools and function calling are not supported"));
+    }
+    let messages = raw.into_iter().enumerate().map(|(i, m)| chat_message(i, m)).collect::<Result<Vec<_>, _>>()?;
+    let mut thinking = Thinking::default();
+    match b.thinking {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(on)) => thinking.enabled = on,
+        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
+            Some("enabled") => thinking.enabled = true,
+            Some("disabled") => thinking.enabled = false,
+            _ => {
+                return Err(ApiError::param(
+                    "thinking",
+                    "thinking: give true/false or {\"type\": \"enabled\" | \"disabled\"}",
+                ))
+            }
+        },
+        Some(_) => return Err(ApiError::param("thinking", "thinking: give true or false")),
+    }
+    if let Some(on) = b.chat_template_kwargs.and_then(|k| k.thinking) {
+        thinking.enabled = on;
+    }
+    match b.reasoning_effort.as_deref() {
+        None => {}
+        Some("none") => thinking.enabled = false,
+        Some(e) => {
+            thinking.effort = Effort::parse(e)
+                .map_err(|err| ApiError::param("reasoning_effort", format!("reasoning_effort: {err}")))?;
+        }
+    }
+    crate::chat::template::check_order(&messages).map_err(|e| ApiError::param("messages", e.to_string()))?;
+    if messages.last().is_none_or(|m| m.role != Role::User) {
+        return Err(ApiError::param("messages", "the last message must be the user's: a reply is asked for"));
+    }
+    common_job(Prompt::Chat { messages, thinking }, b.common, limits)
+}
+
+fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
+    let role = match m.role.as_str() {
+        "system" | "developer" => Role::System,
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
+        other => {
+            return Err(ApiError::param(
+                "messages",
+                format!("message {index}: role {other:?} is not supported (system, developer, user, assistant)"),
+            ))
+        }
+    };
+    let content = match m.content {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s,
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    _ => {
+                        return Err(ApiError::param(
+                            "messages",
+                            format!("message {index}: only text content parts are supported"),
+                        ))
+                    }
+                }
+            }
+            text
+        }
+        Some(_) => return Err(ApiError::param("messages", format!("message {index}: content must be text"))),
+    };
+    let reasoning = if role == Role::Assistant { m.reasoning_content } else { None };
+    Ok(Message { role, content, reasoning_content: reasoning })
+}
+
+fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiError> {
+    if let Some(model) = c.model.as_deref().filter(|m| *m != limits.model) {
+        return Err(ApiError {
+            param: Some("model"),
+            ..ApiError::not_found(
+                "model_not_found",
+                format!("the model {model:?} does not exist here; this server serves {:?}", limits.model),
+            )
+        });
+    }
+    if let Some(n) = c.n.filter(|&n| n != 1) {
+        return Err(ApiError::param(
+            "n",
+            format!("n = {n} is refused: this server returns exactly one choice (n = 1)"),
+        ));
+    }
+    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+        None => None,
+        Some(m) => {
+            let m = usize::try_from(m).unwrap_or(usize::MAX);
+            if m > limits.max_tokens {
+                return Err(ApiError::param(
+                    "max_tokens",
+                    format!("max_tokens {m} is above this server's cap of {} (--max-tokens)", limits.max_tokens),
+                ));
+            }
+            Some(m)
+        }
+    };
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
+        return Err(ApiError::param("temperature", format!("temperature {temperature} is not in [0, 2]")));
+    }
+    if let Some(p) = c.top_p.filter(|p| !(p.is_finite() && *p > 0.0 && *p <= 1.0)) {
+        return Err(ApiError::param("top_p", format!("top_p {p} is not in (0, 1]")));
+    }
+    if c.top_k == Some(0) {
+        return Err(ApiError::param("top_k", "top_k 0 keeps no token; give 1 or more"));
+    }
+    for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
+        if v.is_some_and(|v| v != 0.0) {
+            return Err(ApiError::invalid(format!("{name} is not supported (only 0)")));
+        }
+    }
+    if c.logit_bias.is_some_and(|m| !m.is_empty()) {
+        return Err(ApiError::param("logit_bias", "logit_bias is not supported"));
+    }
+    let wants_logprobs = |v: &Option<Value>| matches!(v, Some(v) if !v.is_null() && *v != Value::Bool(false));
+    if wants_logprobs(&c.logprobs) || wants_logprobs(&c.top_logprobs) {
+        return Err(ApiError::param("logprobs", "logprobs are not supported"));
+    }
+    if let Some(f) = &c.response_format {
+        if f.get("type").and_then(Value::as_str) != Some("text") {
+            return Err(ApiError::param("response_format", "only response_format {\"type\": \"text\"} is supported"));
+        }
+    }
+    let stop = match c.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::param("stop", "an empty stop string would stop at once"));
+    }
+    if stop.len() > 16 {
+        return Err(ApiError::param("stop", format!("{} stop strings; 16 at most", stop.len())));
+    }
+    let seed = match c.seed {
+        None => None,
+        Some(n) => Some(n.as_u64().ok_or_else(|| {
+            ApiError::param("seed", format!("seed {n} is not an integer from 0 to 18446744073709551615"))
+        })?),
+    };
+    let stream = c.stream.unwrap_or(false);
+    let include_usage = stream && c.stream_options.is_some_and(|o| o.include_usage);
+    Ok(Job {
+        prompt,
+        max_tokens,
+        temperature: temperature as f32,
+        top_k: c.top_k.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
+        top_p: c.top_p.map(|p| p as f32),
+        seed,
+        stop,
+        stream,
+        include_usage,
+        ignore_eos: c.ignore_eos,
+        return_token_ids: c.return_token_ids,
+    })
+}
+
+/// Token counts of a response.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Usage {
+        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits { model: "m".into(), max_tokens: 100 }
+    }
+
+    #[test]
+    fn completion_prompts_and_fields() {
+        let j = completion_job(br#"{"model":"m","prompt":"hi","max_tokens":5,"temperature":0,"seed":3}"#, &limits())
+            .unwrap();
+        assert_eq!(j.prompt, Prompt::Text("hi".into()));
+        assert_eq!((j.max_tokens, j.temperature, j.seed), (Some(5), 0.0, Some(3)));
+        let big = completion_job(br#"{"prompt":"hi","seed":18446744073709551615}"#, &limits()).map(|j| j.seed);
+        assert_eq!(big.ok(), Some(Some(u64::MAX)), "every seed run takes");
+        for bad in [&br#"{"prompt":"hi","seed":-1}"#[..], br#"{"prompt":"hi","seed":1.5}"#] {
+            let e = completion_job(bad, &limits()).err().map(|e| e.param);
+            assert_eq!(e, Some(Some("seed")), "{}", String::from_utf8_lossy(bad));
+        }
+        let j = completion_job(br#"{"prompt":[1,2,3]}"#, &limits()).unwrap();
+        assert_eq!(j.prompt, Prompt::Ids(vec![1, 2, 3]));
+        let j = completion_job(br#"{"prompt":[[4,5]], "stop": "x"}"#, &limits()).unwrap();
+        assert_eq!((j.prompt, j.stop), (Prompt::Ids(vec![4, 5]), vec!["x".to_owned()]));
+    }
+
+    #[test]
+    fn refusals_have_status_and_param() {
+        let err = |b: &str| completion_job(b.as_bytes(), &limits()).unwrap_err();
+        assert_eq!(err("{").status, 400);
+        assert_eq!(err("[]").status, 400);
+        assert_eq!(err("").status, 400);
+        assert_eq!(err(r#"{"prompt":"a","n":2}"#).param, Some("n"));
+        assert_eq!(err(r#"{"prompt":"a","model":"other"}"#).status, 404);
+        assert_eq!(err(r#"{"prompt":"a","max_tokens":101}"#).param, Some("max_tokens"));
+        assert_eq!(err(r#"{"prompt":"a","temperature":-1}"#).param, Some("temperature"));
+        assert_eq!(err(r#"{"prompt":"a","top_p":0}"#).param, Some("top_p"));
+        assert_eq!(err(r#"{"prompt":["a","b"]}"#).param, Some("prompt"));
+        assert_eq!(err(r#"{"prompt":[-1]}"#).param, Some("prompt"));
+        assert_eq!(err(r#"{"prompt":"a","stop":[""]}"#).param, Some("stop"));
+        assert_eq!(err(r#"{"prompt":"a","logprobs":2}"#).param, Some("logprobs"));
+        assert_eq!(err(r#"{"prompt":"a","max_tokens":"x"}"#).status, 400);
+    }
+
+    #[test]
+    fn chat_thinking_and_order() {
+        let j = chat_job(br#"{"messages":[{"role":"user","content":"hi"}],"thinking":false}"#, &limits()).unwrap();
+        let Prompt::Chat { messages, thinking } = j.prompt else { panic!("not chat") };
+        assert!(!thinking.enabled);
+        assert_eq!(messages.len(), 1);
+        let j = chat_job(
+            br#"{"messages":[{"role":"system","content":[{"type":"text","text":"s"}]},{"role":"user","content":"hi"}],"reasoning_effort":"low"}"#,
+            &limits(),
+        )
+        .unwrap();
+        let Prompt::Chat { messages, thinking } = j.prompt else { panic!("not chat") };
+        assert_eq!((thinking.enabled, thinking.effort), (true, Effort::Low));
+        assert_eq!(messages[0].content, "s");
+        let err = |b: &str| chat_job(b.as_bytes(), &limits()).unwrap_err();
+        assert_eq!(err(r#"{"messages":[{"role":"assistant","content":"x"}]}"#).param, Some("messages"));
+        assert_eq!(
+            err(r#"{"messages":[{"role":"user","content":"x"}],"reasoning_effort":"medium"}"#).param,
+            Some("reasoning_effort")
+        );
+        assert_eq!(err(r#"{"messages":[{"role":"tool","content":"x"}]}"#).param, Some("messages"));
+        assert_eq!(err(r#"{"messages":[]}"#).param, Some("messages"));
+    }
+}

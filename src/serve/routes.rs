@@ -1,0 +1,404 @@
+//! The HTTP side (axum on tokio): routes, the API key check, body limit, admission (429), and
+//! turning a request's events into a JSON response or server-sent events. Nothing here runs
+//! the model: requests go to the model thread over a channel.
+#![forbid(unsafe_code)]
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use http_body::Frame;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::api::{chat_job, completion_job, ApiError, Limits, Usage};
+use super::metrics::Shared;
+use super::worker::{Event, Submission};
+
+/// What every handler sees.
+pub struct App {
+    pub submit: Mutex<Sender<Submission>>,
+    pub shared: Arc<Shared>,
+    pub limits: Limits,
+    pub api_key: Option<String>,
+    /// Request body bytes at most.
+    pub body_limit: usize,
+    pub slots: usize,
+    pub max_queue: usize,
+    /// Unix seconds the server started (the model's `created`).
+    pub started: u64,
+    pub next_id: AtomicU64,
+}
+
+type AppState = State<Arc<App>>;
+
+/// The router with every endpoint.
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(app)
+}
+
+fn error_response(e: &ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut r = (status, axum::Json(e.body())).into_response();
+    if let Some(s) = e.retry_after {
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+    }
+    if e.status == 401 {
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    r
+}
+
+/// Checks `Authorization: Bearer KEY` when the server has a key (in time independent of where
+/// a wrong key differs).
+fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &app.api_key else { return Ok(()) };
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let Some(given) = given else {
+        return Err(ApiError::unauthorized("no API key: send the header `Authorization: Bearer KEY`"));
+    };
+    let token = given.strip_prefix("Bearer ").unwrap_or("").trim().as_bytes();
+    let want = key.as_bytes();
+    let mut diff = u8::from(token.len() != want.len());
+    for (i, &b) in want.iter().enumerate() {
+        diff |= b ^ token.get(i).copied().unwrap_or(0);
+    }
+    if diff != 0 {
+        return Err(ApiError::unauthorized("the API key is wrong"));
+    }
+    Ok(())
+}
+
+/// Answers, counting the status by endpoint.
+fn counted(app: &App, endpoint: &'static str, r: Result<Response, ApiError>) -> Response {
+    let response = r.unwrap_or_else(|e| error_response(&e));
+    app.shared.count_request(endpoint, response.status().as_u16());
+    response
+}
+
+async fn health(State(app): AppState, headers: HeaderMap) -> Response {
+    let r = authorize(&app, &headers).map(|()| {
+        if app.shared.shutting_down() {
+            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "shutting_down"}))).into_response()
+        } else {
+            axum::Json(json!({"status": "ok"})).into_response()
+        }
+    });
+    counted(&app, "health", r)
+}
+
+async fn metrics(State(app): AppState, headers: HeaderMap) -> Response {
+    let r = authorize(&app, &headers).map(|()| {
+        let text = app.shared.render(app.slots, app.max_queue);
+        ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+    });
+    counted(&app, "metrics", r)
+}
+
+fn model_object(app: &App) -> Value {
+    json!({"id": app.limits.model, "object": "model", "created": app.started, "owned_by": "k3ring"})
+}
+
+async fn models(State(app): AppState, headers: HeaderMap) -> Response {
+    let r = authorize(&app, &headers)
+        .map(|()| axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response());
+    counted(&app, "models", r)
+}
+
+async fn model(State(app): AppState, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    let r = authorize(&app, &headers).and_then(|()| {
+        if id == app.limits.model {
+            Ok(axum::Json(model_object(&app)).into_response())
+        } else {
+            Err(ApiError::not_found("model_not_found", format!("the model {id:?} does not exist here")))
+        }
+    });
+    counted(&app, "models", r)
+}
+
+async fn not_found(State(app): AppState, uri: axum::http::Uri) -> Response {
+    let e = ApiError::not_found("not_found", format!("no endpoint {}", uri.path()));
+    counted(&app, "other", Err(e))
+}
+
+async fn method_not_allowed(State(app): AppState, method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let e = ApiError::method_not_allowed(format!("{method} is not allowed on {}", uri.path()));
+    counted(&app, "other", Err(e))
+}
+
+async fn completions(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
+    let r = generate(&app, &headers, body, Kind::Completion).await;
+    counted(&app, "completions", r)
+}
+
+async fn chat_completions(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
+    let r = generate(&app, &headers, body, Kind::Chat).await;
+    counted(&app, "chat_completions", r)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let limit = app.body_limit;
+    let too_large =
+        || ApiError::too_large(format!("the request body is larger than this server's limit of {limit} bytes"));
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, limit).await.map_err(|_| too_large())
+}
+
+async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Result<Response, ApiError> {
+    authorize(app, headers)?;
+    let body = read_body(app, headers, body).await?;
+    let job = match kind {
+        Kind::Completion => completion_job(&body, &app.limits)?,
+        Kind::Chat => chat_job(&body, &app.limits)?,
+    };
+    if app.shared.shutting_down() {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    if !app.shared.try_admit(app.slots.saturating_add(app.max_queue)) {
+        return Err(ApiError::queue_full(
+            format!(
+                "the server is full: {} requests running and {} waiting (--max-queue); retry later",
+                app.slots, app.max_queue
+            ),
+            1,
+        ));
+    }
+    let (tx, mut rx) = unbounded_channel();
+    let (stream, include_usage, return_ids) = (job.stream, job.include_usage, job.return_token_ids);
+    let sent = app.submit.lock().map(|s| s.send(Submission { job, events: tx }).is_ok()).unwrap_or(false);
+    if !sent {
+        app.shared.release();
+        return Err(ApiError::unavailable("the model thread has stopped"));
+    }
+    let prompt_ids = match rx.recv().await {
+        Some(Event::Started { prompt_ids }) => prompt_ids,
+        Some(Event::Refused(e) | Event::Aborted(e)) => return Err(e),
+        _ => return Err(ApiError::unavailable("the model thread has stopped")),
+    };
+    let n = app.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = match kind {
+        Kind::Completion => format!("cmpl-{:x}-{n}", app.started),
+        Kind::Chat => format!("chatcmpl-{:x}-{n}", app.started),
+    };
+    let created = now_secs();
+    let head = Head { id, created, model: app.limits.model.clone(), kind };
+    if stream {
+        let body = SseBody { rx, head, include_usage, started: false, finished: false };
+        let mut r = Response::new(Body::new(body));
+        let h = r.headers_mut();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return Ok(r);
+    }
+    let (mut reasoning, mut content, mut ids) = (String::new(), String::new(), Vec::new());
+    loop {
+        match rx.recv().await {
+            Some(Event::Delta { reasoning: r, content: c, ids: i }) => {
+                reasoning.push_str(&r);
+                content.push_str(&c);
+                ids.extend(i);
+            }
+            Some(Event::Done { finish_reason, usage }) => {
+                let mut v = head.whole(&reasoning, &content, &ids, finish_reason, usage);
+                if return_ids {
+                    v["prompt_token_ids"] = json!(prompt_ids);
+                }
+                return Ok(axum::Json(v).into_response());
+            }
+            Some(Event::Aborted(e)) => return Err(e),
+            Some(Event::Started { .. } | Event::Refused(_)) => {}
+            None => return Err(ApiError::unavailable("the model thread has stopped")),
+        }
+    }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The fields every response object of one request shares.
+struct Head {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+impl Head {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// The non-streamed response.
+    fn whole(&self, reasoning: &str, content: &str, ids: &[u32], finish: &str, usage: Usage) -> Value {
+        let choice = match self.kind {
+            Kind::Completion => {
+                json!({"index": 0, "text": content, "logprobs": null, "finish_reason": finish, "token_ids": ids})
+            }
+            Kind::Chat => {
+                let mut message = json!({"role": "assistant", "content": content});
+                if !reasoning.is_empty() {
+                    message["reasoning_content"] = Value::from(reasoning);
+                }
+                json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish, "token_ids": ids})
+            }
+        };
+        json!({
+            "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
+            "choices": [choice], "usage": usage,
+        })
+    }
+
+    /// One streamed chunk; `delta` is the chat delta or the completion text.
+    fn chunk(&self, delta: Value, ids: &[u32], finish: Option<&str>, usage: Option<Usage>) -> Value {
+        let mut choice = match self.kind {
+            Kind::Completion => json!({"index": 0, "text": delta, "logprobs": null, "finish_reason": finish}),
+            Kind::Chat => json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
+        };
+        choice["token_ids"] = json!(ids);
+        let mut v = json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "choices": [choice],
+        });
+        if let Some(u) = usage {
+            v["usage"] = json!(u);
+        }
+        v
+    }
+
+    fn usage_chunk(&self, usage: Usage) -> Value {
+        json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "choices": [], "usage": usage,
+        })
+    }
+}
+
+fn sse(v: &Value) -> Vec<u8> {
+    let mut out = b"data: ".to_vec();
+    out.extend(serde_json::to_vec(v).unwrap_or_default());
+    out.extend(b"\n\n");
+    out
+}
+
+/// Server-sent events from a request's event channel: a chunk per delta, the finish chunk
+/// (with the usage, unless a separate usage chunk was asked for), then `data: [DONE]`.
+/// Dropping it (the client left) drops the receiver, which cancels the sequence.
+struct SseBody {
+    rx: UnboundedReceiver<Event>,
+    head: Head,
+    include_usage: bool,
+    started: bool,
+    finished: bool,
+}
+
+impl SseBody {
+    /// The bytes an event becomes (None: nothing to send for it).
+    fn encode(&mut self, event: Event) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        if !self.started && self.head.kind == Kind::Chat {
+            out.extend(sse(&self.head.chunk(json!({"role": "assistant", "content": ""}), &[], None, None)));
+        }
+        self.started = true;
+        match event {
+            Event::Delta { reasoning, content, ids } => {
+                if self.head.kind == Kind::Chat {
+                    // The ids go with the first chunk of the two (reasoning, content) sent.
+                    let mut ids = Some(ids);
+                    if !reasoning.is_empty() {
+                        let ids = if content.is_empty() { ids.take().unwrap_or_default() } else { Vec::new() };
+                        out.extend(sse(&self.head.chunk(json!({"reasoning_content": reasoning}), &ids, None, None)));
+                    }
+                    if let Some(ids) = ids.filter(|i| !i.is_empty() || !content.is_empty()) {
+                        out.extend(sse(&self.head.chunk(json!({"content": content}), &ids, None, None)));
+                    }
+                } else {
+                    out.extend(sse(&self.head.chunk(Value::from(content), &ids, None, None)));
+                }
+            }
+            Event::Done { finish_reason, usage } => {
+                let delta = if self.head.kind == Kind::Chat { json!({}) } else { Value::from("") };
+                let inline = (!self.include_usage).then_some(usage);
+                out.extend(sse(&self.head.chunk(delta, &[], Some(finish_reason), inline)));
+                if self.include_usage {
+                    out.extend(sse(&self.head.usage_chunk(usage)));
+                }
+                out.extend(b"data: [DONE]\n\n");
+                self.finished = true;
+            }
+            Event::Aborted(e) => {
+                out.extend(sse(&e.body()));
+                out.extend(b"data: [DONE]\n\n");
+                self.finished = true;
+            }
+            Event::Started { .. } | Event::Refused(_) => {}
+        }
+        (!out.is_empty()).then_some(out)
+    }
+}
+
+impl http_body::Body for SseBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        loop {
+            if self.finished {
+                return Poll::Ready(None);
+            }
+            match self.rx.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => {
+                    // The model thread dropped the request without a word: end the stream with
+                    // an error event rather than a silent truncation.
+                    self.finished = true;
+                    let e = ApiError::unavailable("the model thread has stopped");
+                    let mut out = sse(&e.body());
+                    out.extend(b"data: [DONE]\n\n");
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))));
+                }
+                Poll::Ready(Some(event)) => {
+                    if let Some(bytes) = self.encode(event) {
+                        return Poll::Ready(Some(Ok(Frame::data(Bytes::from(bytes)))));
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.finished
+    }
+}

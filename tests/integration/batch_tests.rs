@@ -1,0 +1,456 @@
+//! Continuous batching (issue 18): every sequence's tokens equal its solo run, whatever else is
+//! in the batch, when it arrives, the batch size, the budget and whether the weights are
+//! resident or streamed; a budget that holds only two sequences queues the rest.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use k3ring::engine::{
+    open_streaming, BatchOptions, BatchRequest, BatchSink, Engine, FinishReason, Finished, GenerateOptions, Sampling,
+    StreamingRun, Ticket,
+};
+use k3ring::model::weights::WeightSource;
+use k3ring::model::LayerHook;
+use k3ring::pipeline::PipelineOptions;
+use k3ring::storage::stream::StoreOptions;
+use kernels::{Isa, Kernels};
+
+use crate::common::*;
+
+#[derive(Default)]
+struct Collect {
+    tokens: HashMap<Ticket, Vec<u32>>,
+    finished: HashMap<Ticket, Finished>,
+    /// Finish a ticket's sequence once it has produced this token (a stop string's stand-in).
+    stop_on: HashMap<Ticket, u32>,
+}
+
+impl BatchSink for Collect {
+    fn token(&mut self, ticket: Ticket, id: u32) -> bool {
+        self.tokens.entry(ticket).or_default().push(id);
+        self.stop_on.get(&ticket) == Some(&id)
+    }
+    fn finished(&mut self, finished: Finished) {
+        assert!(self.finished.insert(finished.ticket, finished).is_none(), "a ticket finished twice");
+    }
+}
+
+/// Requests of mixed prompt lengths, sampling settings and token limits; `vocab` bounds ids.
+fn requests(n: usize, vocab: u32) -> Vec<BatchRequest> {
+    let base = prompt();
+    (0..n)
+        .map(|i| {
+            let len = 1 + (i * 7) % 23;
+            let prompt: Vec<u32> = (0..len)
+                .map(|j| if j < base.len() && i % 2 == 0 { base[j] } else { (j as u32 * 31 + i as u32 * 17) % vocab })
+                .collect();
+            let sampling = match i % 4 {
+                0 => Sampling::default(),
+                1 => Sampling { temperature: 0.8, top_k: Some(20), top_p: None, seed: i as u64 },
+                2 => Sampling { temperature: 1.1, top_k: None, top_p: Some(0.9), seed: 100 + i as u64 },
+                _ => Sampling { temperature: 0.6, top_k: Some(5), top_p: Some(0.95), seed: 7 },
+            };
+            BatchRequest { prompt, max_tokens: [1, 6, 17, 30, 11][i % 5], sampling, stop_ids: Vec::new() }
+        })
+        .collect()
+}
+
+fn solo<S: WeightSource + LayerHook>(engine: &Engine<S>, r: &BatchRequest) -> Vec<u32> {
+    let opts = GenerateOptions {
+        gen: r.max_tokens,
+        sampling: r.sampling.clone(),
+        stop_ids: r.stop_ids.clone(),
+        prefill_chunk: 5,
+        ..GenerateOptions::default()
+    };
+    engine.generate(&r.prompt, &opts, |_| {}).unwrap().generated_ids
+}
+
+/// Runs `reqs` through a batcher, submitting request i at step `arrivals[i]`.
+fn batched<S: WeightSource + LayerHook>(
+    engine: &Engine<S>,
+    opts: BatchOptions,
+    reqs: &[BatchRequest],
+    arrivals: &[u64],
+    stop_on: &HashMap<usize, u32>,
+) -> (Collect, usize) {
+    let mut b = engine.batcher(opts).unwrap();
+    let mut sink = Collect::default();
+    let mut tickets = Vec::new();
+    let mut step = 0u64;
+    loop {
+        for (i, r) in reqs.iter().enumerate().filter(|(i, _)| arrivals[*i] == step) {
+            let t = b.submit(r.clone()).unwrap();
+            if let Some(&id) = stop_on.get(&i) {
+                sink.stop_on.insert(t, id);
+            }
+            tickets.push((i, t));
+        }
+        let ran = b.step(&mut sink).unwrap();
+        step += 1;
+        if !ran && arrivals.iter().all(|&a| a < step) && b.pending() == 0 {
+            break;
+        }
+        assert!(step < 10_000, "the batch does not finish");
+    }
+    assert_eq!(sink.finished.len(), reqs.len(), "every request finishes");
+    // Re-key by request index.
+    let by_index = |m: &mut HashMap<Ticket, Vec<u32>>| {
+        tickets.iter().map(|&(i, t)| (i as Ticket, m.remove(&t).unwrap_or_default())).collect::<HashMap<_, _>>()
+    };
+    let tokens = by_index(&mut sink.tokens);
+    let finished = tickets.iter().map(|&(i, t)| (i as Ticket, sink.finished.remove(&t).unwrap())).collect();
+    (Collect { tokens, finished, stop_on: HashMap::new() }, b.slots())
+}
+
+fn check_identity<S: WeightSource + LayerHook>(
+    what: &str,
+    engine: &Engine<S>,
+    reference: &Engine<impl WeightSource + LayerHook>,
+    max_batch: usize,
+    n: usize,
+    staggered: bool,
+) {
+    let vocab = engine.model.cfg.vocab_size as u32;
+    let mut reqs = requests(n, vocab);
+    // One sequence stops on a stop id and one on the caller's word, both mid-way.
+    let mut stop_on = HashMap::new();
+    if n > 3 {
+        let r = &mut reqs[3];
+        let ids = solo(reference, r);
+        r.stop_ids = vec![ids[ids.len() / 2]];
+        let ids = solo(reference, &reqs[2]);
+        stop_on.insert(2, ids[ids.len() / 2]);
+    }
+    let arrivals: Vec<u64> = (0..n).map(|i| if staggered { (i as u64 * 3) % 11 } else { 0 }).collect();
+    let opts = BatchOptions { max_batch, prefill_chunk: 8, context: 64 };
+    let (out, _) = batched(engine, opts, &reqs, &arrivals, &stop_on);
+    for (i, r) in reqs.iter().enumerate() {
+        let mut want = solo(reference, r);
+        if let Some(&id) = stop_on.get(&i) {
+            let at = want.iter().position(|&x| x == id).unwrap();
+            want.truncate(at + 1);
+        }
+        let got = &out.tokens[&(i as Ticket)];
+        assert_eq!(got, &want, "{what}: batch {max_batch} of {n}: request {i} differs from its solo run");
+        let f = &out.finished[&(i as Ticket)];
+        let stopped = r.stop_ids.contains(want.last().unwrap()) || stop_on.contains_key(&i);
+        let reason = if stopped { FinishReason::Stop } else { FinishReason::Length };
+        assert_eq!(
+            (f.reason, f.generated, f.prompt_tokens),
+            (reason, want.len(), r.prompt.len()),
+            "{what}: request {i}"
+        );
+    }
+}
+
+#[test]
+fn batched_sequences_equal_their_solo_runs_resident() {
+    let o = open(&tiny_dir(), 2, Isa::best());
+    for (max_batch, n) in [(1, 3), (2, 5), (5, 9), (16, 16)] {
+        check_identity("resident", &o.engine, &o.engine, max_batch, n, false);
+        check_identity("resident, staggered", &o.engine, &o.engine, max_batch, n, true);
+    }
+}
+
+#[test]
+fn batched_sequences_equal_their_solo_runs_on_a_synth_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = k3ring::synth::SynthOptions {
+        seed: 11,
+        experts: 32,
+        top_k: 6,
+        ..k3ring::synth::SynthOptions::preset(dir.path().to_path_buf(), k3ring::synth::DimsPreset::Tiny)
+    };
+    k3ring::synth::synth(&opts, &|_, _| {}).unwrap();
+    let o = open(dir.path(), 2, Isa::best());
+    check_identity("synth", &o.engine, &o.engine, 5, 12, true);
+    check_identity("synth", &o.engine, &o.engine, 16, 16, false);
+}
+
+fn streaming_run(budget: u64, sequences: usize) -> StreamingRun {
+    StreamingRun {
+        budget_bytes: budget,
+        sequences,
+        context: 64,
+        chunk: 16 + 8,
+        threads: 2,
+        store: StoreOptions::default(),
+        pipeline: PipelineOptions::default(),
+        prefetch_window: None,
+        placement: None,
+        trace_detail: false,
+        trunk_share: None,
+        available_memory: None,
+    }
+}
+
+fn open_streamed(
+    trunk: &Path,
+    budget: u64,
+    sequences: usize,
+) -> (k3ring::engine::Opened<k3ring::pipeline::Pipeline>, k3ring::storage::plan::Plan) {
+    open_streaming(
+        &tiny_dir(),
+        trunk,
+        &streaming_run(budget, sequences),
+        Kernels::with_isa(Isa::best()).unwrap(),
+        |_| {},
+    )
+    .map_err(|e| e.to_string())
+    .unwrap()
+}
+
+#[test]
+fn batched_sequences_equal_their_solo_runs_streamed_at_the_smallest_budget() {
+    let trunk = pack(&tiny_dir());
+    let reference = open(&tiny_dir(), 2, Isa::best());
+    let (_, probe) = open_streamed(trunk.path(), 64_000_000, 16);
+    let (o, plan) = open_streamed(trunk.path(), probe.minimum_bytes, 16);
+    assert_eq!(plan.sequences, 1, "the minimum holds one sequence: {}", plan.describe());
+    check_identity("streamed at the minimum", &o.engine, &reference.engine, plan.sequences, 9, true);
+    let (o, plan) = open_streamed(trunk.path(), 64_000_000, 16);
+    assert_eq!(plan.sequences, 16, "{}", plan.describe());
+    check_identity("streamed", &o.engine, &reference.engine, 16, 16, true);
+}
+
+#[test]
+fn a_budget_for_two_sequences_queues_the_rest_and_keeps_the_outputs() {
+    let trunk = pack(&tiny_dir());
+    let reference = open(&tiny_dir(), 2, Isa::best());
+    let (_, probe) = open_streamed(trunk.path(), 64_000_000, 16);
+    let two = probe.minimum_bytes + probe.sequence_bytes;
+    let (o, plan) = open_streamed(trunk.path(), two, 16);
+    assert_eq!((plan.sequences, plan.sequences_asked), (2, 16), "{}", plan.describe());
+    assert!(plan.describe().contains("the budget holds no more"), "{}", plan.describe());
+    let vocab = o.engine.model.cfg.vocab_size as u32;
+    let reqs = requests(7, vocab);
+    let opts = BatchOptions { max_batch: plan.sequences, prefill_chunk: 8, context: 64 };
+    let b = o.engine.batcher(opts.clone()).unwrap();
+    assert_eq!(b.slots(), 2);
+    drop(b);
+    let (out, slots) = batched(&o.engine, opts, &reqs, &[0; 7], &HashMap::new());
+    assert_eq!(slots, 2);
+    for (i, r) in reqs.iter().enumerate() {
+        assert_eq!(out.tokens[&(i as Ticket)], solo(&reference.engine, r), "request {i}");
+    }
+}
+
+/// The widest step of a batch (a decode row per slot plus the prefill chunk) can have more rows
+/// than one slot has positions; the store's buffers (the embedding rows) are sized for the step.
+/// `k3ring bench --batch` found this: every step used to be clamped to one slot's context.
+#[test]
+fn a_streamed_step_wider_than_one_slots_context_runs() {
+    let trunk = pack(&tiny_dir());
+    let reference = open(&tiny_dir(), 2, Isa::best());
+    let opts = BatchOptions { max_batch: 4, prefill_chunk: 12, context: 10 };
+    let run = StreamingRun { context: opts.context, chunk: opts.step_rows(), ..streaming_run(64_000_000, 4) };
+    let kernels = Kernels::with_isa(Isa::best()).unwrap();
+    let (o, plan) = open_streaming(&tiny_dir(), trunk.path(), &run, kernels, |_| {}).unwrap();
+    assert_eq!(plan.sequences, 4, "{}", plan.describe());
+    let vocab = o.engine.model.cfg.vocab_size as u32;
+    let reqs: Vec<BatchRequest> = (0..4u32)
+        .map(|i| BatchRequest {
+            prompt: (0..5u32).map(|j| (j * 13 + i * 7 + 1) % vocab).collect(),
+            max_tokens: 5,
+            sampling: Sampling::default(),
+            stop_ids: vec![],
+        })
+        .collect();
+    // The first step prefills 12 prompt tokens, more than a slot's 10 positions.
+    let (out, _) = batched(&o.engine, opts, &reqs, &[0; 4], &HashMap::new());
+    for (i, r) in reqs.iter().enumerate() {
+        assert_eq!(out.tokens[&(i as Ticket)], solo(&reference.engine, r), "request {i}");
+    }
+}
+
+#[test]
+fn requests_that_cannot_run_are_refused_at_submission() {
+    let o = open(&tiny_dir(), 2, Isa::best());
+    let mut b = o.engine.batcher(BatchOptions { max_batch: 2, prefill_chunk: 8, context: 16 }).unwrap();
+    let req = |prompt: Vec<u32>, max_tokens| BatchRequest {
+        prompt,
+        max_tokens,
+        sampling: Sampling::default(),
+        stop_ids: vec![],
+    };
+    let vocab = o.engine.model.cfg.vocab_size as u32;
+    let empty = b.submit(req(vec![], 4)).unwrap_err();
+    assert!(empty.to_string().contains("empty"), "{empty}");
+    let oov = b.submit(req(vec![1, vocab], 4)).unwrap_err();
+    assert!(oov.to_string().contains(&format!("token id {vocab}")), "{oov}");
+    let long = b.submit(req(vec![1; 10], 7)).unwrap_err();
+    assert!(long.to_string().contains("17 positions") && long.to_string().contains("16"), "{long}");
+    use k3ring::exit::{Classify, ExitCode};
+    for e in [&empty, &oov, &long] {
+        assert_eq!(e.exit_code(), ExitCode::Usage, "{e}");
+    }
+    // Nothing was queued; a request for no tokens finishes without running.
+    assert_eq!(b.pending(), 0);
+    b.submit(req(vec![1, 2], 0)).unwrap();
+    let mut sink = Collect::default();
+    assert!(!b.step(&mut sink).unwrap());
+    assert_eq!(sink.finished.len(), 1);
+    assert!(sink.tokens.is_empty());
+}
+
+fn records(text: &str) -> Vec<serde_json::Value> {
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// `k3ring run`'s generated ids for the same settings.
+fn run_ids(extra: &[&str]) -> Vec<u32> {
+    let json = tempfile::NamedTempFile::new().unwrap();
+    let mut args = vec!["run", "--json", json.path().to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let (code, _, err) = crate::checkpoint_tests::k3ring(&args);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    ids(&v["generated_ids"])
+}
+
+#[test]
+fn batch_command_matches_run_and_records_bad_lines() {
+    let input = [
+        r#"{"id": "greedy", "prompt": "The quick brown fox", "max_tokens": 9}"#,
+        r#"{"id": "sampled", "ids": [512, 199, 167], "max_tokens": 7, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3}"#,
+        "not json",
+        r#"{"id": "empty", "prompt": ""}"#,
+        r#"{"id": "oov", "ids": [1, 99999]}"#,
+        r#"{"id": "long", "prompt": "hello", "max_tokens": 100000}"#,
+        "",
+        r#"{"prompt": "Once upon a time", "max_tokens": 12, "stop": ["e", "zz"]}"#,
+        r#"{"id": 7, "prompt": "x", "bogus": 1}"#,
+    ]
+    .join("\n");
+    let summary = tempfile::NamedTempFile::new().unwrap();
+    let (code, out, err) = k3ring_stdin(
+        &[
+            "batch",
+            "--input",
+            "-",
+            "--output",
+            "-",
+            "--max-batch",
+            "3",
+            "--ignore-eos",
+            "--json",
+            summary.path().to_str().unwrap(),
+        ],
+        &input,
+    );
+    assert_eq!(code, 0, "{err}");
+    let recs = records(&out);
+    assert_eq!(recs.len(), 8, "{out}");
+    let by_id =
+        |id: serde_json::Value| recs.iter().find(|r| r["id"] == id).unwrap_or_else(|| panic!("no record {id}: {out}"));
+    for (id, line, needle) in [
+        (serde_json::Value::Null, 3, "not a request"),
+        ("empty".into(), 4, "empty"),
+        ("oov".into(), 5, "token 99999 is outside the vocabulary"),
+        ("long".into(), 6, "max_tokens 100000 need 100004 positions"),
+        (7.into(), 9, "unknown field `bogus`"),
+    ] {
+        let r = by_id(id.clone());
+        assert_eq!(r["line"], line, "{r}");
+        assert!(r["error"].as_str().unwrap().contains(needle), "{r}");
+    }
+    let greedy = by_id("greedy".into());
+    let want = run_ids(&["--prompt", "The quick brown fox", "--gen", "9", "--ignore-eos"]);
+    assert_eq!(ids(&greedy["generated_ids"]), want);
+    assert_eq!(greedy["finish_reason"], "length");
+    assert_eq!(greedy["prompt_tokens"], 12);
+    let sampled = by_id("sampled".into());
+    let want = run_ids(&[
+        "--ids",
+        "512,199,167",
+        "--gen",
+        "7",
+        "--ignore-eos",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    ]);
+    assert_eq!(ids(&sampled["generated_ids"]), want);
+    // No id: the line number stands in. The stop string ends the text where it begins.
+    let stopped = by_id(8.into());
+    let text = stopped["text"].as_str().unwrap();
+    assert_eq!(stopped["finish_reason"], "stop", "{stopped}");
+    assert!(!text.contains('e') && !text.contains("zz"), "{stopped}");
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(summary.path()).unwrap()).unwrap();
+    assert_eq!(
+        (s["requests"].as_u64(), s["succeeded"].as_u64(), s["failed"].as_u64()),
+        (Some(8), Some(3), Some(5)),
+        "{s}"
+    );
+    assert!(err.contains("8 requests: 3 done, 5 failed"), "{err}");
+}
+
+#[test]
+fn batch_command_exits_2_when_every_line_fails_and_streams_with_a_trunk() {
+    let (code, out, err) = k3ring_stdin(&["batch", "--input", "-", "--output", "-"], "{\"prompt\": \"\"}\nnope\n");
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(records(&out).len(), 2);
+    assert!(err.contains("every one failed"), "{err}");
+    let (code, _, err) = k3ring_stdin(&["batch", "--input", "-", "--output", "-"], "\n");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("has no requests"), "{err}");
+    // Streaming flags need --trunk.
+    let (code, _, err) =
+        k3ring_stdin(&["batch", "--input", "-", "--output", "-", "--mem-gb", "1"], "{\"prompt\": \"a\"}");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--mem-gb needs --trunk"), "{err}");
+    // Streamed under a budget that holds two of the four slots asked for: same tokens as resident.
+    let trunk = pack(&tiny_dir());
+    let model = tiny_dir();
+    let input: String = (0..5)
+        .map(|i| format!("{{\"id\": {i}, \"ids\": [512, {}, 167], \"max_tokens\": {}}}\n", 100 + i, 3 + i))
+        .collect();
+    let (code, resident, err) = k3ring_stdin(
+        &["batch", "--model", model.to_str().unwrap(), "--input", "-", "--output", "-", "--ignore-eos"],
+        &input,
+    );
+    assert_eq!(code, 0, "{err}");
+    let budget = {
+        // The plan for this command's slots (3 prompt + 7 tokens) and step width (4 slots + a
+        // prefill chunk of 32): four slots asked, two affordable.
+        let run = StreamingRun { context: 10, chunk: 4 + 32, ..streaming_run(64_000_000, 4) };
+        let (_, p) =
+            open_streaming(&model, trunk.path(), &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).unwrap();
+        (p.minimum_bytes + p.sequence_bytes + p.sequence_bytes / 2) as f64 / 1e9
+    };
+    let (code, streamed, err) = k3ring_stdin(
+        &[
+            "batch",
+            "--model",
+            model.to_str().unwrap(),
+            "--trunk",
+            trunk.path().to_str().unwrap(),
+            "--mem-gb",
+            &format!("{budget:.9}"),
+            "--max-batch",
+            "4",
+            "--input",
+            "-",
+            "--output",
+            "-",
+            "--ignore-eos",
+        ],
+        &input,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("2 of the 4 sequence slots"), "{err}");
+    let key = |text: &str| {
+        let mut v: Vec<(i64, Vec<u32>)> =
+            records(text).iter().map(|r| (r["id"].as_i64().unwrap(), ids(&r["generated_ids"]))).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(key(&streamed), key(&resident));
+    assert_eq!(key(&resident).len(), 5);
+}

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""`k3ring serve` with the real `openai` Python client (issue 17).
+
+Starts the server on the tiny model (loopback, a free port, an API key), then uses the client as
+an application would: completions and chat completions, streamed and not. The tokens must equal
+a solo `k3ring run` with the same settings. Errors must arrive as the client's typed exceptions.
+
+Usage: python3 tests/openai_client/test_openai.py [PATH_TO_K3RING]  (default target/release/k3ring)
+Prints one line per check and closes with "N passed, N failed"; exits 1 on any failure.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import openai
+from openai import OpenAI
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "release", "k3ring")
+MODEL_DIR = os.path.join(ROOT, "tests", "fixtures", "tiny-k3")
+MODEL = "tiny-k3"
+KEY = "test-key-17"
+
+
+def start_server():
+    """The server and its address, read from its stderr (30 s at most)."""
+    proc = subprocess.Popen(
+        [BIN, "serve", "--model", MODEL_DIR, "--port", "0", "--threads", "1", "--api-key", KEY],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    found = {}
+    lines = []
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if "listening on http://" in line:
+                found["addr"] = line.split("listening on http://", 1)[1].strip()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.time() + 30
+    while "addr" not in found:
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("the server did not start: " + "".join(lines))
+        time.sleep(0.05)
+    return proc, found["addr"], lines
+
+
+def solo_run(*args):
+    """`k3ring run` on the tiny model: (generated ids, text)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [BIN, "run", "--model", MODEL_DIR, "--json", out.name, *args],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=60,
+        )
+        with open(out.name) as f:
+            result = json.load(f)
+    return result["generated_ids"], result["text"]
+
+
+def extra(obj, name):
+    """A field beyond the OpenAI schema (k3ring's token ids)."""
+    value = getattr(obj, name, None)
+    if value is None and obj.model_extra:
+        value = obj.model_extra.get(name)
+    return value
+
+
+def main():
+    proc, addr, lines = start_server()
+    client = OpenAI(base_url=f"http://{addr}/v1", api_key=KEY, max_retries=0, timeout=60)
+    results = []
+
+    def check(name, fn):
+        try:
+            fn()
+            results.append(True)
+            print(f"ok   {name}")
+        except Exception:  # noqa: BLE001 - every failure is reported, then counted
+            results.append(False)
+            print(f"FAIL {name}")
+            traceback.print_exc()
+
+    def models():
+        ids = [m.id for m in client.models.list()]
+        assert ids == [MODEL], ids
+
+    def completion(stream, **sampling):
+        kwargs = dict(model=MODEL, prompt="Hello world", max_tokens=12, **sampling)
+        flags = ["--prompt", "Hello world", "--gen", "12"]
+        for k, v in sampling.items():
+            flags += ["--" + k.replace("_", "-"), str(v)]
+        want_ids, want_text = solo_run(*flags)
+        if not stream:
+            r = client.completions.create(**kwargs)
+            choice = r.choices[0]
+            assert extra(choice, "token_ids") == want_ids, (extra(choice, "token_ids"), want_ids)
+            assert choice.text == want_text, (choice.text, want_text)
+            assert r.usage.completion_tokens == len(want_ids), r.usage
+            assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+            return
+        text, ids, usage, finish = "", [], None, None
+        for chunk in client.completions.create(stream=True, **kwargs):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                ids += extra(chunk.choices[0], "token_ids") or []
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+        assert ids == want_ids, (ids, want_ids)
+        assert text == want_text, (text, want_text)
+        assert finish in ("length", "stop"), finish
+        assert usage is not None and usage.completion_tokens == len(want_ids), usage
+
+    def chat(stream, thinking):
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+        kwargs = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0.7, seed=11)
+        body = {"thinking": thinking, "return_token_ids": True}
+        r = client.chat.completions.create(extra_body=body, **kwargs)
+        prompt_ids = extra(r, "prompt_token_ids")
+        assert prompt_ids and r.usage.prompt_tokens == len(prompt_ids), (prompt_ids, r.usage)
+        got = extra(r.choices[0], "token_ids")
+        want, _ = solo_run(
+            "--ids", ",".join(map(str, prompt_ids)), "--gen", "10", "--temperature", "0.7", "--seed", "11"
+        )
+        # A chat also stops on <|end_of_msg|> and where the reply leaves the template.
+        assert got == want[: len(got)], (got, want)
+        if r.choices[0].finish_reason == "length":
+            assert got == want, (got, want)
+        message = r.choices[0].message
+        assert message.role == "assistant"
+        reasoning = extra(message, "reasoning_content") or ""
+        if not thinking:
+            assert reasoning == "", reasoning
+        if not stream:
+            return
+        content, streamed_reasoning, ids, usage = "", "", [], None
+        for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, extra_body=body, **kwargs):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                streamed_reasoning += extra(delta, "reasoning_content") or ""
+                ids += extra(chunk.choices[0], "token_ids") or []
+            else:
+                usage = chunk.usage
+        assert ids == got, (ids, got)
+        assert content == (message.content or ""), (content, message.content)
+        assert streamed_reasoning == reasoning, (streamed_reasoning, reasoning)
+        assert usage is not None and usage.completion_tokens == len(got), usage
+
+    def refused(exc, status, **kwargs):
+        try:
+            client.completions.create(**kwargs)
+        except exc as e:
+            assert e.status_code == status, e.status_code
+            assert isinstance(e.body, dict) and e.body.get("message"), e.body
+            return
+        raise AssertionError(f"{kwargs} was not refused")
+
+    def wrong_key():
+        bad = OpenAI(base_url=f"http://{addr}/v1", api_key="nope", max_retries=0, timeout=30)
+        try:
+            bad.models.list()
+        except openai.AuthenticationError as e:
+            assert e.status_code == 401
+            return
+        raise AssertionError("a wrong key was accepted")
+
+    check("models.list", models)
+    check("completions greedy", lambda: completion(False, temperature=0))
+    check("completions seeded", lambda: completion(False, temperature=0.9, top_p=0.95, seed=7))
+    check("completions streamed greedy", lambda: completion(True, temperature=0))
+    check("completions streamed seeded", lambda: completion(True, temperature=0.9, top_p=0.95, seed=7))
+    check("chat thinking on", lambda: chat(False, True))
+    check("chat thinking off, streamed too", lambda: chat(True, False))
+    check("chat thinking on, streamed too", lambda: chat(True, True))
+    check("n = 2 refused", lambda: refused(openai.BadRequestError, 400, model=MODEL, prompt="a", n=2))
+    check("unknown model", lambda: refused(openai.NotFoundError, 404, model="gpt-4o", prompt="a"))
+    check("max_tokens over the cap", lambda: refused(openai.BadRequestError, 400, model=MODEL, prompt="a", max_tokens=10**6))
+    check("wrong API key", wrong_key)
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = None
+    results.append(code == 0)
+    print(("ok  " if code == 0 else "FAIL") + f" SIGTERM ends the server with exit 0 (got {code})")
+    if code != 0:
+        print("".join(lines))
+    passed = sum(results)
+    failed = len(results) - passed
+    print(f"openai: {passed} passed, {failed} failed")
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
