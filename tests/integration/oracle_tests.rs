@@ -285,8 +285,14 @@ fn a_model_with_other_seed_and_dims_matches_its_own_reference() {
     assert_eq!(g.generated_ids, want);
 }
 
+/// The generator is deterministic: the model files it writes (config, weights, tokenizer, cases)
+/// are byte-identical to the committed fixture. Its reference outputs (`reference.json`,
+/// `reference.safetensors`) are float64 NumPy arithmetic whose last bits follow the NumPy
+/// build's summation and BLAS kernels (NumPy 2.4.6 moved one f32 value of `layers.8.attn_input`
+/// by 5e-9 relative and margins by 1e-13), so they must agree in every id, shape and name and in
+/// every value to within far less than the engine's own tolerance against them (1e-4).
 #[test]
-fn the_oracle_reproduces_the_committed_fixture_byte_for_byte() {
+fn the_oracle_reproduces_the_committed_fixture() {
     let tmp = tempfile::tempdir().unwrap();
     if make_tiny(tmp.path(), &[]).is_none() {
         return;
@@ -296,11 +302,66 @@ fn the_oracle_reproduces_the_committed_fixture_byte_for_byte() {
         std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     for name in &names {
-        let fresh = std::fs::read(tmp.path().join(name)).unwrap();
-        let committed = std::fs::read(fixture.join(name)).unwrap_or_default();
-        assert!(fresh == committed, "{name} differs from tests/fixtures/tiny-k3/{name}");
+        match name.as_str() {
+            "reference.json" => {
+                let (fresh, committed) = (reference_json(tmp.path()), reference_json(&fixture));
+                json_close(&fresh, &committed, "reference.json");
+            }
+            "reference.safetensors" => {
+                let (fresh, committed) = (reference_tensors(tmp.path()), reference_tensors(&fixture));
+                let mut keys: Vec<&String> = fresh.keys().collect();
+                keys.sort();
+                let mut committed_keys: Vec<&String> = committed.keys().collect();
+                committed_keys.sort();
+                assert_eq!(keys, committed_keys, "reference.safetensors: tensor names differ");
+                for key in keys {
+                    let (a, b) = (&fresh[key], &committed[key]);
+                    assert_eq!(a.shape, b.shape, "reference.safetensors: {key}: shapes differ");
+                    let scale = b.data.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+                    let diff = a.data.iter().zip(&b.data).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale;
+                    assert!(diff <= 1e-6, "reference.safetensors: {key} differs by {diff:e} (relative)");
+                }
+            }
+            _ => {
+                let fresh = std::fs::read(tmp.path().join(name)).unwrap();
+                let committed = std::fs::read(fixture.join(name)).unwrap_or_default();
+                assert!(fresh == committed, "{name} differs from tests/fixtures/tiny-k3/{name}");
+            }
+        }
     }
     let committed =
         std::fs::read_dir(&fixture).unwrap().filter(|e| e.as_ref().unwrap().file_name() != "README.md").count();
     assert_eq!(committed, names.len(), "the fixture holds files the generator does not write");
+}
+
+/// `a` equals `b` in structure, strings, booleans and integers; floats agree to 1e-9 relative.
+fn json_close(a: &serde_json::Value, b: &serde_json::Value, at: &str) {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let (mut kx, mut ky): (Vec<&String>, Vec<&String>) = (x.keys().collect(), y.keys().collect());
+            kx.sort();
+            ky.sort();
+            assert_eq!(kx, ky, "{at}: keys differ");
+            for k in kx {
+                // `stats.f32_*` measure NumPy's own float32 arithmetic against float64: a property
+                // of the NumPy build (1e-3 in one, 2e-3 in another), not of the generator.
+                if k.starts_with("f32_") && x[k].is_f64() {
+                    continue;
+                }
+                json_close(&x[k], &y[k], &format!("{at}.{k}"));
+            }
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            assert_eq!(x.len(), y.len(), "{at}: lengths differ");
+            for (i, (u, v)) in x.iter().zip(y).enumerate() {
+                json_close(u, v, &format!("{at}[{i}]"));
+            }
+        }
+        (Value::Number(x), Value::Number(y)) if x.is_f64() || y.is_f64() => {
+            let (u, v) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!((u - v).abs() <= 1e-9 * v.abs().max(1e-30), "{at}: {u} against {v}");
+        }
+        _ => assert_eq!(a, b, "{at} differs"),
+    }
 }

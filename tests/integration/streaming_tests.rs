@@ -207,14 +207,18 @@ fn sim_every_seed_reproduces_the_output_or_fails_with_a_named_error() {
 
 /// The shards are read only for experts, which are checksummed (issue 13): corrupting their
 /// reads must end in the checksum error, never in a different output; unchecked, the same
-/// corruption does change the output (so the check is what catches it).
+/// corruption reaches the compute (so the check is what catches it): it changes the output, or a
+/// flipped scale byte blows a value up into the engine's non-finite guard (or becomes 0xFF, which
+/// the kernels refuse). Which happens depends on the bytes flipped and on the read order, which
+/// follows the machine's timing; CI once saw the guard catch all six unchecked runs, so every
+/// one of these outcomes counts as evidence.
 #[test]
 fn sim_corrupted_expert_reads_end_in_the_checksum_error() {
     let model = tiny_dir();
     let trunk = pack(&model);
     let base = resident();
     let min = minimum_budget(&model, trunk.path());
-    let (mut caught, mut wrong_unchecked) = (0, 0);
+    let (mut caught, mut reached_compute) = (0, 0);
     for seed in 1..=6 {
         let mut sim = SimOptions::fault_free(seed);
         sim.latency_max = 20;
@@ -226,19 +230,22 @@ fn sim_corrupted_expert_reads_end_in_the_checksum_error() {
             run.store.verify_experts = verify;
             match streamed_with(&model, trunk.path(), &run) {
                 Ok((g, _, _)) if verify => assert!(same(&g, &base), "seed {seed}: a checked run changed the output"),
-                Ok((g, _, _)) => wrong_unchecked += usize::from(!same(&g, &base)),
+                Ok((g, _, _)) => reached_compute += usize::from(!same(&g, &base)),
                 Err(e) if verify => {
                     let named = e.contains("layer ") && e.contains(" expert ") && e.contains("fails its checksum");
                     assert!(named && e.contains(".safetensors"), "seed {seed}: {e}");
                     caught += 1;
                 }
-                // Unchecked, a damaged scale byte may still be refused by the kernels.
-                Err(_) => {}
+                // A flipped scale byte may also become 0xFF, which the kernels refuse.
+                Err(e) if e.contains("non-finite hidden state") || e.contains("MXFP4 scale byte 0xFF") => {
+                    reached_compute += 1
+                }
+                Err(e) => panic!("seed {seed}: unchecked, the corruption ended in an unexpected error: {e}"),
             }
         }
     }
     assert!(caught >= 3, "{caught} of 6 checked runs caught the corruption");
-    assert!(wrong_unchecked >= 1, "the corruption never changed an unchecked output: the test proves nothing");
+    assert!(reached_compute >= 1, "unchecked, the corruption never reached the compute: the test proves nothing");
 }
 
 fn streamed_cli(model: &Path, trunk: &Path, extra: &[&str]) -> (i32, String, String) {
