@@ -168,7 +168,8 @@ fn mxfp4_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) 
     for (rows, cols) in [(3072usize, 3584usize), (3584, 3072)] {
         let experts = rng.mxfp4_copies(COPIES, rows, cols);
         let bytes = rows * cols / 2 + rows * cols / 32;
-        for t in [1usize, 16] {
+        // 2-4: the rows a batch step routes to one expert (issue 18).
+        for t in [1usize, 2, 3, 4, 16] {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
             let mut y = vec![0.0f32; t * rows];
             for threads in [1, o.threads] {

@@ -87,6 +87,35 @@ impl<'a> RowsOut<'a> {
         }
     }
 
+    /// Fills every token (`T` of them, all this output holds) of every row of this piece: `R`
+    /// rows at a time with `block(r)` (`[token][i]`: the outputs of rows `r..r + R`), then the
+    /// rows left over one at a time with `single(r)`. The few-token SIMD kernels' walk: each
+    /// decoded weight serves all `T` tokens from registers.
+    #[inline(always)]
+    pub(crate) fn fill_tokens_by_blocks<const R: usize, const T: usize>(
+        &mut self,
+        mut block: impl FnMut(usize) -> [[f32; R]; T],
+        mut single: impl FnMut(usize) -> [[f32; 1]; T],
+    ) {
+        assert_eq!(self.t, T, "the walk fills all {} tokens", self.t);
+        let rows = self.rows();
+        let mut r = 0;
+        while r + R <= rows {
+            for (tok, sums) in block(r).into_iter().enumerate() {
+                for (i, s) in sums.into_iter().enumerate() {
+                    self.set(tok, r + i, s);
+                }
+            }
+            r += R;
+        }
+        while r < rows {
+            for (tok, [s]) in single(r).into_iter().enumerate() {
+                self.set(tok, r, s);
+            }
+            r += 1;
+        }
+    }
+
     /// Writes output `(token, row)`, `row` counted from this piece's first row.
     #[inline]
     pub(crate) fn set(&mut self, token: usize, row: usize, value: f32) {

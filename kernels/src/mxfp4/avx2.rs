@@ -5,8 +5,8 @@
 //! in the group's scale's byte tables ([`SCALED_BYTES`], the top halves of [`super::SCALED`],
 //! whose products are the definition's own f32 multiplication), so overflow (s = 254) and
 //! subnormal (s = 0) results are identical too. See [`decode32`]: 12 vector operations per 32
-//! weights as compiled. `t == 1` streams 2 rows at once; `t > 1`
-//! goes through [`crate::tiled`].
+//! weights as compiled. `t == 1` streams 2 rows at once; `t` of 2 to 4 decode each group once
+//! into registers for every token; more tokens go through [`crate::tiled`].
 
 use std::arch::x86_64::{
     __m256, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_castsi256_ps, _mm256_fmadd_ps, _mm256_set1_epi32,
@@ -108,11 +108,16 @@ fn prefetch(p: *const u8) {
 
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
-    if t == 1 {
-        single_token(packed, scales, cols, x, out);
-    } else {
-        // SAFETY: this function's target features are AVX2 + FMA.
-        unsafe { tiled::multi_token::<tiled::Avx2>(&Source::Mxfp4 { packed, scales }, cols, x, t, out) };
+    match t {
+        1 => single_token(packed, scales, cols, x, out),
+        // 16 ymm registers: 2 per (row, token) accumulator, 4 for the decoded group.
+        2 => few_tokens::<2, 2>(packed, scales, cols, x, out),
+        3 => few_tokens::<1, 3>(packed, scales, cols, x, out),
+        4 => few_tokens::<1, 4>(packed, scales, cols, x, out),
+        _ => {
+            // SAFETY: this function's target features are AVX2 + FMA.
+            unsafe { tiled::multi_token::<tiled::Avx2>(&Source::Mxfp4 { packed, scales }, cols, x, t, out) };
+        }
     }
 }
 
@@ -164,6 +169,74 @@ fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks:
     let mut sums = [0.0f32; R];
     for i in 0..R {
         sums[i] = reduce16(lo[i], hi[i]);
+    }
+    sums
+}
+
+/// `T` tokens, `2 <= T <= 4` (the rows a batch step routes to one expert), `R` rows at a time:
+/// each group is decoded once into registers and multiplied with every token there. The tiled
+/// path would store the decoded tile and reload it per token, which at so few tokens costs more
+/// than the FMAs. Every (row, token) keeps its own 16 canonical lanes from zero in increasing
+/// column order, so the bits are those of the single-token and tiled paths.
+#[target_feature(enable = "avx2,fma")]
+fn few_tokens<const R: usize, const T: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    cols: usize,
+    x: &[f32],
+    out: &mut RowsOut<'_>,
+) {
+    let (pb, groups) = (cols / 2, cols / GROUP);
+    let x_chunks: [&[[f32; LANES]]; T] = std::array::from_fn(|k| x[k * cols..][..cols].as_chunks::<LANES>().0);
+    let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
+    let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
+    out.fill_tokens_by_blocks(
+        |r| rows_dot_tokens::<R, T>(packed_of(r, R), scales_of(r, R), cols, &x_chunks),
+        |r| rows_dot_tokens::<1, T>(packed_of(r, 1), scales_of(r, 1), cols, &x_chunks),
+    );
+}
+
+/// Canonical dots of `R` consecutive rows with each of `T` tokens: `[token][row]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn rows_dot_tokens<const R: usize, const T: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    cols: usize,
+    x_chunks: &[&[[f32; LANES]]; T],
+) -> [[f32; R]; T] {
+    let (pb, groups) = (cols / 2, cols / GROUP);
+    let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
+    let mut srows: [&[u8]; R] = [&[]; R];
+    for i in 0..R {
+        rows[i] = packed[i * pb..][..pb].as_chunks::<GROUP_BYTES>().0;
+        srows[i] = &scales[i * groups..][..groups];
+    }
+    let mut lo = [[_mm256_setzero_ps(); R]; T];
+    let mut hi = [[_mm256_setzero_ps(); R]; T];
+    for g in 0..groups {
+        if g % 4 == 0 {
+            for i in 0..R {
+                prefetch(packed.as_ptr().wrapping_add((R + i) * pb + g * GROUP_BYTES));
+            }
+        }
+        for i in 0..R {
+            let [w0, w1, w2, w3] = decode32(&rows[i][g], srows[i][g]);
+            for k in 0..T {
+                let (xl0, xh0) = load16(&x_chunks[k][2 * g]);
+                let (xl1, xh1) = load16(&x_chunks[k][2 * g + 1]);
+                lo[k][i] = _mm256_fmadd_ps(w0, xl0, lo[k][i]);
+                hi[k][i] = _mm256_fmadd_ps(w1, xh0, hi[k][i]);
+                lo[k][i] = _mm256_fmadd_ps(w2, xl1, lo[k][i]);
+                hi[k][i] = _mm256_fmadd_ps(w3, xh1, hi[k][i]);
+            }
+        }
+    }
+    let mut sums = [[0.0f32; R]; T];
+    for k in 0..T {
+        for i in 0..R {
+            sums[k][i] = reduce16(lo[k][i], hi[k][i]);
+        }
     }
     sums
 }

@@ -7,7 +7,8 @@
 //! the low 4 bits of each index, in the group's scale's row of [`super::SCALED`]: the 16
 //! decoded values `(sign * E2M1[mag]) * 2^(s - 127)`, built by the definition's own f32
 //! product (-0.0 for nibble 8 included). 4 operations per 16 weights. `t == 1` streams 4 rows
-//! at once; `t > 1` goes through [`crate::tiled`].
+//! at once, `t` of 2 to 4 too, each decoded group serving every token from registers; more tokens
+//! go through [`crate::tiled`].
 
 use std::arch::x86_64::{
     __m128i, __m512, __m512i, _mm512_cvtepu8_epi32, _mm512_fmadd_ps, _mm512_load_ps, _mm512_permutexvar_ps,
@@ -70,11 +71,15 @@ fn prefetch(p: *const u8) {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
-    if t == 1 {
-        single_token(packed, scales, cols, x, out);
-    } else {
-        // SAFETY: this function's target features are AVX-512 F + BW + VL and AVX2 + FMA.
-        unsafe { tiled::multi_token::<tiled::Avx512>(&Source::Mxfp4 { packed, scales }, cols, x, t, out) };
+    match t {
+        1 => single_token(packed, scales, cols, x, out),
+        2 => few_tokens::<2>(packed, scales, cols, x, out),
+        3 => few_tokens::<3>(packed, scales, cols, x, out),
+        4 => few_tokens::<4>(packed, scales, cols, x, out),
+        _ => {
+            // SAFETY: this function's target features are AVX-512 F + BW + VL and AVX2 + FMA.
+            unsafe { tiled::multi_token::<tiled::Avx512>(&Source::Mxfp4 { packed, scales }, cols, x, t, out) };
+        }
     }
 }
 
@@ -128,6 +133,72 @@ fn rows_dot<const R: usize>(
     let mut sums = [0.0f32; R];
     for i in 0..R {
         sums[i] = reduce16z(acc[i]);
+    }
+    sums
+}
+
+/// `t` tokens, `2 <= t <= 4` (the rows a batch step routes to one expert): each group is decoded
+/// once into registers and multiplied with every token there, 4 rows at a time. The tiled path
+/// would store the decoded tile and reload it per token, which at so few tokens costs more than
+/// the FMAs. Every (row, token) keeps its own 16 canonical lanes from zero in increasing column
+/// order, so the bits are those of the single-token and tiled paths.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn few_tokens<const T: usize>(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
+    const R: usize = 4;
+    let (pb, groups) = (cols / 2, cols / GROUP);
+    let x_chunks: [&[[f32; LANES]]; T] = std::array::from_fn(|k| x[k * cols..][..cols].as_chunks::<LANES>().0);
+    let decoder = Decoder::new();
+    let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
+    let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
+    out.fill_tokens_by_blocks(
+        |r| rows_dot_tokens::<R, T>(decoder, packed_of(r, R), scales_of(r, R), cols, &x_chunks),
+        |r| rows_dot_tokens::<1, T>(decoder, packed_of(r, 1), scales_of(r, 1), cols, &x_chunks),
+    );
+}
+
+/// Canonical dots of `R` consecutive rows with each of `T` tokens: `[token][row]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn rows_dot_tokens<const R: usize, const T: usize>(
+    decoder: Decoder,
+    packed: &[u8],
+    scales: &[u8],
+    cols: usize,
+    x_chunks: &[&[[f32; LANES]]; T],
+) -> [[f32; R]; T] {
+    let (pb, groups) = (cols / 2, cols / GROUP);
+    let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
+    let mut srows: [&[u8]; R] = [&[]; R];
+    for i in 0..R {
+        rows[i] = packed[i * pb..][..pb].as_chunks::<GROUP_BYTES>().0;
+        srows[i] = &scales[i * groups..][..groups];
+    }
+    let mut acc = [[_mm512_setzero_ps(); R]; T];
+    for g in 0..groups {
+        if g % 4 == 0 {
+            for i in 0..R {
+                prefetch(packed.as_ptr().wrapping_add((R + i) * pb + g * GROUP_BYTES));
+            }
+        }
+        let mut x0 = [_mm512_setzero_ps(); T];
+        let mut x1 = [_mm512_setzero_ps(); T];
+        for k in 0..T {
+            x0[k] = load16z(&x_chunks[k][2 * g]);
+            x1[k] = load16z(&x_chunks[k][2 * g + 1]);
+        }
+        for i in 0..R {
+            let [w0, w1] = decoder.decode32(&rows[i][g], srows[i][g]);
+            for k in 0..T {
+                acc[k][i] = _mm512_fmadd_ps(w0, x0[k], acc[k][i]);
+                acc[k][i] = _mm512_fmadd_ps(w1, x1[k], acc[k][i]);
+            }
+        }
+    }
+    let mut sums = [[0.0f32; R]; T];
+    for k in 0..T {
+        for i in 0..R {
+            sums[k][i] = reduce16z(acc[k][i]);
+        }
     }
     sums
 }

@@ -45,7 +45,7 @@ fn matmul_mxfp4_twins_unaligned() {
     for k in all_kernels() {
         for cols in [32usize, 64, 96, 256, 288, 512, 544] {
             for rows in [1usize, 2, 3, 4, 5, 9, 65] {
-                for t in [1usize, 2, 5, 17] {
+                for t in [1usize, 2, 3, 4, 5, 17] {
                     for edge in [false, true] {
                         let (packed, scales) = mxfp4_data(&mut rng, rows, cols, edge);
                         let x = if edge { rng.specials(t * cols) } else { rng.adversarials(t * cols) };
@@ -63,8 +63,8 @@ fn matmul_mxfp4_twins_unaligned() {
         // One K3 expert row block.
         let (rows, cols) = (64, 3584);
         let (packed, scales) = mxfp4_data(&mut rng, rows, cols, false);
-        let x = rng.normals(2 * cols, 1.0);
-        for t in [1, 2] {
+        let x = rng.normals(4 * cols, 1.0);
+        for t in [1, 2, 3, 4] {
             let want = run_mxfp4(&s, false, &packed, &scales, rows, cols, &x[..t * cols], t).unwrap();
             let got = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x[..t * cols], t).unwrap();
             assert_bits(&format!("{:?} K3 block t={t}", k.isa()), &want, &got);
@@ -78,7 +78,7 @@ fn matmul_mxfp4_batch_and_thread_invariance() {
     let pools = [pool(1), pool(2), pool(3)];
     for k in all_kernels() {
         for (rows, cols) in [(5usize, 32usize), (9, 288), (130, 64), (3, 544)] {
-            for t in [2usize, 3, 5, 16, 17] {
+            for t in [2usize, 3, 4, 5, 16, 17] {
                 let (packed, scales) = mxfp4_data(&mut rng, rows, cols, true);
                 let x = rng.adversarials(t * cols);
                 let batched = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x, t).unwrap();
@@ -115,13 +115,14 @@ fn mxfp4_every_nibble_at_every_position() {
             for pos in 0..cols {
                 for nibble in 0..16u8 {
                     let (packed, scales) = one_element_row(cols, pos, nibble, scale);
-                    let mut x = vec![0.0f32; 2 * cols];
-                    x[pos] = 1.0;
-                    x[cols + pos] = 1.0;
+                    let mut x = vec![0.0f32; 4 * cols];
+                    for tok in 0..4 {
+                        x[tok * cols + pos] = 1.0;
+                    }
                     let value = mxfp4_value(nibble, scale).unwrap();
                     let want = if value == 0.0 { 0.0 } else { value };
                     let ctx = format!("{:?} scale={scale} pos={pos} nibble={nibble:#x}", k.isa());
-                    for t in [1usize, 2] {
+                    for t in [1usize, 2, 3, 4] {
                         let y = run_mxfp4(&k, false, &packed, &scales, 1, cols, &x[..t * cols], t).unwrap();
                         assert_bits_strict(&ctx, &vec![want; t], &y);
                     }
