@@ -142,7 +142,7 @@ fn bf16_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -
     let mut out = Vec::new();
     for (rows, cols) in [(7168usize, 12288usize), (12288, 7168)] {
         let w = rng.bf16_bytes(rows * cols);
-        for t in [1usize, 16] {
+        for t in [1usize, 2, 4, 16] {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
             let mut y = vec![0.0f32; t * rows];
             for threads in [1, o.threads] {

@@ -3,8 +3,8 @@
 //! bf16 -> f32 is `vpmovzxwd` (zero-extend 8 u16 to u32) then `vpslld 16`, from unaligned loads.
 //! `t == 1` streams 4 rows at once (8 independent FMA chains hide the FMA latency, and the 4
 //! rows share each load of x) and prefetches the next 4 rows' lines (+3-6% measured, the
-//! kernel is DRAM-bound); `t > 1` goes through [`crate::tiled`], which decodes each weight once
-//! per 16 tokens.
+//! kernel is DRAM-bound); `t` of 2 to 4 widen each chunk once for every token; more tokens go
+//! through [`crate::tiled`], which decodes each weight once per 16 tokens.
 
 use std::arch::x86_64::{
     __m128i, __m256, _mm256_broadcast_ss, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_fmadd_ps,
@@ -61,12 +61,89 @@ fn bf16_tail(tail: &[u8]) -> (__m256, __m256) {
 
 #[target_feature(enable = "avx2,fma")]
 pub(crate) fn matmul(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
-    if t == 1 {
-        single_token(w, cols, x, out);
-    } else {
-        // SAFETY: this function's target features are AVX2 + FMA.
-        unsafe { tiled::multi_token::<tiled::Avx2>(&Source::Bf16 { w }, cols, x, t, out) };
+    match t {
+        1 => single_token(w, cols, x, out),
+        // 16 ymm registers: 2 per (row, token) accumulator, 2 for the widened chunk.
+        2 => few_tokens::<2, 2>(w, cols, x, out),
+        3 => few_tokens::<1, 3>(w, cols, x, out),
+        4 => few_tokens::<1, 4>(w, cols, x, out),
+        _ => {
+            // SAFETY: this function's target features are AVX2 + FMA.
+            unsafe { tiled::multi_token::<tiled::Avx2>(&Source::Bf16 { w }, cols, x, t, out) };
+        }
     }
+}
+
+/// `T` tokens, `2 <= T <= 4` (a small batch step), `R` rows at a time: each chunk of 16 weights
+/// is widened once in registers and multiplied with every token there, so the weights stream
+/// once at the single-token rate. The tiled path would store the widened tile and reload it
+/// per token, which at so few tokens costs more than the FMAs. Every (row, token) keeps its own
+/// 16 canonical lanes from zero in increasing column order: the bits of the other paths.
+#[target_feature(enable = "avx2,fma")]
+fn few_tokens<const R: usize, const T: usize>(w: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
+    let row_bytes = 2 * cols;
+    let x_chunks: [&[[f32; LANES]]; T] = std::array::from_fn(|k| x[k * cols..][..cols].as_chunks::<LANES>().0);
+    let x_tails: [[f32; LANES]; T] = std::array::from_fn(|k| pad16(x[k * cols..][..cols].as_chunks::<LANES>().1));
+    let rows_of = |r: usize, n: usize| &w[r * row_bytes..(r + n) * row_bytes];
+    out.fill_tokens_by_blocks(
+        |r| rows_dot_tokens::<R, T>(rows_of(r, R), cols, &x_chunks, &x_tails),
+        |r| rows_dot_tokens::<1, T>(rows_of(r, 1), cols, &x_chunks, &x_tails),
+    );
+}
+
+/// Canonical dots of `R` consecutive rows (`w` holds exactly them) with each of `T` tokens:
+/// `[token][row]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn rows_dot_tokens<const R: usize, const T: usize>(
+    w: &[u8],
+    cols: usize,
+    x_chunks: &[&[[f32; LANES]]; T],
+    x_tails: &[[f32; LANES]; T],
+) -> [[f32; R]; T] {
+    let row_bytes = 2 * cols;
+    let mut chunks: [&[[u8; 32]]; R] = [&[]; R];
+    let mut tails: [&[u8]; R] = [&[]; R];
+    for i in 0..R {
+        let (c, tail) = w[i * row_bytes..][..row_bytes].as_chunks::<32>();
+        assert_eq!(c.len(), x_chunks[0].len(), "rows_dot_tokens: row and x disagree");
+        chunks[i] = c;
+        tails[i] = tail;
+    }
+    let mut lo = [[_mm256_setzero_ps(); R]; T];
+    let mut hi = [[_mm256_setzero_ps(); R]; T];
+    for c in 0..chunks[0].len() {
+        if c % 2 == 0 {
+            for i in 0..R {
+                prefetch(w.as_ptr().wrapping_add((R + i) * row_bytes + c * 32));
+            }
+        }
+        for i in 0..R {
+            let (wl, wh) = bf16x16(&chunks[i][c]);
+            for k in 0..T {
+                let (xl, xh) = load16(&x_chunks[k][c]);
+                lo[k][i] = _mm256_fmadd_ps(wl, xl, lo[k][i]);
+                hi[k][i] = _mm256_fmadd_ps(wh, xh, hi[k][i]);
+            }
+        }
+    }
+    if !cols.is_multiple_of(LANES) {
+        for i in 0..R {
+            let (wl, wh) = bf16_tail(tails[i]);
+            for k in 0..T {
+                let (xl, xh) = load16(&x_tails[k]);
+                lo[k][i] = _mm256_fmadd_ps(wl, xl, lo[k][i]);
+                hi[k][i] = _mm256_fmadd_ps(wh, xh, hi[k][i]);
+            }
+        }
+    }
+    let mut sums = [[0.0f32; R]; T];
+    for k in 0..T {
+        for i in 0..R {
+            sums[k][i] = reduce16(lo[k][i], hi[k][i]);
+        }
+    }
+    sums
 }
 
 #[target_feature(enable = "avx2,fma")]

@@ -2,8 +2,9 @@
 //!
 //! The 16 canonical lanes are one zmm register: 16 bf16 (32 bytes) become 16 f32 with
 //! `vpmovzxwd` + `vpslld 16`. `t == 1` streams 4 rows at once (4 independent FMA chains; the
-//! kernel is DRAM-bound) and prefetches the next 4 rows like the AVX2 kernel; `t > 1` goes
-//! through [`crate::tiled`] with [`tiled::Avx512`].
+//! kernel is DRAM-bound) and prefetches the next 4 rows like the AVX2 kernel; `t` of 2 to 4
+//! widen each chunk once for every token; more tokens go through [`crate::tiled`] with
+//! [`tiled::Avx512`].
 
 use std::arch::x86_64::{
     __m256i, __m512, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_fmadd_ps, _mm512_set1_ps,
@@ -49,12 +50,88 @@ fn prefetch(p: *const u8) {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(crate) fn matmul(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
-    if t == 1 {
-        single_token(w, cols, x, out);
-    } else {
-        // SAFETY: this function's target features are AVX-512 F + BW + VL and AVX2 + FMA.
-        unsafe { tiled::multi_token::<tiled::Avx512>(&Source::Bf16 { w }, cols, x, t, out) };
+    match t {
+        1 => single_token(w, cols, x, out),
+        2 => few_tokens::<2>(w, cols, x, out),
+        3 => few_tokens::<3>(w, cols, x, out),
+        4 => few_tokens::<4>(w, cols, x, out),
+        _ => {
+            // SAFETY: this function's target features are AVX-512 F + BW + VL and AVX2 + FMA.
+            unsafe { tiled::multi_token::<tiled::Avx512>(&Source::Bf16 { w }, cols, x, t, out) };
+        }
     }
+}
+
+/// `T` tokens, `2 <= T <= 4` (a small batch step): each chunk of 16 weights is widened once in a
+/// register and multiplied with every token there, 4 rows at a time, so the weights stream
+/// once at the single-token rate. The tiled path would store the widened tile and reload it
+/// per token, which at so few tokens costs more than the FMAs. Every (row, token) keeps its own
+/// 16 canonical lanes from zero in increasing column order: the bits of the other paths.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn few_tokens<const T: usize>(w: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
+    const R: usize = 4;
+    let row_bytes = 2 * cols;
+    let x_chunks: [&[[f32; LANES]]; T] = std::array::from_fn(|k| x[k * cols..][..cols].as_chunks::<LANES>().0);
+    let x_tails: [[f32; LANES]; T] = std::array::from_fn(|k| pad16(x[k * cols..][..cols].as_chunks::<LANES>().1));
+    let rows_of = |r: usize, n: usize| &w[r * row_bytes..(r + n) * row_bytes];
+    out.fill_tokens_by_blocks(
+        |r| rows_dot_tokens::<R, T>(rows_of(r, R), cols, &x_chunks, &x_tails),
+        |r| rows_dot_tokens::<1, T>(rows_of(r, 1), cols, &x_chunks, &x_tails),
+    );
+}
+
+/// Canonical dots of `R` consecutive rows (`w` holds exactly them) with each of `T` tokens:
+/// `[token][row]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn rows_dot_tokens<const R: usize, const T: usize>(
+    w: &[u8],
+    cols: usize,
+    x_chunks: &[&[[f32; LANES]]; T],
+    x_tails: &[[f32; LANES]; T],
+) -> [[f32; R]; T] {
+    let row_bytes = 2 * cols;
+    let mut chunks: [&[[u8; 32]]; R] = [&[]; R];
+    let mut tails: [&[u8]; R] = [&[]; R];
+    for i in 0..R {
+        let (c, tail) = w[i * row_bytes..][..row_bytes].as_chunks::<32>();
+        assert_eq!(c.len(), x_chunks[0].len(), "rows_dot_tokens: row and x disagree");
+        chunks[i] = c;
+        tails[i] = tail;
+    }
+    let mut acc = [[_mm512_setzero_ps(); R]; T];
+    for c in 0..chunks[0].len() {
+        if c % 2 == 0 {
+            for i in 0..R {
+                prefetch(w.as_ptr().wrapping_add((R + i) * row_bytes + c * 32));
+            }
+        }
+        let mut xv = [_mm512_setzero_ps(); T];
+        for k in 0..T {
+            xv[k] = load16z(&x_chunks[k][c]);
+        }
+        for i in 0..R {
+            let wv = bf16x16(&chunks[i][c]);
+            for k in 0..T {
+                acc[k][i] = _mm512_fmadd_ps(wv, xv[k], acc[k][i]);
+            }
+        }
+    }
+    if !cols.is_multiple_of(LANES) {
+        for i in 0..R {
+            let wv = bf16_tail(tails[i]);
+            for k in 0..T {
+                acc[k][i] = _mm512_fmadd_ps(wv, load16z(&x_tails[k]), acc[k][i]);
+            }
+        }
+    }
+    let mut sums = [[0.0f32; R]; T];
+    for k in 0..T {
+        for i in 0..R {
+            sums[k][i] = reduce16z(acc[k][i]);
+        }
+    }
+    sums
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]

@@ -31,7 +31,7 @@ fn matmul_bf16_twins_unaligned() {
     let s = scalar();
     for k in all_kernels() {
         for (rows, cols) in bf16_shapes() {
-            for t in [1usize, 2, 3, 17] {
+            for t in [1usize, 2, 3, 4, 17] {
                 if rows * cols * t > 2_000_000 {
                     continue;
                 }
@@ -55,7 +55,7 @@ fn matmul_bf16_batch_invariance() {
     for k in all_kernels() {
         for (rows, cols) in [(5, 16), (9, 300), (7, 513), (66, 40), (3, 1)] {
             // Tiles of 3, 16 and 17 rows against tiles of 1 (issue 18: a batch step's rows).
-            for t in [2usize, 3, 5, 16, 17, 33] {
+            for t in [2usize, 3, 4, 5, 16, 17, 33] {
                 let w = rng.bf16_bytes(rows * cols, false);
                 let x = rng.adversarials(t * cols);
                 let batched = run_bf16(&k, false, &w, rows, cols, &x, t);
