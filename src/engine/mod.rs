@@ -182,6 +182,10 @@ impl<S: WeightSource + LayerHook> Engine<S> {
             })
             .build()
             .map_err(|e| EngineError::Threads { threads, message: e.to_string() })?;
+        // Threads start on their own time: wait until every one has (pinned itself, done the
+        // runtime's per-thread set-up, which allocates), so that no step pays for a start-up
+        // and a decode step allocates nothing from the first one on.
+        pool.broadcast(|_| ());
         let threads = pool.current_num_threads();
         Ok(Engine { model, src, pool, threads })
     }
