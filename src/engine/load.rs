@@ -83,7 +83,7 @@ fn common(dir: &Path) -> Result<Common, OpenError> {
 pub fn open_resident(dir: &Path, threads: usize, kernels: kernels::Kernels) -> Result<Opened, OpenError> {
     let c = common(dir)?;
     let src = MmapSource::open(c.index)?;
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: None };
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: None, attribution: None };
     Ok(Opened { engine: Engine::new(model, src, threads)?, tokenizer: c.tokenizer })
 }
 
@@ -168,7 +168,7 @@ pub fn open_streaming(
     let tracer = Arc::new(Tracer::new(run.trace_detail));
     let index = Arc::clone(&c.index);
     let src = Pipeline::open(dir, trunk_dir, index, &c.cfg, &plan, &store, &pipeline, Arc::clone(&tracer))?;
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: Some(tracer) };
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: Some(tracer), attribution: None };
     let cores = run.placement.as_ref().map_or(&[][..], |p| &p.compute_cores[..]);
     Ok((Opened { engine: Engine::pinned(model, src, run.threads, cores)?, tokenizer: c.tokenizer }, plan))
 }

@@ -1,0 +1,338 @@
+//! Where a forward pass spends its time, per operation class (issue 19): nanoseconds, weight
+//! bytes touched and calls, summed over the products and elementwise passes of each class.
+//!
+//! The forward pass times each product (or each run of small elementwise work) on the thread
+//! that calls [`super::Model::forward_batch`]; a product's time therefore includes the rayon
+//! fork/join and the load imbalance of its parallel split. Timed regions never nest, so their
+//! sum is at most the wall time, and the caller names the rest (waits for bytes, copies,
+//! bookkeeping, sampling) as [`AttributionTable::other_seconds_per_token`]: the rows then sum to
+//! the measured s/token exactly.
+//!
+//! Off (no [`Attribution`] on the model), a [`Meter`] is one `Option` test per region. On, it is
+//! an `Instant::now` pair and three relaxed atomic adds: far below a product over megabytes of
+//! weights. Nothing here reads or writes a value of the arithmetic, so outputs are the same bits
+//! on or off. Allocates only in [`Attribution::totals`] and the table.
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use serde::Serialize;
+
+/// What a timed region computes. Each weight tensor is read in the regions of one class only,
+/// so a class's bytes per decoded token are the sizes of its tensors (the routed experts: of
+/// the experts chosen).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpClass {
+    /// The embedding rows of the step's tokens (bf16 to f32).
+    Embedding,
+    /// The attention-residual reads before attention, before the FFN, and at the head.
+    ResidualReads,
+    /// bf16 products of KDA: q, k, v, f_a, f_b, b, g and o projections.
+    KdaProjections,
+    /// KDA's carried part: short conv with history, SiLU, l2norm, delta-rule recurrence.
+    KdaRecurrence,
+    /// bf16 products of MLA: q_a, q_b, kv_a, g and o projections.
+    MlaProjections,
+    /// MLA over the latent cache: latent norm and append, scores, softmax, the absorbed kv_b.
+    MlaAttention,
+    /// bf16 products of the dense FFN (layer 0).
+    DenseFfn,
+    /// bf16 products of the fused shared experts.
+    SharedExperts,
+    /// The bf16 latent down and up projections around the routed experts.
+    LatentProjections,
+    /// The routed experts' MXFP4 products (w1, w3, w2).
+    ExpertProducts,
+    /// Router scores (bf16 gate product, sigmoid), the correction bias and the top-k.
+    Router,
+    /// RMSNorms, gates, SiTU-GLU and SiLU outside the classes above, the experts' weighted sum.
+    NormsActivations,
+    /// The output head's bf16 product.
+    LmHead,
+}
+
+/// Number of [`OpClass`] variants.
+pub const OP_CLASS_COUNT: usize = 13;
+
+impl OpClass {
+    pub const ALL: [OpClass; OP_CLASS_COUNT] = [
+        OpClass::Embedding,
+        OpClass::ResidualReads,
+        OpClass::KdaProjections,
+        OpClass::KdaRecurrence,
+        OpClass::MlaProjections,
+        OpClass::MlaAttention,
+        OpClass::DenseFfn,
+        OpClass::SharedExperts,
+        OpClass::LatentProjections,
+        OpClass::ExpertProducts,
+        OpClass::Router,
+        OpClass::NormsActivations,
+        OpClass::LmHead,
+    ];
+
+    /// The row name of the tables.
+    pub const fn name(self) -> &'static str {
+        match self {
+            OpClass::Embedding => "embedding rows",
+            OpClass::ResidualReads => "attention-residual reads",
+            OpClass::KdaProjections => "bf16 KDA projections",
+            OpClass::KdaRecurrence => "KDA conv + recurrence",
+            OpClass::MlaProjections => "bf16 MLA projections",
+            OpClass::MlaAttention => "MLA attention (cache)",
+            OpClass::DenseFfn => "bf16 dense FFN",
+            OpClass::SharedExperts => "bf16 shared experts",
+            OpClass::LatentProjections => "bf16 latent down/up",
+            OpClass::ExpertProducts => "MXFP4 expert products",
+            OpClass::Router => "router + top-k",
+            OpClass::NormsActivations => "norms + activations",
+            OpClass::LmHead => "bf16 lm_head",
+        }
+    }
+
+    const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Per-class counters, shared by the threads that run forward passes of one model.
+#[derive(Debug, Default)]
+pub struct Attribution {
+    nanos: [AtomicU64; OP_CLASS_COUNT],
+    bytes: [AtomicU64; OP_CLASS_COUNT],
+    calls: [AtomicU64; OP_CLASS_COUNT],
+}
+
+/// One class's counters at a moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct ClassTotal {
+    pub nanos: u64,
+    pub bytes: u64,
+    pub calls: u64,
+}
+
+impl Attribution {
+    pub fn new() -> Attribution {
+        Attribution::default()
+    }
+
+    /// Zeroes every counter (the start of a measured window).
+    pub fn reset(&self) {
+        for a in self.nanos.iter().chain(&self.bytes).chain(&self.calls) {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn add(&self, class: OpClass, nanos: u64, bytes: u64) {
+        let i = class.index();
+        self.nanos[i].fetch_add(nanos, Ordering::Relaxed);
+        self.bytes[i].fetch_add(bytes, Ordering::Relaxed);
+        self.calls[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counters of every class, in [`OpClass::ALL`] order.
+    pub fn totals(&self) -> Vec<(OpClass, ClassTotal)> {
+        OpClass::ALL
+            .iter()
+            .map(|&c| {
+                let i = c.index();
+                let load = |a: &[AtomicU64; OP_CLASS_COUNT]| a[i].load(Ordering::Relaxed);
+                (c, ClassTotal { nanos: load(&self.nanos), bytes: load(&self.bytes), calls: load(&self.calls) })
+            })
+            .collect()
+    }
+}
+
+/// The forward pass's handle on the counters: `Copy`, and nothing but an `Option` test when off.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Meter<'a>(Option<&'a Attribution>);
+
+impl<'a> Meter<'a> {
+    pub const OFF: Meter<'static> = Meter(None);
+
+    pub fn new(to: Option<&'a Attribution>) -> Meter<'a> {
+        Meter(to)
+    }
+
+    /// Runs `f`, counting its wall time and `bytes` of weights touched to `class`.
+    #[inline]
+    pub fn time<R>(self, class: OpClass, bytes: usize, f: impl FnOnce() -> R) -> R {
+        match self.0 {
+            None => f(),
+            Some(a) => {
+                let start = Instant::now();
+                let r = f();
+                let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                a.add(class, nanos, bytes as u64);
+                r
+            }
+        }
+    }
+}
+
+/// The counters of a measured window: `tokens` decoded in `seconds` of wall time.
+#[derive(Clone, Debug, Default)]
+pub struct Window {
+    pub totals: Vec<(OpClass, ClassTotal)>,
+    pub tokens: usize,
+    pub seconds: f64,
+}
+
+impl Window {
+    /// The window's counters, as they stand, over `tokens` decoded in `seconds`.
+    pub fn of(a: &Attribution, tokens: usize, seconds: f64) -> Window {
+        Window { totals: a.totals(), tokens, seconds }
+    }
+
+    /// The table against `triad` (bytes/s) when measured.
+    pub fn table(&self, triad: Option<f64>) -> AttributionTable {
+        AttributionTable::new(&self.totals, self.tokens, self.seconds, triad)
+    }
+}
+
+/// One row of the table.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttributionRow {
+    /// The [`OpClass`] in snake case, or "other" for the remainder.
+    pub class: String,
+    pub name: &'static str,
+    pub seconds_per_token: f64,
+    /// Of the measured s/token.
+    pub share: f64,
+    pub bytes_per_token: f64,
+    pub calls_per_token: f64,
+    /// Weight bytes over this class's time (0 without bytes or time).
+    pub bytes_per_second: f64,
+    /// `bytes_per_second` over the triad measured in the same run (`None` without one).
+    pub fraction_of_triad: Option<f64>,
+}
+
+/// Per-class time and bytes per token of a measured window, with the remainder.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttributionTable {
+    pub seconds_per_token: f64,
+    pub tokens: usize,
+    /// The triad (bytes/s) the fractions are against.
+    pub triad_bytes_per_second: Option<f64>,
+    /// The classes, then "other": fork/join outside the products, waits for bytes, copies,
+    /// sampling and bookkeeping, i.e. the measured time no class counted. Rows sum to
+    /// `seconds_per_token`.
+    pub rows: Vec<AttributionRow>,
+    pub other_seconds_per_token: f64,
+    pub bytes_per_token: f64,
+    /// Weight bytes per token over the triad: the memory-bandwidth floor.
+    pub floor_seconds_per_token: Option<f64>,
+}
+
+impl AttributionTable {
+    /// The table of counters `totals` taken over `tokens` tokens decoded in `seconds` of wall
+    /// time, against `triad` (bytes/s) when measured.
+    pub fn new(totals: &[(OpClass, ClassTotal)], tokens: usize, seconds: f64, triad: Option<f64>) -> AttributionTable {
+        let n = tokens.max(1) as f64;
+        let per_token = seconds / n;
+        let share = |s: f64| if per_token > 0.0 { s / per_token } else { 0.0 };
+        let mut rows: Vec<AttributionRow> = totals
+            .iter()
+            .map(|(c, t)| {
+                let s = t.nanos as f64 / 1e9 / n;
+                let b = t.bytes as f64 / n;
+                let rate = if s > 0.0 { b / s } else { 0.0 };
+                AttributionRow {
+                    class: serde_json::to_value(c).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default(),
+                    name: c.name(),
+                    seconds_per_token: s,
+                    share: share(s),
+                    bytes_per_token: b,
+                    calls_per_token: t.calls as f64 / n,
+                    bytes_per_second: rate,
+                    fraction_of_triad: triad.filter(|&x| x > 0.0).map(|x| rate / x),
+                }
+            })
+            .collect();
+        let counted: f64 = rows.iter().map(|r| r.seconds_per_token).sum();
+        let other = per_token - counted;
+        rows.push(AttributionRow {
+            class: "other".to_owned(),
+            name: "other (fork/join, waits, bookkeeping)",
+            seconds_per_token: other,
+            share: share(other),
+            bytes_per_token: 0.0,
+            calls_per_token: 0.0,
+            bytes_per_second: 0.0,
+            fraction_of_triad: None,
+        });
+        let bytes: f64 = rows.iter().map(|r| r.bytes_per_token).sum();
+        AttributionTable {
+            seconds_per_token: per_token,
+            tokens,
+            triad_bytes_per_second: triad,
+            rows,
+            other_seconds_per_token: other,
+            bytes_per_token: bytes,
+            floor_seconds_per_token: triad.filter(|&x| x > 0.0).map(|x| bytes / x),
+        }
+    }
+
+    /// The table as text lines (for `bench` and `run`'s reports).
+    pub fn lines(&self) -> Vec<String> {
+        let mut out = vec![format!(
+            "{:<40} {:>9} {:>6} {:>9} {:>8} {:>7} {:>7}",
+            "class", "s/token", "share", "GB/token", "GB/s", "triad", "calls"
+        )];
+        let triad = |f: Option<f64>| f.map_or_else(|| "-".to_owned(), |f| format!("{f:.2}"));
+        for r in &self.rows {
+            let rate = if r.bytes_per_second > 0.0 { format!("{:.1}", r.bytes_per_second / 1e9) } else { "-".into() };
+            out.push(format!(
+                "{:<40} {:>9.4} {:>5.1}% {:>9.3} {:>8} {:>7} {:>7.0}",
+                r.name,
+                r.seconds_per_token,
+                100.0 * r.share,
+                r.bytes_per_token / 1e9,
+                rate,
+                triad(r.fraction_of_triad),
+                r.calls_per_token
+            ));
+        }
+        let floor = match (self.floor_seconds_per_token, self.triad_bytes_per_second) {
+            (Some(f), Some(t)) => format!(
+                "; triad {:.1} GB/s, floor {f:.3} s/token, decode at {:.2} of the floor",
+                t / 1e9,
+                if self.seconds_per_token > 0.0 { f / self.seconds_per_token } else { 0.0 }
+            ),
+            _ => String::new(),
+        };
+        out.push(format!(
+            "{:<40} {:>9.4} {:>5.1}% {:>9.3}{floor}",
+            "total (measured)",
+            self.seconds_per_token,
+            100.0,
+            self.bytes_per_token / 1e9
+        ));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_sum_to_the_measured_time_and_other_is_the_rest() {
+        let a = Attribution::new();
+        Meter::new(Some(&a)).time(OpClass::LmHead, 100, || std::thread::sleep(std::time::Duration::from_millis(2)));
+        Meter::OFF.time(OpClass::LmHead, 100, || ());
+        let totals = a.totals();
+        let lm = totals.iter().find(|(c, _)| *c == OpClass::LmHead).map(|(_, t)| *t).unwrap_or_default();
+        assert_eq!((lm.bytes, lm.calls), (100, 1));
+        assert!(lm.nanos >= 2_000_000);
+        let table = AttributionTable::new(&totals, 2, 0.01, Some(1e10));
+        let sum: f64 = table.rows.iter().map(|r| r.seconds_per_token).sum();
+        assert!((sum - 0.005).abs() < 1e-12, "{sum}");
+        assert_eq!(table.rows.last().map(|r| r.class.as_str()), Some("other"));
+        assert_eq!(table.bytes_per_token, 50.0);
+        a.reset();
+        assert!(a.totals().iter().all(|(_, t)| *t == ClassTotal::default()));
+    }
+}
