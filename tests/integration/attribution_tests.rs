@@ -193,3 +193,25 @@ fn attribution_rows_sum_to_the_measured_seconds_per_token() {
     let floor = table.floor_seconds_per_token.unwrap();
     assert!((floor - want as f64 / 10e9).abs() < 1e-15);
 }
+
+#[test]
+fn a_traced_run_reports_the_attribution_of_its_decode() {
+    let (_, report) = crate::trace_check::streamed_trace(&["--mem-gb", "0.0014"]);
+    let table = &report["attribution"];
+    let rows = table["rows"].as_array().expect("run --trace reports the attribution");
+    let seconds_per_token = report["seconds_per_token"].as_f64().unwrap();
+    assert_eq!(table["seconds_per_token"].as_f64(), Some(seconds_per_token));
+    let sum: f64 = rows.iter().map(|r| r["seconds_per_token"].as_f64().unwrap()).sum();
+    assert!(
+        (sum - seconds_per_token).abs() <= 1e-9 * seconds_per_token,
+        "rows sum to {sum}, s/token {seconds_per_token}"
+    );
+    assert!(table["other_seconds_per_token"].as_f64().unwrap() >= 0.0);
+    // Streamed or resident, the decode touches the same weight bytes per token.
+    let want: u64 = expected_bytes_per_token(&tiny_dir()).values().sum();
+    assert_eq!(table["bytes_per_token"].as_f64(), Some(want as f64));
+    // Without --trace there is no table, and the same ids.
+    let (_, untraced) = crate::trace_check::streamed_run(&["--mem-gb", "0.0014"]);
+    assert!(untraced.get("attribution").is_none());
+    assert_eq!(untraced["generated_ids"], report["generated_ids"]);
+}
