@@ -2,21 +2,26 @@
 //! bytes touched and calls, summed over the products and elementwise passes of each class.
 //!
 //! The forward pass times each product (or each run of small elementwise work) on the thread
-//! that calls [`super::Model::forward_batch`]; a product's time therefore includes the rayon
-//! fork/join and the load imbalance of its parallel split. Timed regions never nest, so their
-//! sum is at most the wall time, and the caller names the rest (waits for bytes, copies,
-//! bookkeeping, sampling) as [`AttributionTable::other_seconds_per_token`]: the rows then sum to
-//! the measured s/token exactly.
+//! that calls [`super::Model::forward_batch`]. A parallel bf16 or MXFP4 product also sums the
+//! wall time of its row blocks on whichever threads ran them: its class gets that busy time
+//! over the pool's thread count, and [`OpClass::ParallelIdle`] the rest of its wall time
+//! (fork/join, imbalance, blocks fewer than threads, workers the OS did not run). Timed regions
+//! never nest, so their sum is at most the wall time, and the caller names the rest (waits for
+//! bytes, copies, bookkeeping, sampling) as [`AttributionTable::other_seconds_per_token`]: the
+//! rows then sum to the measured s/token exactly.
 //!
-//! Off (no [`Attribution`] on the model), a [`Meter`] is one `Option` test per region. On, it is
-//! an `Instant::now` pair and three relaxed atomic adds: far below a product over megabytes of
-//! weights. Nothing here reads or writes a value of the arithmetic, so outputs are the same bits
-//! on or off. Allocates only in [`Attribution::totals`] and the table.
+//! Off (no [`Attribution`] on the model), a [`Meter`] is one `Option` test per region and the
+//! kernels run their plain entry points. On, a region costs an `Instant::now` pair and a few
+//! relaxed atomic adds, and a parallel product one more pair per 64-row block: microseconds
+//! per token against products over megabytes of weights. Nothing here reads or writes a value
+//! of the arithmetic, so outputs are the same bits on or off. Allocates only in
+//! [`Attribution::totals`] and the table.
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use kernels::{KernelError, Kernels};
 use serde::Serialize;
 
 /// What a timed region computes. Each weight tensor is read in the regions of one class only,
@@ -51,10 +56,14 @@ pub enum OpClass {
     NormsActivations,
     /// The output head's bf16 product.
     LmHead,
+    /// Inside the parallel bf16 and MXFP4 products: their wall time minus the threads' busy
+    /// time in their blocks over the thread count. Fork/join, load imbalance, a product of fewer
+    /// blocks than threads, and workers the OS did not run.
+    ParallelIdle,
 }
 
 /// Number of [`OpClass`] variants.
-pub const OP_CLASS_COUNT: usize = 13;
+pub const OP_CLASS_COUNT: usize = 14;
 
 impl OpClass {
     pub const ALL: [OpClass; OP_CLASS_COUNT] = [
@@ -71,6 +80,7 @@ impl OpClass {
         OpClass::Router,
         OpClass::NormsActivations,
         OpClass::LmHead,
+        OpClass::ParallelIdle,
     ];
 
     /// The row name of the tables.
@@ -89,6 +99,7 @@ impl OpClass {
             OpClass::Router => "router + top-k",
             OpClass::NormsActivations => "norms + activations",
             OpClass::LmHead => "bf16 lm_head",
+            OpClass::ParallelIdle => "idle in products (fork/join, imbalance)",
         }
     }
 
@@ -192,6 +203,70 @@ impl Window {
     }
 }
 
+impl Meter<'_> {
+    /// Runs a parallel product `f`, which must pass the busy counter it is given (when on) to
+    /// the kernel's `_busy` variant. The threads' busy time in its blocks over the pool's thread
+    /// count counts to `class`, with its `bytes`; the rest of its wall time to
+    /// [`OpClass::ParallelIdle`].
+    #[inline]
+    fn time_par<R>(self, class: OpClass, bytes: usize, f: impl FnOnce(Option<&AtomicU64>) -> R) -> R {
+        let Some(a) = self.0 else { return f(None) };
+        let busy = AtomicU64::new(0);
+        let start = Instant::now();
+        let r = f(Some(&busy));
+        let wall = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        // Blocks on one thread never overlap and all lie within the product, so busy time is at
+        // most wall x threads; `min` only guards the clock's rounding.
+        let threads = rayon::current_num_threads().max(1) as u64;
+        let compute = (busy.load(Ordering::Relaxed) / threads).min(wall);
+        a.add(class, compute, bytes as u64);
+        a.add(OpClass::ParallelIdle, wall - compute, 0);
+        r
+    }
+
+    /// [`Kernels::par_matmul_bf16`] of `w`, counted to `class`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn bf16(
+        self,
+        k: &Kernels,
+        class: OpClass,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+    ) {
+        self.time_par(class, w.len(), |busy| match busy {
+            None => k.par_matmul_bf16(w, rows, cols, x, t, y),
+            Some(b) => k.par_matmul_bf16_busy(w, rows, cols, x, t, y, b),
+        });
+    }
+
+    /// [`Kernels::par_matmul_mxfp4`] of `packed` and `scales`, counted to the expert products.
+    ///
+    /// # Errors
+    /// As [`Kernels::par_matmul_mxfp4`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn mxfp4(
+        self,
+        k: &Kernels,
+        (packed, scales): (&[u8], &[u8]),
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        self.time_par(OpClass::ExpertProducts, packed.len() + scales.len(), |busy| match busy {
+            None => k.par_matmul_mxfp4(packed, scales, rows, cols, x, t, y),
+            Some(b) => k.par_matmul_mxfp4_busy(packed, scales, rows, cols, x, t, y, b),
+        })
+    }
+}
+
 /// One row of the table.
 #[derive(Clone, Debug, Serialize)]
 pub struct AttributionRow {
@@ -216,8 +291,8 @@ pub struct AttributionTable {
     pub tokens: usize,
     /// The triad (bytes/s) the fractions are against.
     pub triad_bytes_per_second: Option<f64>,
-    /// The classes, then "other": fork/join outside the products, waits for bytes, copies,
-    /// sampling and bookkeeping, i.e. the measured time no class counted. Rows sum to
+    /// The classes, then "other": waits for bytes, copies, sampling and bookkeeping between
+    /// the timed regions, i.e. the measured time no class counted. Rows sum to
     /// `seconds_per_token`.
     pub rows: Vec<AttributionRow>,
     pub other_seconds_per_token: f64,
@@ -255,7 +330,7 @@ impl AttributionTable {
         let other = per_token - counted;
         rows.push(AttributionRow {
             class: "other".to_owned(),
-            name: "other (fork/join, waits, bookkeeping)",
+            name: "other (waits, copies, bookkeeping)",
             seconds_per_token: other,
             share: share(other),
             bytes_per_token: 0.0,

@@ -42,10 +42,10 @@ pub fn glu_mlp(
     assert!(s.gate.len() >= n, "GLU scratch sized for a narrower MLP");
     let xs = &x[..t * hidden];
     let (gate, up, down) = (view.bytes(w.gate_proj.id), view.bytes(w.up_proj.id), view.bytes(w.down_proj.id));
-    meter.time(class, gate.len(), || k.par_matmul_bf16(gate, inter, hidden, xs, t, &mut s.gate[..n]));
-    meter.time(class, up.len(), || k.par_matmul_bf16(up, inter, hidden, xs, t, &mut s.up[..n]));
+    meter.bf16(k, class, gate, inter, hidden, xs, t, &mut s.gate[..n]);
+    meter.bf16(k, class, up, inter, hidden, xs, t, &mut s.up[..n]);
     meter.time(OpClass::NormsActivations, 0, || {
         k.situ_glu(&s.gate[..n], &s.up[..n], s.beta.0, s.beta.1, &mut s.act[..n])
     });
-    meter.time(class, down.len(), || k.par_matmul_bf16(down, hidden, inter, &s.act[..n], t, &mut out[..t * hidden]));
+    meter.bf16(k, class, down, hidden, inter, &s.act[..n], t, &mut out[..t * hidden]);
 }

@@ -83,8 +83,6 @@ pub fn forward<'a>(
     let n = rows.len();
     let head = &w.lm_head;
     let head_bytes = view.bytes(head.id);
-    meter.time(OpClass::LmHead, head_bytes.len(), || {
-        k.par_matmul_bf16(head_bytes, head.rows, head.cols, &s.hn[..n * d], n, &mut logits[..n * head.rows])
-    });
+    meter.bf16(k, OpClass::LmHead, head_bytes, head.rows, head.cols, &s.hn[..n * d], n, &mut logits[..n * head.rows]);
     &s.h[..t * d]
 }

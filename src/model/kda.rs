@@ -110,7 +110,7 @@ pub fn project(
     let d = cfg.hidden_size;
     let mm = |m: &super::weights::Mat, input: &[f32], y: &mut [f32]| {
         let w = view.bytes(m.id);
-        meter.time(OpClass::KdaProjections, w.len(), || k.par_matmul_bf16(w, m.rows, m.cols, input, t, y));
+        meter.bf16(k, OpClass::KdaProjections, w, m.rows, m.cols, input, t, y);
     };
     for (i, proj) in [&w.q_proj, &w.k_proj, &w.v_proj].into_iter().enumerate() {
         mm(proj, &x[..t * d], &mut s.raw[i][..tw]);
@@ -214,9 +214,8 @@ pub fn output(
         }
     });
     let o_proj = view.bytes(w.o_proj.id);
-    meter.time(OpClass::KdaProjections, o_proj.len(), || {
-        k.par_matmul_bf16(o_proj, w.o_proj.rows, w.o_proj.cols, &s.o[..t * width], t, &mut out[..t * d])
-    });
+    let (rows, cols) = (w.o_proj.rows, w.o_proj.cols);
+    meter.bf16(k, OpClass::KdaProjections, o_proj, rows, cols, &s.o[..t * width], t, &mut out[..t * d]);
 }
 
 /// Depthwise causal conv of width `kw` (no bias): c_t = sum_i W[ch, 0, i] * u_{t-kw+1+i}, tap

@@ -123,7 +123,7 @@ pub fn project(
     let hv = m.n_heads * m.v_head_dim;
     let mm = |mat: &Mat, input: &[f32], y: &mut [f32]| {
         let w = view.bytes(mat.id);
-        meter.time(OpClass::MlaProjections, w.len(), || k.par_matmul_bf16(w, mat.rows, mat.cols, input, t, y));
+        meter.bf16(k, OpClass::MlaProjections, w, mat.rows, mat.cols, input, t, y);
     };
     mm(&w.q_a_proj, &x[..t * d], &mut s.cq[..t * qlr]);
     let q_norm = view.bytes(w.q_a_layernorm.id);
@@ -207,9 +207,8 @@ pub fn output(
         }
     });
     let o_proj = view.bytes(w.o_proj.id);
-    meter.time(OpClass::MlaProjections, o_proj.len(), || {
-        k.par_matmul_bf16(o_proj, w.o_proj.rows, w.o_proj.cols, &s.o[..t * hv], t, &mut out[..t * d])
-    });
+    let (rows, cols) = (w.o_proj.rows, w.o_proj.cols);
+    meter.bf16(k, OpClass::MlaProjections, o_proj, rows, cols, &s.o[..t * hv], t, &mut out[..t * d]);
 }
 
 /// Causal attention over the latent cache for `rows` of a step of `t` rows, whose latents sit

@@ -132,9 +132,7 @@ pub fn forward<S: WeightSource>(
     }
     let down = &w.routed_expert_down_proj;
     let down_bytes = view.bytes(down.id);
-    meter.time(OpClass::LatentProjections, down_bytes.len(), || {
-        k.par_matmul_bf16(down_bytes, down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat])
-    });
+    meter.bf16(k, OpClass::LatentProjections, down_bytes, down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat]);
     drop(shared_span);
     for i in 0..s.distinct.len() {
         run_expert(k, cfg, src, layer, s.distinct[i], t, s, obs)?;
@@ -159,9 +157,7 @@ pub fn forward<S: WeightSource>(
     });
     let up = &w.routed_expert_up_proj;
     let up_bytes = view.bytes(up.id);
-    meter.time(OpClass::LatentProjections, up_bytes.len(), || {
-        k.par_matmul_bf16(up_bytes, up.rows, up.cols, &s.yn[..t * lat], t, &mut out[..t * d])
-    });
+    meter.bf16(k, OpClass::LatentProjections, up_bytes, up.rows, up.cols, &s.yn[..t * lat], t, &mut out[..t * d]);
     if w.shared.is_some() {
         for (o, sh) in out[..t * d].iter_mut().zip(&s.up[..t * d]) {
             *o += *sh;
@@ -268,26 +264,13 @@ fn run_expert<S: WeightSource>(
     }
     let b = guard.parts();
     let bad = |source| ModelError::Expert { layer, expert, source };
-    let xp = OpClass::ExpertProducts;
     let gathered = &s.gathered[..n * lat];
-    meter
-        .time(xp, b.w1_packed.len() + b.w1_scale.len(), || {
-            k.par_matmul_mxfp4(b.w1_packed, b.w1_scale, f, lat, gathered, n, &mut s.h1[..n * f])
-        })
-        .map_err(bad)?;
-    meter
-        .time(xp, b.w3_packed.len() + b.w3_scale.len(), || {
-            k.par_matmul_mxfp4(b.w3_packed, b.w3_scale, f, lat, gathered, n, &mut s.h3[..n * f])
-        })
-        .map_err(bad)?;
+    meter.mxfp4(k, (b.w1_packed, b.w1_scale), f, lat, gathered, n, &mut s.h1[..n * f]).map_err(bad)?;
+    meter.mxfp4(k, (b.w3_packed, b.w3_scale), f, lat, gathered, n, &mut s.h3[..n * f]).map_err(bad)?;
     meter.time(OpClass::NormsActivations, 0, || {
         k.situ_glu(&s.h1[..n * f], &s.h3[..n * f], cfg.situ_beta, cfg.situ_linear_beta, &mut s.act[..n * f])
     });
-    meter
-        .time(xp, b.w2_packed.len() + b.w2_scale.len(), || {
-            k.par_matmul_mxfp4(b.w2_packed, b.w2_scale, lat, f, &s.act[..n * f], n, &mut s.eo[..n * lat])
-        })
-        .map_err(bad)?;
+    meter.mxfp4(k, (b.w2_packed, b.w2_scale), lat, f, &s.act[..n * f], n, &mut s.eo[..n * lat]).map_err(bad)?;
     drop(guard);
     for (i, &(tok, slot)) in s.users.iter().enumerate() {
         let base = (tok * m.top_k + slot) * lat;
