@@ -114,6 +114,8 @@ pub struct Attribution {
     nanos: [AtomicU64; OP_CLASS_COUNT],
     bytes: [AtomicU64; OP_CLASS_COUNT],
     calls: [AtomicU64; OP_CLASS_COUNT],
+    /// Per class, its products' share of [`OpClass::ParallelIdle`].
+    idle: [AtomicU64; OP_CLASS_COUNT],
 }
 
 /// One class's counters at a moment.
@@ -122,6 +124,8 @@ pub struct ClassTotal {
     pub nanos: u64,
     pub bytes: u64,
     pub calls: u64,
+    /// The class's products' idle time, counted in [`OpClass::ParallelIdle`]'s `nanos`.
+    pub idle_nanos: u64,
 }
 
 impl Attribution {
@@ -131,7 +135,7 @@ impl Attribution {
 
     /// Zeroes every counter (the start of a measured window).
     pub fn reset(&self) {
-        for a in self.nanos.iter().chain(&self.bytes).chain(&self.calls) {
+        for a in self.nanos.iter().chain(&self.bytes).chain(&self.calls).chain(&self.idle) {
             a.store(0, Ordering::Relaxed);
         }
     }
@@ -150,7 +154,9 @@ impl Attribution {
             .map(|&c| {
                 let i = c.index();
                 let load = |a: &[AtomicU64; OP_CLASS_COUNT]| a[i].load(Ordering::Relaxed);
-                (c, ClassTotal { nanos: load(&self.nanos), bytes: load(&self.bytes), calls: load(&self.calls) })
+                let (nanos, bytes, calls, idle_nanos) =
+                    (load(&self.nanos), load(&self.bytes), load(&self.calls), load(&self.idle));
+                (c, ClassTotal { nanos, bytes, calls, idle_nanos })
             })
             .collect()
     }
@@ -221,6 +227,7 @@ impl Meter<'_> {
         let compute = (busy.load(Ordering::Relaxed) / threads).min(wall);
         a.add(class, compute, bytes as u64);
         a.add(OpClass::ParallelIdle, wall - compute, 0);
+        a.idle[class.index()].fetch_add(wall - compute, Ordering::Relaxed);
         r
     }
 
@@ -278,6 +285,8 @@ pub struct AttributionRow {
     pub share: f64,
     pub bytes_per_token: f64,
     pub calls_per_token: f64,
+    /// Of the "idle in products" row, the part in this class's products.
+    pub idle_seconds_per_token: f64,
     /// Weight bytes over this class's time (0 without bytes or time).
     pub bytes_per_second: f64,
     /// `bytes_per_second` over the triad measured in the same run (`None` without one).
@@ -321,8 +330,9 @@ impl AttributionTable {
                     share: share(s),
                     bytes_per_token: b,
                     calls_per_token: t.calls as f64 / n,
+                    idle_seconds_per_token: t.idle_nanos as f64 / 1e9 / n,
                     bytes_per_second: rate,
-                    fraction_of_triad: triad.filter(|&x| x > 0.0).map(|x| rate / x),
+                    fraction_of_triad: triad.filter(|&x| x > 0.0 && rate > 0.0).map(|x| rate / x),
                 }
             })
             .collect();
@@ -335,6 +345,7 @@ impl AttributionTable {
             share: share(other),
             bytes_per_token: 0.0,
             calls_per_token: 0.0,
+            idle_seconds_per_token: 0.0,
             bytes_per_second: 0.0,
             fraction_of_triad: None,
         });
@@ -350,17 +361,20 @@ impl AttributionTable {
         }
     }
 
-    /// The table as text lines (for `bench` and `run`'s reports).
+    /// The table as text lines (for `bench` and `run`'s reports). "idle s" is each class's part
+    /// of the "idle in products" row (not included in its own s/token).
     pub fn lines(&self) -> Vec<String> {
         let mut out = vec![format!(
-            "{:<40} {:>9} {:>6} {:>9} {:>8} {:>7} {:>7}",
-            "class", "s/token", "share", "GB/token", "GB/s", "triad", "calls"
+            "{:<40} {:>9} {:>6} {:>9} {:>8} {:>7} {:>7} {:>8}",
+            "class", "s/token", "share", "GB/token", "GB/s", "triad", "calls", "idle s"
         )];
         let triad = |f: Option<f64>| f.map_or_else(|| "-".to_owned(), |f| format!("{f:.2}"));
         for r in &self.rows {
             let rate = if r.bytes_per_second > 0.0 { format!("{:.1}", r.bytes_per_second / 1e9) } else { "-".into() };
+            let idle =
+                if r.idle_seconds_per_token > 0.0 { format!("{:.4}", r.idle_seconds_per_token) } else { "-".into() };
             out.push(format!(
-                "{:<40} {:>9.4} {:>5.1}% {:>9.3} {:>8} {:>7} {:>7.0}",
+                "{:<40} {:>9.4} {:>5.1}% {:>9.3} {:>8} {:>7} {:>7.0} {idle:>8}",
                 r.name,
                 r.seconds_per_token,
                 100.0 * r.share,

@@ -186,6 +186,10 @@ fn attribution_rows_sum_to_the_measured_seconds_per_token() {
     assert!(table.other_seconds_per_token >= 0.0, "classes sum beyond the measured time: {table:?}");
     let classes = &table.rows[..table.rows.len() - 1];
     assert!(classes.iter().all(|r| r.seconds_per_token > 0.0), "a class measured no time: {table:?}");
+    // The idle row is the sum of the parallel products' idle time, class by class.
+    let idle_row = table.rows.iter().find(|r| r.class == "parallel_idle").unwrap();
+    let idle_parts: f64 = table.rows.iter().map(|r| r.idle_seconds_per_token).sum();
+    assert!((idle_row.seconds_per_token - idle_parts).abs() <= 1e-12, "{idle_parts} against {idle_row:?}");
     let shares: f64 = table.rows.iter().map(|r| r.share).sum();
     assert!((shares - 1.0).abs() < 1e-9, "shares sum to {shares}");
     let want: u64 = expected_bytes_per_token(&dir).values().sum();
