@@ -506,7 +506,7 @@ fn decode_attribution(
     let table = Window::of(a, tokens, generation.decode_seconds).table(None);
     if table.tokens > 0 {
         eprintln!(
-            "k3ring: decode by operation class (GB/s: weight bytes over the class's time; other: waits for reads, fork/join outside the products, bookkeeping):"
+            "k3ring: decode by operation class (GB/s: weight bytes over the class's time; idle: threads idle inside parallel products; other: waits for reads, copies, bookkeeping):"
         );
         for line in table.lines() {
             eprintln!("k3ring:   {line}");
