@@ -1,6 +1,7 @@
 //! [`Kernels`]: the kernel table chosen once per process, and the crate's safe API.
 
 use std::fmt;
+use std::sync::atomic::AtomicU64;
 
 use crate::error::KernelError;
 use crate::isa::Isa;
@@ -85,7 +86,24 @@ impl Kernels {
     /// [`Kernels::matmul_bf16`] with output rows split in fixed blocks of 64 over the current
     /// rayon pool; the same bits for any thread count.
     pub fn par_matmul_bf16(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
-        self.bf16.par_matmul(w, rows, cols, x, t, y);
+        self.bf16.par_matmul(w, rows, cols, x, t, y, None);
+    }
+
+    /// [`Kernels::par_matmul_bf16`] that also adds to `busy` the wall time, in nanoseconds, of
+    /// every block it computed, on whichever thread (the threads' busy time within the product,
+    /// for attributing a product's wall time; the arithmetic is the same).
+    #[allow(clippy::too_many_arguments)]
+    pub fn par_matmul_bf16_busy(
+        &self,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+        busy: &AtomicU64,
+    ) {
+        self.bf16.par_matmul(w, rows, cols, x, t, y, Some(busy));
     }
 
     /// `y[tok, r] = canonical_dot(W[r, :], x[tok, :])` with `W` in MXFP4 (spec §4; routed
@@ -131,7 +149,27 @@ impl Kernels {
         t: usize,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        self.mxfp4.par_matmul(&mxfp4::Args { packed, scales, rows, cols, x, t }, y)
+        self.mxfp4.par_matmul(&mxfp4::Args { packed, scales, rows, cols, x, t }, y, None)
+    }
+
+    /// [`Kernels::par_matmul_mxfp4`] that also adds to `busy` the blocks' wall time, as
+    /// [`Kernels::par_matmul_bf16_busy`].
+    ///
+    /// # Errors
+    /// As [`Kernels::matmul_mxfp4`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn par_matmul_mxfp4_busy(
+        &self,
+        packed: &[u8],
+        scales: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+        busy: &AtomicU64,
+    ) -> Result<(), KernelError> {
+        self.mxfp4.par_matmul(&mxfp4::Args { packed, scales, rows, cols, x, t }, y, Some(busy))
     }
 
     /// `out[c] = sum_r x[r] * W[r, c]` (W^T x) with `W` `[rows, cols]` bf16 bytes (spec §5:

@@ -5,6 +5,8 @@
 //! thread count. Splitting is a `rayon::join` recursion at block-aligned midpoints, which
 //! allocates nothing.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::error::KernelError;
 use crate::out::RowsOut;
 
@@ -26,6 +28,21 @@ where
         rest = tail;
     }
     Ok(())
+}
+
+/// Runs `f`, adding its wall time in nanoseconds to `busy` when given: the busy time of one
+/// block of a parallel product, so that a caller can tell the threads' compute from the
+/// product's wall time (fork/join, imbalance, descheduled workers). Timing reads no data.
+pub(crate) fn timed<R>(busy: Option<&AtomicU64>, f: impl FnOnce() -> R) -> R {
+    match busy {
+        None => f(),
+        Some(b) => {
+            let start = std::time::Instant::now();
+            let r = f();
+            b.fetch_add(u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+            r
+        }
+    }
 }
 
 /// Runs `f` on every block of [`ROWS_PER_BLOCK`] rows, in parallel on the current rayon pool.

@@ -27,6 +27,7 @@ use crate::engine::measure::{
 use crate::engine::measure_batch::BatchMeasurement;
 use crate::engine::StreamingRun;
 use crate::error::UsageError;
+use crate::model::attribution::AttributionTable;
 use crate::pipeline::{IoKind, IoOptions, Mode, PipelineOptions, Speculation};
 use crate::storage::io::probe::random_read_rate;
 use crate::storage::plan::GB;
@@ -122,6 +123,9 @@ struct Report {
     /// The part of the resident compute that expert reads can overlap without routing
     /// prediction: the shared and routed experts, after each router.
     resident_overlappable_seconds_per_token: Option<f64>,
+    /// The resident run per operation class (issue 19): s/token, weight bytes per token and
+    /// GB/s against `memory_bandwidth`; the rows sum to `resident_seconds_per_token`.
+    resident_attribution: Option<AttributionTable>,
     page_cache_dropped: bool,
     cells: Vec<Cell>,
     /// Per budget: serial s/token over pipelined (the default).
@@ -224,6 +228,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         memory_bandwidth: membw,
         resident_seconds_per_token: resident.seconds_per_token,
         resident_overlappable_seconds_per_token: resident.overlappable_seconds_per_token,
+        resident_attribution: resident.attribution.as_ref().map(|w| w.table(Some(membw))),
         page_cache_dropped: measured.dropped,
         cells,
         speedups,
@@ -484,6 +489,14 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
             r.resident_seconds_per_token
         ),
         None => println!("resident compute: {:.3} s/token", r.resident_seconds_per_token),
+    }
+    if let Some(table) = &r.resident_attribution {
+        println!(
+            "resident decode by operation class (GB/s: weight bytes over the class's time; triad: of the triad above):"
+        );
+        for line in table.lines() {
+            println!("  {line}");
+        }
     }
     println!(
         "page cache: {}",

@@ -18,6 +18,7 @@ use crate::engine::{
 };
 use crate::error::UsageError;
 use crate::interrupt::Interrupted;
+use crate::model::attribution::{AttributionTable, Window};
 use crate::model::weights::WeightSource;
 use crate::model::LayerHook;
 use crate::pipeline::{IoKind, IoOptions, PipelineOptions};
@@ -43,6 +44,10 @@ struct RunReport<'a> {
     storage: Option<StreamStats>,
     pipeline: crate::trace::Metrics,
     speculation_recall: Option<f64>,
+    /// With `--trace`: the decode's time and weight bytes per operation class (issue 19), the
+    /// rows summing to `seconds_per_token`; no triad is measured in a run, so no fractions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attribution: Option<AttributionTable>,
 }
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
@@ -270,7 +275,12 @@ fn generate<S: WeightSource + LayerHook>(
             }
         }
     };
+    // The attribution's window is the decode, like s/token: it restarts when the prompt is done.
+    let attribution_window_started = std::cell::Cell::new(false);
     let on_prefill = |done: usize, total: usize| {
+        if done == total {
+            attribution_window_started.set(restart_attribution(&engine.model));
+        }
         if let Some(bar) = &bar {
             bar.set_position(done as u64);
             if done == total {
@@ -306,6 +316,7 @@ fn generate<S: WeightSource + LayerHook>(
     if let (Some(s), Some(p)) = (&stats, plan) {
         print_streaming_summary(s, p, peak, &metrics);
     }
+    let attribution = decode_attribution(&engine.model, &generation, attribution_window_started.get());
     if let Some(out) = &outputs.json {
         let report = RunReport {
             model: model_dir.display().to_string(),
@@ -326,6 +337,7 @@ fn generate<S: WeightSource + LayerHook>(
                 .map(|s| s.routed_recalled as f64 / s.routed_experts as f64),
             storage: stats,
             pipeline: metrics,
+            attribution,
         };
         out.write(&report)?;
     }
@@ -476,6 +488,33 @@ fn prompt_ids(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
 }
 
 /// The summary line of every run: tokens, times, rates, peak RSS, threads and kernels.
+/// Restarts the attribution's counters (at the end of the prompt); false when it is off.
+fn restart_attribution(model: &crate::model::Model) -> bool {
+    model.attribution.as_ref().map(|a| a.reset()).is_some()
+}
+
+/// With `--trace`, the decode's attribution table (issue 19), printed on stderr; `None` when
+/// attribution is off or its window (the decode) never started.
+fn decode_attribution(
+    model: &crate::model::Model,
+    generation: &crate::engine::Generation,
+    started: bool,
+) -> Option<AttributionTable> {
+    let a = model.attribution.as_ref().filter(|_| started)?;
+    // Every generated token but the last went through a forward pass of the decode.
+    let tokens = generation.generated_ids.len().saturating_sub(1);
+    let table = Window::of(a, tokens, generation.decode_seconds).table(None);
+    if table.tokens > 0 {
+        eprintln!(
+            "k3ring: decode by operation class (GB/s: weight bytes over the class's time; idle: threads idle inside parallel products; other: waits for reads, copies, bookkeeping):"
+        );
+        for line in table.lines() {
+            eprintln!("k3ring:   {line}");
+        }
+    }
+    Some(table)
+}
+
 fn print_run_line(g: &Generation, peak: Option<u64>, threads: usize, isa: &str) {
     eprintln!(
         "k3ring: {} prompt + {} generated tokens | prefill {:.3} s | {} | peak RSS {} | {threads} threads, {isa} kernels",

@@ -9,6 +9,7 @@ use super::{Engine, EngineError};
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::exit::{Classify, ExitCode};
+use crate::model::attribution::Attribution;
 use crate::model::weights::{ModelWeights, WeightSource};
 use crate::model::{LayerHook, Model, ModelState, Scratch};
 use crate::pipeline::{Pipeline, PipelineOptions, Prefetcher};
@@ -83,7 +84,7 @@ fn common(dir: &Path) -> Result<Common, OpenError> {
 pub fn open_resident(dir: &Path, threads: usize, kernels: kernels::Kernels) -> Result<Opened, OpenError> {
     let c = common(dir)?;
     let src = MmapSource::open(c.index)?;
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: None };
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: None, attribution: None };
     Ok(Opened { engine: Engine::new(model, src, threads)?, tokenizer: c.tokenizer })
 }
 
@@ -168,7 +169,10 @@ pub fn open_streaming(
     let tracer = Arc::new(Tracer::new(run.trace_detail));
     let index = Arc::clone(&c.index);
     let src = Pipeline::open(dir, trunk_dir, index, &c.cfg, &plan, &store, &pipeline, Arc::clone(&tracer))?;
-    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: Some(tracer) };
+    // A traced run also attributes its decode time per operation class (the trace report's
+    // table); it costs an Instant pair per product.
+    let attribution = run.trace_detail.then(|| Arc::new(Attribution::new()));
+    let model = Model { cfg: c.cfg, weights: c.weights, kernels, tracer: Some(tracer), attribution };
     let cores = run.placement.as_ref().map_or(&[][..], |p| &p.compute_cores[..]);
     Ok((Opened { engine: Engine::pinned(model, src, run.threads, cores)?, tokenizer: c.tokenizer }, plan))
 }

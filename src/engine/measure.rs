@@ -11,6 +11,7 @@ use super::load::{open_resident, open_streaming, OpenError, StreamingRun};
 use super::sampling::argmax;
 use super::{Engine, EngineError};
 use crate::exit::{Classify, ExitCode};
+use crate::model::attribution::{Attribution, Window};
 use crate::model::weights::WeightSource;
 use crate::model::LogitRows;
 use crate::pipeline::Pipeline;
@@ -57,6 +58,10 @@ pub struct Measurement {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub overlappable_seconds_per_token: Option<f64>,
     pub plan: Option<Plan>,
+    /// Resident runs: time and weight bytes per operation class over the measured window
+    /// (issue 19); `k3ring bench` sets it against its triad. `None` for streaming runs.
+    #[serde(skip)]
+    pub attribution: Option<Window>,
 }
 
 /// Errors of a measurement: opening or running.
@@ -147,6 +152,7 @@ pub fn measure_streaming(
         expert_verified_bytes_per_token: (after.expert_verified_bytes - before.expert_verified_bytes) as f64 / n,
         overlappable_seconds_per_token: None,
         plan: Some(plan),
+        attribution: None,
     })
 }
 
@@ -204,13 +210,19 @@ pub fn measure_resident(
     // below the resolution of a measurement of matmuls over gigabytes.
     let tracer = std::sync::Arc::new(Tracer::new(true));
     opened.engine.model.tracer = Some(std::sync::Arc::clone(&tracer));
-    let (ids, seconds) = decode(&opened.engine, spec, || tracer.reset_metrics())?;
+    let attribution = std::sync::Arc::new(Attribution::new());
+    opened.engine.model.attribution = Some(std::sync::Arc::clone(&attribution));
+    let (ids, seconds) = decode(&opened.engine, spec, || {
+        tracer.reset_metrics();
+        attribution.reset();
+    })?;
     let n = spec.tokens.max(1) as f64;
     let overlappable = tracer.span_seconds(&crate::model::moe::SPANS_READS_CAN_OVERLAP).map(|s| s / n);
     Ok(Measurement {
         ids,
         seconds_per_token: seconds / n,
         overlappable_seconds_per_token: overlappable,
+        attribution: Some(Window::of(&attribution, spec.tokens, seconds)),
         ..Measurement::default()
     })
 }

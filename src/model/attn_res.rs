@@ -27,6 +27,11 @@ impl ResScratch {
     }
 }
 
+/// Weight bytes one read touches (its norm and projection vectors).
+pub fn weight_bytes(view: &dyn TrunkView, w: &ResWeights) -> usize {
+    view.bytes(w.norm.id).len() + view.bytes(w.proj.id).len()
+}
+
 /// Reads the residual stream for `t` tokens into `out` ([t, D]).
 /// `snapshots[j]` and `partial` hold [t, D] first (row stride D); the candidates are the snapshots,
 /// oldest first, then the partial sum.

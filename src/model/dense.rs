@@ -3,6 +3,7 @@
 
 use kernels::Kernels;
 
+use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
 use super::weights::{DenseWeights, TrunkView};
 use crate::config::Config;
@@ -22,10 +23,12 @@ impl GluScratch {
     }
 }
 
-/// `out` [t, D] = down(SiTU-GLU(gate x, up x)) for `x` [t, D].
+/// `out` [t, D] = down(SiTU-GLU(gate x, up x)) for `x` [t, D]. The products count to `class`
+/// of `meter` (dense FFN or shared experts), the activation to the norms and activations.
 #[allow(clippy::too_many_arguments)]
 pub fn glu_mlp(
     k: &Kernels,
+    (meter, class): (Meter<'_>, OpClass),
     view: &dyn TrunkView,
     w: &DenseWeights,
     x: &[f32],
@@ -38,8 +41,11 @@ pub fn glu_mlp(
     let n = t * inter;
     assert!(s.gate.len() >= n, "GLU scratch sized for a narrower MLP");
     let xs = &x[..t * hidden];
-    k.par_matmul_bf16(view.bytes(w.gate_proj.id), inter, hidden, xs, t, &mut s.gate[..n]);
-    k.par_matmul_bf16(view.bytes(w.up_proj.id), inter, hidden, xs, t, &mut s.up[..n]);
-    k.situ_glu(&s.gate[..n], &s.up[..n], s.beta.0, s.beta.1, &mut s.act[..n]);
-    k.par_matmul_bf16(view.bytes(w.down_proj.id), hidden, inter, &s.act[..n], t, &mut out[..t * hidden]);
+    let (gate, up, down) = (view.bytes(w.gate_proj.id), view.bytes(w.up_proj.id), view.bytes(w.down_proj.id));
+    meter.bf16(k, class, gate, inter, hidden, xs, t, &mut s.gate[..n]);
+    meter.bf16(k, class, up, inter, hidden, xs, t, &mut s.up[..n]);
+    meter.time(OpClass::NormsActivations, 0, || {
+        k.situ_glu(&s.gate[..n], &s.up[..n], s.beta.0, s.beta.1, &mut s.act[..n])
+    });
+    meter.bf16(k, class, down, hidden, inter, &s.act[..n], t, &mut out[..t * hidden]);
 }

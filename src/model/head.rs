@@ -4,6 +4,7 @@
 use kernels::Kernels;
 
 use super::attn_res::{self, ResScratch};
+use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
 use super::weights::{vector_into, GlobalWeights, TrunkView, WeightSource};
 use super::ModelError;
@@ -56,6 +57,7 @@ impl HeadScratch {
 #[allow(clippy::too_many_arguments)]
 pub fn forward<'a>(
     k: &Kernels,
+    meter: Meter<'_>,
     cfg: &Config,
     view: &dyn TrunkView,
     w: &GlobalWeights,
@@ -67,14 +69,20 @@ pub fn forward<'a>(
     logits: &mut [f32],
 ) -> &'a [f32] {
     let d = cfg.hidden_size;
-    attn_res::forward(k, view, &w.output_res, snapshots, partial, t, d, &mut s.res, &mut s.h[..t * d]);
-    vector_into(view.bytes(w.norm.id), w.norm.dtype, &mut s.norm_w);
-    // Gathered into consecutive rows of hn: the product's rows do not depend on their neighbours.
-    for (i, &tok) in rows.iter().enumerate() {
-        k.rmsnorm(&s.h[tok * d..(tok + 1) * d], &s.norm_w, cfg.rms_norm_eps, &mut s.hn[i * d..(i + 1) * d]);
-    }
+    meter.time(OpClass::ResidualReads, attn_res::weight_bytes(view, &w.output_res), || {
+        attn_res::forward(k, view, &w.output_res, snapshots, partial, t, d, &mut s.res, &mut s.h[..t * d])
+    });
+    let norm = view.bytes(w.norm.id);
+    meter.time(OpClass::NormsActivations, norm.len(), || {
+        vector_into(norm, w.norm.dtype, &mut s.norm_w);
+        // Gathered into consecutive rows of hn: the product's rows do not depend on their neighbours.
+        for (i, &tok) in rows.iter().enumerate() {
+            k.rmsnorm(&s.h[tok * d..(tok + 1) * d], &s.norm_w, cfg.rms_norm_eps, &mut s.hn[i * d..(i + 1) * d]);
+        }
+    });
     let n = rows.len();
     let head = &w.lm_head;
-    k.par_matmul_bf16(view.bytes(head.id), head.rows, head.cols, &s.hn[..n * d], n, &mut logits[..n * head.rows]);
+    let head_bytes = view.bytes(head.id);
+    meter.bf16(k, OpClass::LmHead, head_bytes, head.rows, head.cols, &s.hn[..n * d], n, &mut logits[..n * head.rows]);
     &s.h[..t * d]
 }

@@ -8,6 +8,7 @@
 use kernels::Kernels;
 use rayon::prelude::*;
 
+use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
 use super::weights::{f32_at, KdaWeights, TrunkView};
 use crate::config::Config;
@@ -92,8 +93,10 @@ impl KdaScratch {
 
 /// The row-wise first half for the `t` rows of a step, whatever sequences they belong to:
 /// the q, k, v projections, the decay gate alpha, beta and the output gate.
+#[allow(clippy::too_many_arguments)]
 pub fn project(
     k: &Kernels,
+    meter: Meter<'_>,
     cfg: &Config,
     view: &dyn TrunkView,
     w: &KdaWeights,
@@ -106,7 +109,8 @@ pub fn project(
     let tw = t * width;
     let d = cfg.hidden_size;
     let mm = |m: &super::weights::Mat, input: &[f32], y: &mut [f32]| {
-        k.par_matmul_bf16(view.bytes(m.id), m.rows, m.cols, input, t, y);
+        let w = view.bytes(m.id);
+        meter.bf16(k, OpClass::KdaProjections, w, m.rows, m.cols, input, t, y);
     };
     for (i, proj) in [&w.q_proj, &w.k_proj, &w.v_proj].into_iter().enumerate() {
         mm(proj, &x[..t * d], &mut s.raw[i][..tw]);
@@ -115,22 +119,29 @@ pub fn project(
     mm(&w.f_a_proj, &x[..t * d], &mut s.za[..t * hd]);
     mm(&w.f_b_proj, &s.za[..t * hd], &mut s.gate[..tw]);
     let (a_log, dt_bias) = (view.bytes(w.a_log.id), view.bytes(w.dt_bias.id));
-    for tok in 0..t {
-        for h in 0..heads {
-            let decay_rate = super::exp1(k, f32_at(a_log, h));
-            for c in h * hd..(h + 1) * hd {
-                let z = &mut s.gate[tok * width + c];
-                *z = (*z + f32_at(dt_bias, c)) * decay_rate;
+    meter.time(OpClass::NormsActivations, a_log.len() + dt_bias.len(), || {
+        for tok in 0..t {
+            for h in 0..heads {
+                let decay_rate = super::exp1(k, f32_at(a_log, h));
+                for c in h * hd..(h + 1) * hd {
+                    let z = &mut s.gate[tok * width + c];
+                    *z = (*z + f32_at(dt_bias, c)) * decay_rate;
+                }
             }
         }
-    }
-    k.sigmoid(&mut s.gate[..tw]);
-    k.scale(kd.gate_lower_bound, &mut s.gate[..tw]);
-    k.exp(&mut s.gate[..tw]);
+        k.sigmoid(&mut s.gate[..tw]);
+        k.scale(kd.gate_lower_bound, &mut s.gate[..tw]);
+        k.exp(&mut s.gate[..tw]);
+    });
     mm(&w.b_proj, &x[..t * d], &mut s.beta[..t * heads]);
-    k.sigmoid(&mut s.beta[..t * heads]);
+    meter.time(OpClass::NormsActivations, 0, || k.sigmoid(&mut s.beta[..t * heads]));
     mm(&w.g_proj, &x[..t * d], &mut s.out_gate[..tw]);
-    k.sigmoid(&mut s.out_gate[..tw]);
+    meter.time(OpClass::NormsActivations, 0, || k.sigmoid(&mut s.out_gate[..tw]));
+}
+
+/// Weight bytes [`mix`] touches: the three conv kernels.
+pub fn conv_weight_bytes(view: &dyn TrunkView, w: &KdaWeights) -> usize {
+    [&w.q_conv1d, &w.k_conv1d, &w.v_conv1d].iter().map(|c| view.bytes(c.id).len()).sum()
 }
 
 /// The part that carries state, for the `rows` of a step (of `t` rows) that belong to the
@@ -171,8 +182,10 @@ pub fn mix(
 
 /// The row-wise second half for the `t` rows of a step: head-wise norm, output gate and the
 /// output projection into `out` [t, D].
+#[allow(clippy::too_many_arguments)]
 pub fn output(
     k: &Kernels,
+    meter: Meter<'_>,
     cfg: &Config,
     view: &dyn TrunkView,
     w: &KdaWeights,
@@ -185,20 +198,24 @@ pub fn output(
     let d = cfg.hidden_size;
     // o' = RMSNorm_head(o; o_norm) * sigmoid(g_proj x), back to token-major [t, W].
     let o_norm_bytes = view.bytes(w.o_norm.id);
-    for (i, wn) in s.o_norm.iter_mut().enumerate() {
-        *wn = f32_at(o_norm_bytes, i);
-    }
-    for tok in 0..t {
-        for h in 0..heads {
-            let src = &s.heads_out[(h * t + tok) * hd..(h * t + tok + 1) * hd];
-            let r = tok * width + h * hd..tok * width + (h + 1) * hd;
-            k.rmsnorm(src, &s.o_norm, cfg.rms_norm_eps, &mut s.o[r.clone()]);
-            for (o, g) in s.o[r.clone()].iter_mut().zip(&s.out_gate[r]) {
-                *o *= *g;
+    meter.time(OpClass::NormsActivations, o_norm_bytes.len(), || {
+        for (i, wn) in s.o_norm.iter_mut().enumerate() {
+            *wn = f32_at(o_norm_bytes, i);
+        }
+        for tok in 0..t {
+            for h in 0..heads {
+                let src = &s.heads_out[(h * t + tok) * hd..(h * t + tok + 1) * hd];
+                let r = tok * width + h * hd..tok * width + (h + 1) * hd;
+                k.rmsnorm(src, &s.o_norm, cfg.rms_norm_eps, &mut s.o[r.clone()]);
+                for (o, g) in s.o[r.clone()].iter_mut().zip(&s.out_gate[r]) {
+                    *o *= *g;
+                }
             }
         }
-    }
-    k.par_matmul_bf16(view.bytes(w.o_proj.id), w.o_proj.rows, w.o_proj.cols, &s.o[..t * width], t, &mut out[..t * d]);
+    });
+    let o_proj = view.bytes(w.o_proj.id);
+    let (rows, cols) = (w.o_proj.rows, w.o_proj.cols);
+    meter.bf16(k, OpClass::KdaProjections, o_proj, rows, cols, &s.o[..t * width], t, &mut out[..t * d]);
 }
 
 /// Depthwise causal conv of width `kw` (no bias): c_t = sum_i W[ch, 0, i] * u_{t-kw+1+i}, tap

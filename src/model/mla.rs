@@ -9,6 +9,7 @@
 use kernels::Kernels;
 use rayon::prelude::*;
 
+use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
 use super::weights::{vector_into, Mat, MlaWeights, TrunkView};
 use super::ModelError;
@@ -105,8 +106,10 @@ impl MlaScratch {
 
 /// The row-wise first half for the `t` rows of a step, whatever sequences they belong to: the
 /// query path, the latent rows (not yet normalised or cached) and the output gate.
+#[allow(clippy::too_many_arguments)]
 pub fn project(
     k: &Kernels,
+    meter: Meter<'_>,
     cfg: &Config,
     view: &dyn TrunkView,
     w: &MlaWeights,
@@ -119,18 +122,22 @@ pub fn project(
     let qlr = m.q_lora_rank;
     let hv = m.n_heads * m.v_head_dim;
     let mm = |mat: &Mat, input: &[f32], y: &mut [f32]| {
-        k.par_matmul_bf16(view.bytes(mat.id), mat.rows, mat.cols, input, t, y);
+        let w = view.bytes(mat.id);
+        meter.bf16(k, OpClass::MlaProjections, w, mat.rows, mat.cols, input, t, y);
     };
     mm(&w.q_a_proj, &x[..t * d], &mut s.cq[..t * qlr]);
-    vector_into(view.bytes(w.q_a_layernorm.id), w.q_a_layernorm.dtype, &mut s.norm_w[..qlr]);
-    for tok in 0..t {
-        let r = tok * qlr..(tok + 1) * qlr;
-        k.rmsnorm(&s.cq[r.clone()], &s.norm_w[..qlr], MLA_LATENT_NORM_EPS, &mut s.cqn[r]);
-    }
+    let q_norm = view.bytes(w.q_a_layernorm.id);
+    meter.time(OpClass::NormsActivations, q_norm.len(), || {
+        vector_into(q_norm, w.q_a_layernorm.dtype, &mut s.norm_w[..qlr]);
+        for tok in 0..t {
+            let r = tok * qlr..(tok + 1) * qlr;
+            k.rmsnorm(&s.cq[r.clone()], &s.norm_w[..qlr], MLA_LATENT_NORM_EPS, &mut s.cqn[r]);
+        }
+    });
     mm(&w.q_b_proj, &s.cqn[..t * qlr], &mut s.q[..t * m.n_heads * m.qk_head_dim()]);
     mm(&w.kv_a_proj_with_mqa, &x[..t * d], &mut s.ckv[..t * m.cache_width()]);
     mm(&w.g_proj, &x[..t * d], &mut s.gate[..t * hv]);
-    k.sigmoid(&mut s.gate[..t * hv]);
+    meter.time(OpClass::NormsActivations, 0, || k.sigmoid(&mut s.gate[..t * hv]));
 }
 
 /// The part that reads and extends one sequence's latent cache, for the `rows` of a step (of
@@ -139,6 +146,7 @@ pub fn project(
 #[allow(clippy::too_many_arguments)]
 pub fn mix(
     k: &Kernels,
+    meter: Meter<'_>,
     cfg: &Config,
     view: &dyn TrunkView,
     w: &MlaWeights,
@@ -154,21 +162,29 @@ pub fn mix(
         return Err(ModelError::ContextFull { capacity: cache.capacity() });
     }
     let cw = m.cache_width();
-    vector_into(view.bytes(w.kv_a_layernorm.id), w.kv_a_layernorm.dtype, &mut s.norm_w[..klr]);
-    for (i, tok) in rows.clone().enumerate() {
-        let row = &s.ckv[tok * cw..(tok + 1) * cw];
-        let dst = &mut cache.data[(start + i) * cw..(start + i + 1) * cw];
-        k.rmsnorm(&row[..klr], &s.norm_w[..klr], MLA_LATENT_NORM_EPS, &mut dst[..klr]);
-        dst[klr..].copy_from_slice(&row[klr..]);
-    }
+    let kv_norm = view.bytes(w.kv_a_layernorm.id);
+    meter.time(OpClass::NormsActivations, kv_norm.len(), || {
+        vector_into(kv_norm, w.kv_a_layernorm.dtype, &mut s.norm_w[..klr]);
+        for (i, tok) in rows.clone().enumerate() {
+            let row = &s.ckv[tok * cw..(tok + 1) * cw];
+            let dst = &mut cache.data[(start + i) * cw..(start + i + 1) * cw];
+            k.rmsnorm(&row[..klr], &s.norm_w[..klr], MLA_LATENT_NORM_EPS, &mut dst[..klr]);
+            dst[klr..].copy_from_slice(&row[klr..]);
+        }
+    });
     cache.len = start + rows.len();
-    attend(k, cfg, view.bytes(w.kv_b_proj.id), cache, start, rows, t, &s.q, &mut s.heads_out, &mut s.per_head);
+    let kv_b = view.bytes(w.kv_b_proj.id);
+    meter.time(OpClass::MlaAttention, kv_b.len(), || {
+        attend(k, cfg, kv_b, cache, start, rows, t, &s.q, &mut s.heads_out, &mut s.per_head)
+    });
     Ok(())
 }
 
 /// The row-wise second half for the `t` rows of a step: output gate and projection into `out`.
+#[allow(clippy::too_many_arguments)]
 pub fn output(
     k: &Kernels,
+    meter: Meter<'_>,
     cfg: &Config,
     view: &dyn TrunkView,
     w: &MlaWeights,
@@ -179,16 +195,20 @@ pub fn output(
     let m = &cfg.mla;
     let d = cfg.hidden_size;
     let hv = m.n_heads * m.v_head_dim;
-    for tok in 0..t {
-        for h in 0..m.n_heads {
-            let src = &s.heads_out[(h * t + tok) * m.v_head_dim..(h * t + tok + 1) * m.v_head_dim];
-            let r = tok * hv + h * m.v_head_dim..tok * hv + (h + 1) * m.v_head_dim;
-            for ((o, v), g) in s.o[r.clone()].iter_mut().zip(src).zip(&s.gate[r]) {
-                *o = *v * *g;
+    meter.time(OpClass::NormsActivations, 0, || {
+        for tok in 0..t {
+            for h in 0..m.n_heads {
+                let src = &s.heads_out[(h * t + tok) * m.v_head_dim..(h * t + tok + 1) * m.v_head_dim];
+                let r = tok * hv + h * m.v_head_dim..tok * hv + (h + 1) * m.v_head_dim;
+                for ((o, v), g) in s.o[r.clone()].iter_mut().zip(src).zip(&s.gate[r]) {
+                    *o = *v * *g;
+                }
             }
         }
-    }
-    k.par_matmul_bf16(view.bytes(w.o_proj.id), w.o_proj.rows, w.o_proj.cols, &s.o[..t * hv], t, &mut out[..t * d]);
+    });
+    let o_proj = view.bytes(w.o_proj.id);
+    let (rows, cols) = (w.o_proj.rows, w.o_proj.cols);
+    meter.bf16(k, OpClass::MlaProjections, o_proj, rows, cols, &s.o[..t * hv], t, &mut out[..t * d]);
 }
 
 /// Causal attention over the latent cache for `rows` of a step of `t` rows, whose latents sit

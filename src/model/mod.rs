@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod attn_res;
+pub mod attribution;
 pub mod buffers;
 pub mod dense;
 pub mod head;
@@ -24,6 +25,7 @@ use crate::config::{AttnKind, Config, FfnKind};
 use crate::exit::{Classify, ExitCode};
 use crate::trace::{ComputeOp, SpanArgs};
 use attn_res::ResScratch;
+use attribution::{Meter, OpClass};
 use buffers::{counted, Allocate, Buffers};
 use dense::GluScratch;
 use head::HeadScratch;
@@ -99,6 +101,9 @@ pub struct Model {
     /// Compute spans (attention, router, experts, ...) for the trace and the busy fractions;
     /// `None` records nothing (resident runs, which have no I/O to overlap).
     pub tracer: Option<std::sync::Arc<crate::trace::Tracer>>,
+    /// Per-operation-class time and weight bytes (`k3ring bench`'s attribution table); `None`
+    /// counts nothing and costs one test per timed region.
+    pub attribution: Option<std::sync::Arc<attribution::Attribution>>,
 }
 
 /// Carried state of one layer.
@@ -281,7 +286,10 @@ impl Model {
             }
         }
         let d = self.cfg.hidden_size;
-        head::embed(&self.cfg, src, &self.weights.globals, tokens, &mut sc.embed_rows, &mut sc.partial[..t * d])?;
+        let meter = self.meter();
+        meter.time(OpClass::Embedding, 2 * t * d, || {
+            head::embed(&self.cfg, src, &self.weights.globals, tokens, &mut sc.embed_rows, &mut sc.partial[..t * d])
+        })?;
         let mut n_snap = 0;
         for l in 0..self.cfg.n_layers {
             n_snap = self.layer(src, hook, states, segments, sc, l, t, n_snap, &mut probe)?;
@@ -290,6 +298,7 @@ impl Model {
         let head_span = self.tracer.as_ref().map(|t| t.span(ComputeOp::Head));
         let h = head::forward(
             &self.kernels,
+            meter,
             &self.cfg,
             &g,
             &self.weights.globals,
@@ -332,21 +341,24 @@ impl Model {
         let td = t * d;
         let view = src.trunk(TrunkUnit::Layer(l))?;
         let lw = &self.weights.layers[l];
+        let meter = self.meter();
         // 1. x = R(p_in, B) (or p_in while B is empty, i.e. layer 0).
         if n_snap == 0 {
             sc.x[..td].copy_from_slice(&sc.partial[..td]);
         } else {
-            attn_res::forward(
-                k,
-                &view,
-                &lw.attn_res,
-                &sc.snapshots[..n_snap],
-                &sc.partial,
-                t,
-                d,
-                &mut sc.res,
-                &mut sc.x,
-            );
+            meter.time(OpClass::ResidualReads, attn_res::weight_bytes(&view, &lw.attn_res), || {
+                attn_res::forward(
+                    k,
+                    &view,
+                    &lw.attn_res,
+                    &sc.snapshots[..n_snap],
+                    &sc.partial,
+                    t,
+                    d,
+                    &mut sc.res,
+                    &mut sc.x,
+                )
+            });
         }
         report(probe, l, "attn_input", t, &sc.x[..td]);
         // 2. At a block start, snapshot p_in and restart the partial sum.
@@ -359,42 +371,53 @@ impl Model {
         // 3. a = Attention(RMSNorm(x)); p += a.
         let attn_span =
             self.tracer.as_ref().map(|t| t.span_args(ComputeOp::Attention, SpanArgs::new().layer(l as u32)));
-        norm_rows(k, view.bytes(lw.input_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
+        let norm = view.bytes(lw.input_layernorm.id);
+        meter.time(OpClass::NormsActivations, norm.len(), || {
+            norm_rows(k, norm, cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d)
+        });
         let disagree = || ModelError::Internal(format!("layer {l}: state and weights disagree"));
         match &lw.attn {
             AttnWeights::Kda(w) => {
-                kda::project(k, cfg, &view, w, &sc.xn, t, &mut sc.kda);
+                kda::project(k, meter, cfg, &view, w, &sc.xn, t, &mut sc.kda);
                 for seg in segments {
                     let LayerState::Kda(s) = &mut states[seg.slot].layers[l] else { return Err(disagree()) };
-                    kda::mix(k, cfg, &view, w, s, seg.rows.clone(), t, &mut sc.kda);
+                    meter.time(OpClass::KdaRecurrence, kda::conv_weight_bytes(&view, w), || {
+                        kda::mix(k, cfg, &view, w, s, seg.rows.clone(), t, &mut sc.kda)
+                    });
                 }
-                kda::output(k, cfg, &view, w, t, &mut sc.kda, &mut sc.a);
+                kda::output(k, meter, cfg, &view, w, t, &mut sc.kda, &mut sc.a);
             }
             AttnWeights::Mla(w) => {
-                mla::project(k, cfg, &view, w, &sc.xn, t, &mut sc.mla);
+                mla::project(k, meter, cfg, &view, w, &sc.xn, t, &mut sc.mla);
                 for seg in segments {
                     let LayerState::Mla(c) = &mut states[seg.slot].layers[l] else { return Err(disagree()) };
-                    mla::mix(k, cfg, &view, w, c, seg.rows.clone(), t, &mut sc.mla)?;
+                    mla::mix(k, meter, cfg, &view, w, c, seg.rows.clone(), t, &mut sc.mla)?;
                 }
-                mla::output(k, cfg, &view, w, t, &mut sc.mla, &mut sc.a);
+                mla::output(k, meter, cfg, &view, w, t, &mut sc.mla, &mut sc.a);
             }
         }
         report(probe, l, "attn_out", t, &sc.a[..td]);
         add_into(&mut sc.partial[..td], &sc.a[..td]);
         // 4. y = R(p, B); 5. m = FFN(RMSNorm(y)); p += m.
-        attn_res::forward(k, &view, &lw.mlp_res, &sc.snapshots[..n_snap], &sc.partial, t, d, &mut sc.res, &mut sc.x);
+        meter.time(OpClass::ResidualReads, attn_res::weight_bytes(&view, &lw.mlp_res), || {
+            attn_res::forward(k, &view, &lw.mlp_res, &sc.snapshots[..n_snap], &sc.partial, t, d, &mut sc.res, &mut sc.x)
+        });
         drop(attn_span);
         report(probe, l, "mlp_input", t, &sc.x[..td]);
         hook.mlp_input(self, l, t, &sc.x[..td]);
-        norm_rows(k, view.bytes(lw.post_attention_layernorm.id), cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d);
+        let norm = view.bytes(lw.post_attention_layernorm.id);
+        meter.time(OpClass::NormsActivations, norm.len(), || {
+            norm_rows(k, norm, cfg.rms_norm_eps, &sc.x[..td], &mut sc.xn[..td], d)
+        });
         match &lw.ffn {
             FfnWeights::Dense(w) => {
                 let _s =
                     self.tracer.as_ref().map(|t| t.span_args(ComputeOp::DenseFfn, SpanArgs::new().layer(l as u32)));
-                dense::glu_mlp(k, &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a)
+                dense::glu_mlp(k, (meter, OpClass::DenseFfn), &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a)
             }
             FfnWeights::Moe(w) => {
-                moe::forward(k, cfg, &view, src, l, w, &sc.xn, t, &mut sc.moe, &mut sc.a, self.tracer.as_deref())?;
+                let obs = moe::Observers { tracer: self.tracer.as_deref(), meter };
+                moe::forward(k, cfg, &view, src, l, w, &sc.xn, t, &mut sc.moe, &mut sc.a, obs)?;
                 if let Some(p) = probe.as_deref_mut() {
                     p.routes(l, &sc.moe.routes[..t]);
                 }
@@ -409,6 +432,12 @@ impl Model {
         report(probe, l, "partial", t, &sc.partial[..td]);
         hook.layer_end(self, l, t, &sc.snapshots[..n_snap], &sc.partial[..td]);
         Ok(n_snap)
+    }
+}
+
+impl Model {
+    fn meter(&self) -> Meter<'_> {
+        Meter::new(self.attribution.as_deref())
     }
 }
 

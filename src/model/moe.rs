@@ -9,6 +9,7 @@
 
 use kernels::Kernels;
 
+use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
 use super::dense::{self, GluScratch};
 use super::weights::{f32_at, vector_into, ExpertView, MoeWeights, TrunkView, WeightSource};
@@ -82,6 +83,13 @@ impl MoeScratch {
     }
 }
 
+/// What watches the MoE block: the trace's spans and the attribution's meter (either may be off).
+#[derive(Clone, Copy, Default)]
+pub struct Observers<'a> {
+    pub tracer: Option<&'a Tracer>,
+    pub meter: Meter<'a>,
+}
+
 /// Runs the MoE block of `layer` for `t` tokens: `x` normalised input [t, D], `out` [t, D].
 #[allow(clippy::too_many_arguments)]
 pub fn forward<S: WeightSource>(
@@ -95,52 +103,61 @@ pub fn forward<S: WeightSource>(
     t: usize,
     s: &mut MoeScratch,
     out: &mut [f32],
-    tracer: Option<&Tracer>,
+    obs: Observers<'_>,
 ) -> Result<(), ModelError> {
+    let (tracer, meter) = (obs.tracer, obs.meter);
     let m = &cfg.moe;
     let d = cfg.hidden_size;
     let (lat, e) = (m.latent, m.n_experts);
     let router_span = tracer.map(|t| t.span_args(ComputeOp::Router, SpanArgs::new().layer(layer as u32)));
-    router_scores(k, view, w, &x[..t * d], t, &mut s.scores[..t * e]);
     let bias = view.bytes(w.e_score_correction_bias.id);
-    for (i, b) in s.bias.iter_mut().enumerate() {
-        *b = f32_at(bias, i);
-    }
-    for tok in 0..t {
-        route(cfg, layer, tok, &s.scores[tok * e..(tok + 1) * e], &s.bias, &mut s.biased, &mut s.routes[tok])?;
-    }
-    distinct_experts(&s.routes[..t], &mut s.distinct);
+    meter.time(OpClass::Router, view.bytes(w.gate.id).len() + bias.len(), || {
+        router_scores(k, view, w, &x[..t * d], t, &mut s.scores[..t * e]);
+        for (i, b) in s.bias.iter_mut().enumerate() {
+            *b = f32_at(bias, i);
+        }
+        for tok in 0..t {
+            route(cfg, layer, tok, &s.scores[tok * e..(tok + 1) * e], &s.bias, &mut s.biased, &mut s.routes[tok])?;
+        }
+        distinct_experts(&s.routes[..t], &mut s.distinct);
+        Ok::<(), ModelError>(())
+    })?;
     drop(router_span);
     // Start the expert reads first, then do the work that does not need them (the shared
     // experts and the latent down projection) while they are in flight.
     src.request(layer, &mut s.distinct);
     let shared_span = tracer.map(|t| t.span_args(ComputeOp::SharedExperts, SpanArgs::new().layer(layer as u32)));
     if let Some(shared) = &w.shared {
-        dense::glu_mlp(k, view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
+        dense::glu_mlp(k, (meter, OpClass::SharedExperts), view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
     }
     let down = &w.routed_expert_down_proj;
-    k.par_matmul_bf16(view.bytes(down.id), down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat]);
+    let down_bytes = view.bytes(down.id);
+    meter.bf16(k, OpClass::LatentProjections, down_bytes, down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat]);
     drop(shared_span);
     for i in 0..s.distinct.len() {
-        run_expert(k, cfg, src, layer, s.distinct[i], t, s, tracer)?;
+        run_expert(k, cfg, src, layer, s.distinct[i], t, s, obs)?;
     }
     let _latent_span = tracer.map(|t| t.span_args(ComputeOp::LatentUp, SpanArgs::new().layer(layer as u32)));
-    // y_t = sum_i w_i E_i(u_t) in the token's own top-k order.
-    for tok in 0..t {
-        let y = &mut s.y[tok * lat..(tok + 1) * lat];
-        y.fill(0.0);
-        for (slot, &wt) in s.routes[tok].weights.iter().enumerate() {
-            let base = (tok * m.top_k + slot) * lat;
-            k.axpy(wt, &s.slot_out[base..base + lat], y);
+    let norm = view.bytes(w.routed_expert_norm.id);
+    meter.time(OpClass::NormsActivations, norm.len(), || {
+        // y_t = sum_i w_i E_i(u_t) in the token's own top-k order.
+        for tok in 0..t {
+            let y = &mut s.y[tok * lat..(tok + 1) * lat];
+            y.fill(0.0);
+            for (slot, &wt) in s.routes[tok].weights.iter().enumerate() {
+                let base = (tok * m.top_k + slot) * lat;
+                k.axpy(wt, &s.slot_out[base..base + lat], y);
+            }
         }
-    }
-    vector_into(view.bytes(w.routed_expert_norm.id), w.routed_expert_norm.dtype, &mut s.norm_w);
-    for tok in 0..t {
-        let r = tok * lat..(tok + 1) * lat;
-        k.rmsnorm(&s.y[r.clone()], &s.norm_w, cfg.rms_norm_eps, &mut s.yn[r]);
-    }
+        vector_into(norm, w.routed_expert_norm.dtype, &mut s.norm_w);
+        for tok in 0..t {
+            let r = tok * lat..(tok + 1) * lat;
+            k.rmsnorm(&s.y[r.clone()], &s.norm_w, cfg.rms_norm_eps, &mut s.yn[r]);
+        }
+    });
     let up = &w.routed_expert_up_proj;
-    k.par_matmul_bf16(view.bytes(up.id), up.rows, up.cols, &s.yn[..t * lat], t, &mut out[..t * d]);
+    let up_bytes = view.bytes(up.id);
+    meter.bf16(k, OpClass::LatentProjections, up_bytes, up.rows, up.cols, &s.yn[..t * lat], t, &mut out[..t * d]);
     if w.shared.is_some() {
         for (o, sh) in out[..t * d].iter_mut().zip(&s.up[..t * d]) {
             *o += *sh;
@@ -225,8 +242,9 @@ fn run_expert<S: WeightSource>(
     expert: usize,
     t: usize,
     s: &mut MoeScratch,
-    tracer: Option<&Tracer>,
+    obs: Observers<'_>,
 ) -> Result<(), ModelError> {
+    let (tracer, meter) = (obs.tracer, obs.meter);
     let m = &cfg.moe;
     let (lat, f) = (m.latent, m.expert_hidden);
     // Wait for the bytes first, so that the span holds all of this expert's compute and none
@@ -246,10 +264,13 @@ fn run_expert<S: WeightSource>(
     }
     let b = guard.parts();
     let bad = |source| ModelError::Expert { layer, expert, source };
-    k.par_matmul_mxfp4(b.w1_packed, b.w1_scale, f, lat, &s.gathered[..n * lat], n, &mut s.h1[..n * f]).map_err(bad)?;
-    k.par_matmul_mxfp4(b.w3_packed, b.w3_scale, f, lat, &s.gathered[..n * lat], n, &mut s.h3[..n * f]).map_err(bad)?;
-    k.situ_glu(&s.h1[..n * f], &s.h3[..n * f], cfg.situ_beta, cfg.situ_linear_beta, &mut s.act[..n * f]);
-    k.par_matmul_mxfp4(b.w2_packed, b.w2_scale, lat, f, &s.act[..n * f], n, &mut s.eo[..n * lat]).map_err(bad)?;
+    let gathered = &s.gathered[..n * lat];
+    meter.mxfp4(k, (b.w1_packed, b.w1_scale), f, lat, gathered, n, &mut s.h1[..n * f]).map_err(bad)?;
+    meter.mxfp4(k, (b.w3_packed, b.w3_scale), f, lat, gathered, n, &mut s.h3[..n * f]).map_err(bad)?;
+    meter.time(OpClass::NormsActivations, 0, || {
+        k.situ_glu(&s.h1[..n * f], &s.h3[..n * f], cfg.situ_beta, cfg.situ_linear_beta, &mut s.act[..n * f])
+    });
+    meter.mxfp4(k, (b.w2_packed, b.w2_scale), lat, f, &s.act[..n * f], n, &mut s.eo[..n * lat]).map_err(bad)?;
     drop(guard);
     for (i, &(tok, slot)) in s.users.iter().enumerate() {
         let base = (tok * m.top_k + slot) * lat;

@@ -283,11 +283,20 @@ fn trace_checker_rejects_what_viewers_misdraw() {
 }
 
 /// Runs the tiny model streamed with `extra` flags, writing a trace and a report; returns both.
-fn streamed_trace(extra: &[&str]) -> (Value, Value) {
+pub fn streamed_trace(extra: &[&str]) -> (Value, Value) {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("trace.json");
+    let (_, report) = streamed_run(&[&["--trace", trace.to_str().unwrap()][..], extra].concat());
+    (serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap(), report)
+}
+
+/// Runs the tiny model streamed with `extra` flags, writing a report; returns its stderr and
+/// the report.
+pub fn streamed_run(extra: &[&str]) -> (String, Value) {
     let model = tiny_dir();
     let trunk = pack(&model);
     let tmp = tempfile::tempdir().unwrap();
-    let (trace, json) = (tmp.path().join("trace.json"), tmp.path().join("report.json"));
+    let json = tmp.path().join("report.json");
     let args = [
         "run",
         "--model",
@@ -299,15 +308,12 @@ fn streamed_trace(extra: &[&str]) -> (Value, Value) {
         "--gen",
         "6",
         "--ignore-eos",
-        "--trace",
-        trace.to_str().unwrap(),
         "--json",
         json.to_str().unwrap(),
     ];
     let (code, _, err) = k3ring(&[&args[..], extra].concat());
     assert_eq!(code, 0, "{err}");
-    let read = |p: &std::path::Path| -> Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
-    (read(&trace), read(&json))
+    (err, serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap())
 }
 
 fn read_slices(s: &TraceSummary) -> usize {

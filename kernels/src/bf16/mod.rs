@@ -19,6 +19,8 @@ pub(crate) mod avx2;
 pub(crate) mod avx512;
 pub(crate) mod scalar;
 
+use std::sync::atomic::AtomicU64;
+
 use crate::isa::Isa;
 use crate::out::RowsOut;
 use crate::par;
@@ -84,10 +86,21 @@ impl Fns {
         self.block(w, cols, x, t, RowsOut::new(y, t, rows));
     }
 
-    pub(crate) fn par_matmul(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
+    /// `busy`, when given, gains the summed wall time of the blocks (see [`par::timed`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn par_matmul(
+        &self,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+        busy: Option<&AtomicU64>,
+    ) {
         check_matmul_shapes(w, rows, cols, x, t, y);
         let run = |out: RowsOut<'_>| {
-            self.block(w, cols, x, t, out);
+            par::timed(busy, || self.block(w, cols, x, t, out));
             Ok(())
         };
         // The closure never fails, so neither does the split.

@@ -20,6 +20,8 @@ pub(crate) mod avx2;
 pub(crate) mod avx512;
 pub(crate) mod scalar;
 
+use std::sync::atomic::AtomicU64;
+
 use crate::error::KernelError;
 use crate::isa::Isa;
 use crate::out::RowsOut;
@@ -174,9 +176,10 @@ impl Fns {
         par::serial_blocks(RowsOut::new(y, a.t, a.rows), &|out| self.block(a, out))
     }
 
-    pub(crate) fn par_matmul(&self, a: &Args<'_>, y: &mut [f32]) -> Result<(), KernelError> {
+    /// `busy`, when given, gains the summed wall time of the blocks (see [`par::timed`]).
+    pub(crate) fn par_matmul(&self, a: &Args<'_>, y: &mut [f32], busy: Option<&AtomicU64>) -> Result<(), KernelError> {
         a.check_shapes(y);
-        par::par_blocks(RowsOut::new(y, a.t, a.rows), &|out| self.block(a, out))
+        par::par_blocks(RowsOut::new(y, a.t, a.rows), &|out| par::timed(busy, || self.block(a, out)))
     }
 }
 

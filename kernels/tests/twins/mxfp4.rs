@@ -206,3 +206,32 @@ fn mxfp4_cols_must_be_multiple_of_32() {
     let mut y = [0.0f32; 1];
     let _ = k.matmul_mxfp4(&[0u8; 8], &[127u8; 1], 1, 16, &[0.0; 16], 1, &mut y);
 }
+
+/// The `_busy` entry points (attribution, issue 19) compute the same bits as the plain ones,
+/// and count some busy time for every product.
+#[test]
+fn busy_variants_give_the_same_bits_and_count_time() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let mut rng = Rng::new(19);
+    let pools = [pool(1), pool(2), pool(3)];
+    for k in all_kernels() {
+        for p in &pools {
+            let (rows, cols, t) = (130usize, 288usize, 2usize);
+            let (packed, scales) = mxfp4_data(&mut rng, rows, cols, false);
+            let x = rng.adversarials(t * cols);
+            let want = p.install(|| run_mxfp4(&k, true, &packed, &scales, rows, cols, &x, t)).unwrap();
+            let (busy, mut got) = (AtomicU64::new(0), vec![f32::NAN; t * rows]);
+            p.install(|| k.par_matmul_mxfp4_busy(&packed, &scales, rows, cols, &x, t, &mut got, &busy)).unwrap();
+            let ctx = format!("{:?} mxfp4 threads={}", k.isa(), p.current_num_threads());
+            assert_bits_strict(&ctx, &want, &got);
+            assert!(busy.load(Ordering::Relaxed) > 0, "{ctx}: no busy time counted");
+            let w = rng.bf16_bytes(rows * cols, false);
+            let mut want = vec![f32::NAN; t * rows];
+            p.install(|| k.par_matmul_bf16(&w, rows, cols, &x, t, &mut want));
+            let (busy, mut got) = (AtomicU64::new(0), vec![f32::NAN; t * rows]);
+            p.install(|| k.par_matmul_bf16_busy(&w, rows, cols, &x, t, &mut got, &busy));
+            assert_bits_strict(&format!("{ctx} bf16"), &want, &got);
+            assert!(busy.load(Ordering::Relaxed) > 0, "{ctx} bf16: no busy time counted");
+        }
+    }
+}

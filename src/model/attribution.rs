@@ -1,0 +1,427 @@
+//! Where a forward pass spends its time, per operation class (issue 19): nanoseconds, weight
+//! bytes touched and calls, summed over the products and elementwise passes of each class.
+//!
+//! The forward pass times each product (or each run of small elementwise work) on the thread
+//! that calls [`super::Model::forward_batch`]. A parallel bf16 or MXFP4 product also sums the
+//! wall time of its row blocks on whichever threads ran them: its class gets that busy time
+//! over the pool's thread count, and [`OpClass::ParallelIdle`] the rest of its wall time
+//! (fork/join, imbalance, blocks fewer than threads, workers the OS did not run). Timed regions
+//! never nest, so their sum is at most the wall time, and the caller names the rest (waits for
+//! bytes, copies, bookkeeping, sampling) as [`AttributionTable::other_seconds_per_token`]: the
+//! rows then sum to the measured s/token exactly.
+//!
+//! Off (no [`Attribution`] on the model), a [`Meter`] is one `Option` test per region and the
+//! kernels run their plain entry points. On, a region costs an `Instant::now` pair and a few
+//! relaxed atomic adds, and a parallel product one more pair per 64-row block: microseconds
+//! per token against products over megabytes of weights. Nothing here reads or writes a value
+//! of the arithmetic, so outputs are the same bits on or off. Allocates only in
+//! [`Attribution::totals`] and the table.
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use kernels::{KernelError, Kernels};
+use serde::Serialize;
+
+/// What a timed region computes. Each weight tensor is read in the regions of one class only,
+/// so a class's bytes per decoded token are the sizes of its tensors (the routed experts: of
+/// the experts chosen).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpClass {
+    /// The embedding rows of the step's tokens (bf16 to f32).
+    Embedding,
+    /// The attention-residual reads before attention, before the FFN, and at the head.
+    ResidualReads,
+    /// bf16 products of KDA: q, k, v, f_a, f_b, b, g and o projections.
+    KdaProjections,
+    /// KDA's carried part: short conv with history, SiLU, l2norm, delta-rule recurrence.
+    KdaRecurrence,
+    /// bf16 products of MLA: q_a, q_b, kv_a, g and o projections.
+    MlaProjections,
+    /// MLA over the latent cache: latent norm and append, scores, softmax, the absorbed kv_b.
+    MlaAttention,
+    /// bf16 products of the dense FFN (layer 0).
+    DenseFfn,
+    /// bf16 products of the fused shared experts.
+    SharedExperts,
+    /// The bf16 latent down and up projections around the routed experts.
+    LatentProjections,
+    /// The routed experts' MXFP4 products (w1, w3, w2).
+    ExpertProducts,
+    /// Router scores (bf16 gate product, sigmoid), the correction bias and the top-k.
+    Router,
+    /// RMSNorms, gates, SiTU-GLU and SiLU outside the classes above, the experts' weighted sum.
+    NormsActivations,
+    /// The output head's bf16 product.
+    LmHead,
+    /// Inside the parallel bf16 and MXFP4 products: their wall time minus the threads' busy
+    /// time in their blocks over the thread count. Fork/join, load imbalance, a product of fewer
+    /// blocks than threads, and workers the OS did not run.
+    ParallelIdle,
+}
+
+/// Number of [`OpClass`] variants.
+pub const OP_CLASS_COUNT: usize = 14;
+
+impl OpClass {
+    pub const ALL: [OpClass; OP_CLASS_COUNT] = [
+        OpClass::Embedding,
+        OpClass::ResidualReads,
+        OpClass::KdaProjections,
+        OpClass::KdaRecurrence,
+        OpClass::MlaProjections,
+        OpClass::MlaAttention,
+        OpClass::DenseFfn,
+        OpClass::SharedExperts,
+        OpClass::LatentProjections,
+        OpClass::ExpertProducts,
+        OpClass::Router,
+        OpClass::NormsActivations,
+        OpClass::LmHead,
+        OpClass::ParallelIdle,
+    ];
+
+    /// The row name of the tables.
+    pub const fn name(self) -> &'static str {
+        match self {
+            OpClass::Embedding => "embedding rows",
+            OpClass::ResidualReads => "attention-residual reads",
+            OpClass::KdaProjections => "bf16 KDA projections",
+            OpClass::KdaRecurrence => "KDA conv + recurrence",
+            OpClass::MlaProjections => "bf16 MLA projections",
+            OpClass::MlaAttention => "MLA attention (cache)",
+            OpClass::DenseFfn => "bf16 dense FFN",
+            OpClass::SharedExperts => "bf16 shared experts",
+            OpClass::LatentProjections => "bf16 latent down/up",
+            OpClass::ExpertProducts => "MXFP4 expert products",
+            OpClass::Router => "router + top-k",
+            OpClass::NormsActivations => "norms + activations",
+            OpClass::LmHead => "bf16 lm_head",
+            OpClass::ParallelIdle => "idle in products (fork/join, imbalance)",
+        }
+    }
+
+    const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Per-class counters, shared by the threads that run forward passes of one model.
+#[derive(Debug, Default)]
+pub struct Attribution {
+    nanos: [AtomicU64; OP_CLASS_COUNT],
+    bytes: [AtomicU64; OP_CLASS_COUNT],
+    calls: [AtomicU64; OP_CLASS_COUNT],
+    /// Per class, its products' share of [`OpClass::ParallelIdle`].
+    idle: [AtomicU64; OP_CLASS_COUNT],
+}
+
+/// One class's counters at a moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct ClassTotal {
+    pub nanos: u64,
+    pub bytes: u64,
+    pub calls: u64,
+    /// The class's products' idle time, counted in [`OpClass::ParallelIdle`]'s `nanos`.
+    pub idle_nanos: u64,
+}
+
+impl Attribution {
+    pub fn new() -> Attribution {
+        Attribution::default()
+    }
+
+    /// Zeroes every counter (the start of a measured window).
+    pub fn reset(&self) {
+        for a in self.nanos.iter().chain(&self.bytes).chain(&self.calls).chain(&self.idle) {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn add(&self, class: OpClass, nanos: u64, bytes: u64) {
+        let i = class.index();
+        self.nanos[i].fetch_add(nanos, Ordering::Relaxed);
+        self.bytes[i].fetch_add(bytes, Ordering::Relaxed);
+        self.calls[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counters of every class, in [`OpClass::ALL`] order.
+    pub fn totals(&self) -> Vec<(OpClass, ClassTotal)> {
+        OpClass::ALL
+            .iter()
+            .map(|&c| {
+                let i = c.index();
+                let load = |a: &[AtomicU64; OP_CLASS_COUNT]| a[i].load(Ordering::Relaxed);
+                let (nanos, bytes, calls, idle_nanos) =
+                    (load(&self.nanos), load(&self.bytes), load(&self.calls), load(&self.idle));
+                (c, ClassTotal { nanos, bytes, calls, idle_nanos })
+            })
+            .collect()
+    }
+}
+
+/// The forward pass's handle on the counters: `Copy`, and nothing but an `Option` test when off.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Meter<'a>(Option<&'a Attribution>);
+
+impl<'a> Meter<'a> {
+    pub const OFF: Meter<'static> = Meter(None);
+
+    pub fn new(to: Option<&'a Attribution>) -> Meter<'a> {
+        Meter(to)
+    }
+
+    /// Runs `f`, counting its wall time and `bytes` of weights touched to `class`.
+    #[inline]
+    pub fn time<R>(self, class: OpClass, bytes: usize, f: impl FnOnce() -> R) -> R {
+        match self.0 {
+            None => f(),
+            Some(a) => {
+                let start = Instant::now();
+                let r = f();
+                let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                a.add(class, nanos, bytes as u64);
+                r
+            }
+        }
+    }
+}
+
+/// The counters of a measured window: `tokens` decoded in `seconds` of wall time.
+#[derive(Clone, Debug, Default)]
+pub struct Window {
+    pub totals: Vec<(OpClass, ClassTotal)>,
+    pub tokens: usize,
+    pub seconds: f64,
+}
+
+impl Window {
+    /// The window's counters, as they stand, over `tokens` decoded in `seconds`.
+    pub fn of(a: &Attribution, tokens: usize, seconds: f64) -> Window {
+        Window { totals: a.totals(), tokens, seconds }
+    }
+
+    /// The table against `triad` (bytes/s) when measured.
+    pub fn table(&self, triad: Option<f64>) -> AttributionTable {
+        AttributionTable::new(&self.totals, self.tokens, self.seconds, triad)
+    }
+}
+
+impl Meter<'_> {
+    /// Runs a parallel product `f`, which must pass the busy counter it is given (when on) to
+    /// the kernel's `_busy` variant. The threads' busy time in its blocks over the pool's thread
+    /// count counts to `class`, with its `bytes`; the rest of its wall time to
+    /// [`OpClass::ParallelIdle`].
+    #[inline]
+    fn time_par<R>(self, class: OpClass, bytes: usize, f: impl FnOnce(Option<&AtomicU64>) -> R) -> R {
+        let Some(a) = self.0 else { return f(None) };
+        let busy = AtomicU64::new(0);
+        let start = Instant::now();
+        let r = f(Some(&busy));
+        let wall = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        // Blocks on one thread never overlap and all lie within the product, so busy time is at
+        // most wall x threads; `min` only guards the clock's rounding.
+        let threads = rayon::current_num_threads().max(1) as u64;
+        let compute = (busy.load(Ordering::Relaxed) / threads).min(wall);
+        a.add(class, compute, bytes as u64);
+        a.add(OpClass::ParallelIdle, wall - compute, 0);
+        a.idle[class.index()].fetch_add(wall - compute, Ordering::Relaxed);
+        r
+    }
+
+    /// [`Kernels::par_matmul_bf16`] of `w`, counted to `class`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn bf16(
+        self,
+        k: &Kernels,
+        class: OpClass,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+    ) {
+        self.time_par(class, w.len(), |busy| match busy {
+            None => k.par_matmul_bf16(w, rows, cols, x, t, y),
+            Some(b) => k.par_matmul_bf16_busy(w, rows, cols, x, t, y, b),
+        });
+    }
+
+    /// [`Kernels::par_matmul_mxfp4`] of `packed` and `scales`, counted to the expert products.
+    ///
+    /// # Errors
+    /// As [`Kernels::par_matmul_mxfp4`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn mxfp4(
+        self,
+        k: &Kernels,
+        (packed, scales): (&[u8], &[u8]),
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        self.time_par(OpClass::ExpertProducts, packed.len() + scales.len(), |busy| match busy {
+            None => k.par_matmul_mxfp4(packed, scales, rows, cols, x, t, y),
+            Some(b) => k.par_matmul_mxfp4_busy(packed, scales, rows, cols, x, t, y, b),
+        })
+    }
+}
+
+/// One row of the table.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttributionRow {
+    /// The [`OpClass`] in snake case, or "other" for the remainder.
+    pub class: String,
+    pub name: &'static str,
+    pub seconds_per_token: f64,
+    /// Of the measured s/token.
+    pub share: f64,
+    pub bytes_per_token: f64,
+    pub calls_per_token: f64,
+    /// Of the "idle in products" row, the part in this class's products.
+    pub idle_seconds_per_token: f64,
+    /// Weight bytes over this class's time (0 without bytes or time).
+    pub bytes_per_second: f64,
+    /// `bytes_per_second` over the triad measured in the same run (`None` without one).
+    pub fraction_of_triad: Option<f64>,
+}
+
+/// Per-class time and bytes per token of a measured window, with the remainder.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttributionTable {
+    pub seconds_per_token: f64,
+    pub tokens: usize,
+    /// The triad (bytes/s) the fractions are against.
+    pub triad_bytes_per_second: Option<f64>,
+    /// The classes, then "other": waits for bytes, copies, sampling and bookkeeping between
+    /// the timed regions, i.e. the measured time no class counted. Rows sum to
+    /// `seconds_per_token`.
+    pub rows: Vec<AttributionRow>,
+    pub other_seconds_per_token: f64,
+    pub bytes_per_token: f64,
+    /// Weight bytes per token over the triad: the memory-bandwidth floor.
+    pub floor_seconds_per_token: Option<f64>,
+}
+
+impl AttributionTable {
+    /// The table of counters `totals` taken over `tokens` tokens decoded in `seconds` of wall
+    /// time, against `triad` (bytes/s) when measured.
+    pub fn new(totals: &[(OpClass, ClassTotal)], tokens: usize, seconds: f64, triad: Option<f64>) -> AttributionTable {
+        let n = tokens.max(1) as f64;
+        let per_token = seconds / n;
+        let share = |s: f64| if per_token > 0.0 { s / per_token } else { 0.0 };
+        let mut rows: Vec<AttributionRow> = totals
+            .iter()
+            .map(|(c, t)| {
+                let s = t.nanos as f64 / 1e9 / n;
+                let b = t.bytes as f64 / n;
+                let rate = if s > 0.0 { b / s } else { 0.0 };
+                AttributionRow {
+                    class: serde_json::to_value(c).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default(),
+                    name: c.name(),
+                    seconds_per_token: s,
+                    share: share(s),
+                    bytes_per_token: b,
+                    calls_per_token: t.calls as f64 / n,
+                    idle_seconds_per_token: t.idle_nanos as f64 / 1e9 / n,
+                    bytes_per_second: rate,
+                    fraction_of_triad: triad.filter(|&x| x > 0.0 && rate > 0.0).map(|x| rate / x),
+                }
+            })
+            .collect();
+        let counted: f64 = rows.iter().map(|r| r.seconds_per_token).sum();
+        let other = per_token - counted;
+        rows.push(AttributionRow {
+            class: "other".to_owned(),
+            name: "other (waits, copies, bookkeeping)",
+            seconds_per_token: other,
+            share: share(other),
+            bytes_per_token: 0.0,
+            calls_per_token: 0.0,
+            idle_seconds_per_token: 0.0,
+            bytes_per_second: 0.0,
+            fraction_of_triad: None,
+        });
+        let bytes: f64 = rows.iter().map(|r| r.bytes_per_token).sum();
+        AttributionTable {
+            seconds_per_token: per_token,
+            tokens,
+            triad_bytes_per_second: triad,
+            rows,
+            other_seconds_per_token: other,
+            bytes_per_token: bytes,
+            floor_seconds_per_token: triad.filter(|&x| x > 0.0).map(|x| bytes / x),
+        }
+    }
+
+    /// The table as text lines (for `bench` and `run`'s reports). "idle s" is each class's part
+    /// of the "idle in products" row (not included in its own s/token).
+    pub fn lines(&self) -> Vec<String> {
+        let mut out = vec![format!(
+            "{:<40} {:>9} {:>6} {:>9} {:>8} {:>7} {:>7} {:>8}",
+            "class", "s/token", "share", "GB/token", "GB/s", "triad", "calls", "idle s"
+        )];
+        let triad = |f: Option<f64>| f.map_or_else(|| "-".to_owned(), |f| format!("{f:.2}"));
+        for r in &self.rows {
+            let rate = if r.bytes_per_second > 0.0 { format!("{:.1}", r.bytes_per_second / 1e9) } else { "-".into() };
+            let idle =
+                if r.idle_seconds_per_token > 0.0 { format!("{:.4}", r.idle_seconds_per_token) } else { "-".into() };
+            out.push(format!(
+                "{:<40} {:>9.4} {:>5.1}% {:>9.3} {:>8} {:>7} {:>7.0} {idle:>8}",
+                r.name,
+                r.seconds_per_token,
+                100.0 * r.share,
+                r.bytes_per_token / 1e9,
+                rate,
+                triad(r.fraction_of_triad),
+                r.calls_per_token
+            ));
+        }
+        let floor = match (self.floor_seconds_per_token, self.triad_bytes_per_second) {
+            (Some(f), Some(t)) => format!(
+                "; triad {:.1} GB/s, floor {f:.3} s/token, decode at {:.2} of the floor",
+                t / 1e9,
+                if self.seconds_per_token > 0.0 { f / self.seconds_per_token } else { 0.0 }
+            ),
+            _ => String::new(),
+        };
+        out.push(format!(
+            "{:<40} {:>9.4} {:>5.1}% {:>9.3}{floor}",
+            "total (measured)",
+            self.seconds_per_token,
+            100.0,
+            self.bytes_per_token / 1e9
+        ));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_sum_to_the_measured_time_and_other_is_the_rest() {
+        let a = Attribution::new();
+        Meter::new(Some(&a)).time(OpClass::LmHead, 100, || std::thread::sleep(std::time::Duration::from_millis(2)));
+        Meter::OFF.time(OpClass::LmHead, 100, || ());
+        let totals = a.totals();
+        let lm = totals.iter().find(|(c, _)| *c == OpClass::LmHead).map(|(_, t)| *t).unwrap_or_default();
+        assert_eq!((lm.bytes, lm.calls), (100, 1));
+        assert!(lm.nanos >= 2_000_000);
+        let table = AttributionTable::new(&totals, 2, 0.01, Some(1e10));
+        let sum: f64 = table.rows.iter().map(|r| r.seconds_per_token).sum();
+        assert!((sum - 0.005).abs() < 1e-12, "{sum}");
+        assert_eq!(table.rows.last().map(|r| r.class.as_str()), Some("other"));
+        assert_eq!(table.bytes_per_token, 50.0);
+        a.reset();
+        assert!(a.totals().iter().all(|(_, t)| *t == ClassTotal::default()));
+    }
+}
