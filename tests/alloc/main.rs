@@ -4,8 +4,8 @@
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::Path;
 use std::cell::Cell;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use k3ring::engine::open_resident;

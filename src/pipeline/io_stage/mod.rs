@@ -1,0 +1,396 @@
+//! The I/O stage: one thread that owns a read backend (an io_uring ring must be used by the
+//! thread that made it), takes batches of reads over a bounded channel, keeps the backend's queue
+//! busy with demand reads first, then trunk read-ahead, then guesses, and reports each batch's
+//! completion through a ticket table that compute threads test or wait on. It implements the
+//! store's [`ReadQueue`].
+//!
+//! Threads: the `k3ring-io` thread runs the event loop ([`event_loop`]); any thread may submit, test,
+//! wait or cancel. Allocation: the queues and the in-backend table grow to their high-water
+//! mark; each batch arrives as its own op list.
+
+//!
+//! Files: this one holds the handle compute threads use and the ticket table; [`event_loop`] the
+//! I/O thread's queues and loop; [`options`] the backend choice.
+
+mod event_loop;
+mod options;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::SyncSender;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crate::storage::io::{
+    sim::SimOptions, AlignedBuf, IoError, IoStats, MappedReader, PreadOptions, PreadReader, ReadBackend, RingOptions,
+    SimReader, UringReader,
+};
+use crate::storage::stream::reads::{Priority, ReadQueue, SendOp, Ticket};
+use crate::trace::Tracer;
+
+use event_loop::{run, Limits};
+pub use options::{read_alignment, IoKind, IoOptions};
+/// Logical reads the backend accepts at once.
+const OPS_IN_BACKEND_MAX: usize = 256;
+
+/// Most batches waiting in the channel.
+const CHANNEL_BATCHES_MAX: usize = 1024;
+
+/// How often the backend's counters are copied out while reads complete.
+const STATS_PERIOD_MS: u128 = 5;
+
+/// How a batch ended.
+#[derive(Debug)]
+enum TicketState {
+    Pending { remaining: usize, error: Option<IoError> },
+    Done(Result<(), Arc<IoError>>),
+}
+
+#[derive(Default)]
+struct Tickets {
+    next: Ticket,
+    states: HashMap<Ticket, TicketState>,
+    /// Set when the I/O thread stopped (its backend failed as a whole); waiters get this.
+    dead: Option<String>,
+}
+
+/// Shared between the handle and the I/O thread.
+struct Shared {
+    tickets: Mutex<Tickets>,
+    done: Condvar,
+    stats: Mutex<IoStats>,
+    /// Bytes sent to the I/O thread and not yet completed (queued or in the device).
+    outstanding_bytes: AtomicUsize,
+    /// Bytes of cancelled reads that never entered the device.
+    cancelled_bytes: AtomicU64,
+    /// Nanoseconds (since `epoch`) during which demand or read-ahead reads were queued or in
+    /// the device, closed periods only; and the start of the open period (0: none).
+    needed_busy_ns: AtomicU64,
+    needed_busy_since_ns: AtomicU64,
+    epoch: Instant,
+    /// Reads completed and recorded in the trace; with `outstanding_bytes` at 0 and the
+    /// published stats counting as many ops, the trace and the report agree (see `settle`).
+    reads_traced: AtomicU64,
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        // At least 1, so that 0 can mean "no open period".
+        (self.epoch.elapsed().as_nanos() as u64).max(1)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding these locks leaves plain counters behind; keep going.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+enum Msg {
+    /// One submission: reads, each with the ticket that completes when all of its reads have.
+    Batch {
+        priority: Priority,
+        ops: Vec<(Ticket, SendOp)>,
+    },
+    /// Drop the reads of a ticket that are not in the backend yet.
+    Cancel(Ticket),
+    /// Move the queued reads of a ticket ahead of every other queued read.
+    Promote(Ticket),
+    Stop,
+}
+
+/// Handle to the I/O thread.
+pub struct IoStage {
+    /// What the backend uses, as it described itself.
+    pub backend_info: String,
+    tx: SyncSender<Msg>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    /// Memory the reads target. Dropped only after `Drop` has joined the I/O thread (which
+    /// waits for every read in the backend), so no read can outlive its buffer.
+    _targets: Vec<Arc<AlignedBuf>>,
+}
+
+/// Marks the stage dead and wakes every waiter when the I/O thread exits for any reason,
+/// including a panic, so that no compute thread waits forever.
+struct DeadOnExit(Arc<Shared>);
+
+impl Drop for DeadOnExit {
+    fn drop(&mut self) {
+        let mut t = lock(&self.0.tickets);
+        if std::thread::panicking() {
+            t.dead = Some("the I/O thread panicked".to_owned());
+        } else {
+            t.dead.get_or_insert_with(|| "the I/O thread has stopped".to_owned());
+        }
+        drop(t);
+        self.0.done.notify_all();
+    }
+}
+
+/// Builds the backend on the I/O thread (a ring must live on the thread that uses it).
+type BackendFactory = Box<dyn FnOnce() -> Result<Box<dyn ReadBackend>, IoError> + Send>;
+
+impl IoStage {
+    /// Starts the I/O thread over `files`, reading into `arena` with reads aligned to `align`;
+    /// fails if its backend cannot be built.
+    pub fn start(
+        files: &[PathBuf],
+        opts: &IoOptions,
+        arena: &Arc<AlignedBuf>,
+        align: u64,
+        tracer: Arc<Tracer>,
+    ) -> Result<IoStage, IoError> {
+        let files = files.to_vec();
+        let qd = opts.queue_depth.max(1);
+        let chunk = (opts.chunk_bytes as u64).max(align) / align * align;
+        let (inject, kind, sim, threads) = (opts.inject, opts.kind, opts.sim.clone(), opts.pread_threads.max(1));
+        let registered = Arc::clone(arena);
+        let factory: BackendFactory = Box::new(move || -> Result<Box<dyn ReadBackend>, IoError> {
+            Ok(match kind {
+                IoKind::Uring => Box::new(UringReader::new(
+                    &files,
+                    RingOptions {
+                        queue_depth: qd,
+                        chunk_bytes: chunk as usize,
+                        ops_max: OPS_IN_BACKEND_MAX,
+                        register_files: true,
+                        register_buffers: vec![registered],
+                        align_min: align as u32,
+                        inject,
+                    },
+                )?),
+                IoKind::Pread => Box::new(PreadReader::new(
+                    &files,
+                    PreadOptions {
+                        threads,
+                        queue_depth: qd,
+                        chunk_bytes: chunk as usize,
+                        ops_max: OPS_IN_BACKEND_MAX,
+                        align_min: align as u32,
+                        inject,
+                    },
+                )?),
+                IoKind::Mmap => Box::new(MappedReader::new(&files, OPS_IN_BACKEND_MAX)?),
+                IoKind::Sim => {
+                    let opts = sim.unwrap_or_else(|| SimOptions::fault_free(0));
+                    Box::new(SimReader::new(&files, opts)?)
+                }
+            })
+        });
+        let window = qd as usize * chunk as usize;
+        IoStage::spawn(factory, window, chunk as usize, opts.io_core, tracer, vec![Arc::clone(arena)])
+    }
+
+    /// Starts the thread; it keeps up to `bytes_in_backend_max` bytes of reads in the backend
+    /// (at least one read), and hands read-ahead and guesses to it in pieces of `piece_bytes`
+    /// (see [`Limits`]).
+    fn spawn(
+        factory: BackendFactory,
+        bytes_in_backend_max: usize,
+        piece_bytes: usize,
+        pin_to: Option<usize>,
+        tracer: Arc<Tracer>,
+        targets: Vec<Arc<AlignedBuf>>,
+    ) -> Result<IoStage, IoError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(CHANNEL_BATCHES_MAX);
+        let shared = Arc::new(Shared {
+            tickets: Mutex::default(),
+            done: Condvar::new(),
+            stats: Mutex::default(),
+            outstanding_bytes: AtomicUsize::new(0),
+            cancelled_bytes: AtomicU64::new(0),
+            needed_busy_ns: AtomicU64::new(0),
+            needed_busy_since_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
+            reads_traced: AtomicU64::new(0),
+        });
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("k3ring-io".to_owned())
+            .spawn(move || {
+                let _dead_on_exit = DeadOnExit(Arc::clone(&thread_shared));
+                if let Some(cpu) = pin_to {
+                    if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
+                        tracing::warn!("could not pin the I/O thread to CPU {cpu}");
+                    }
+                }
+                match factory() {
+                    Ok(backend) => {
+                        let _ = ready_tx.send(Ok(backend.describe()));
+                        let limits = Limits::new(bytes_in_backend_max, piece_bytes);
+                        run(backend, rx, &thread_shared, limits, &tracer);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|source| IoError::Setup { what: "the I/O thread".to_owned(), source })?;
+        match ready_rx.recv() {
+            Ok(Ok(backend_info)) => Ok(IoStage { backend_info, tx, shared, thread: Some(thread), _targets: targets }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => Err(IoError::Setup {
+                what: "the I/O thread".to_owned(),
+                source: std::io::Error::other("it exited before reporting"),
+            }),
+        }
+    }
+
+    /// Bytes of reads sent and not yet completed: above the device's window, the device is
+    /// saturated and a guess would only delay the reads compute is waiting for.
+    pub fn outstanding_bytes(&self) -> usize {
+        self.shared.outstanding_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of cancelled reads that never reached the device.
+    pub fn cancelled_bytes(&self) -> u64 {
+        self.shared.cancelled_bytes.load(Ordering::Relaxed)
+    }
+
+    /// A clock reading and the device time spent so far on reads compute needs (demand and
+    /// trunk read-ahead queued or in the device), both in nanoseconds since the stage started:
+    /// between two readings, the difference of the second minus that of the first is the time
+    /// the device had for guesses.
+    pub fn needed_busy(&self) -> (u64, u64) {
+        let now = self.shared.now_ns();
+        let closed = self.shared.needed_busy_ns.load(Ordering::Acquire);
+        let since = self.shared.needed_busy_since_ns.load(Ordering::Acquire);
+        let open = if since > 0 { now.saturating_sub(since) } else { 0 };
+        (now, closed + open)
+    }
+
+    /// Tickets held (finished or not), for tests that check the table does not grow.
+    pub fn tickets_held(&self) -> usize {
+        lock(&self.shared.tickets).states.len()
+    }
+
+    /// The backend's counters as of its last report.
+    pub fn stats(&self) -> IoStats {
+        *lock(&self.shared.stats)
+    }
+
+    /// Waits (at most `timeout`) until no read is queued or in the device and the published
+    /// counters include every read the trace recorded, so that a report taken next agrees with
+    /// the trace. Returns whether it settled; a run's end calls it, when nothing sends reads.
+    pub fn settle(&self, timeout: std::time::Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            let idle = self.outstanding_bytes() == 0;
+            if idle && self.stats().ops == self.shared.reads_traced.load(Ordering::Acquire) {
+                return true;
+            }
+            if start.elapsed() >= timeout {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    fn mark_dead(&self) {
+        let mut t = lock(&self.shared.tickets);
+        t.dead.get_or_insert_with(|| "the I/O thread has stopped".to_owned());
+        drop(t);
+        self.shared.done.notify_all();
+    }
+}
+
+impl ReadQueue for IoStage {
+    fn reserve(&self) -> Ticket {
+        let mut t = lock(&self.shared.tickets);
+        t.next += 1;
+        let ticket = t.next;
+        t.states.insert(ticket, TicketState::Pending { remaining: usize::MAX, error: None });
+        ticket
+    }
+
+    fn submit(&self, priority: Priority, groups: Vec<(Ticket, Vec<SendOp>)>) {
+        let mut ops = Vec::with_capacity(groups.iter().map(|g| g.1.len()).sum());
+        {
+            let mut t = lock(&self.shared.tickets);
+            for (ticket, group) in groups {
+                if group.is_empty() {
+                    // An unknown ticket is a finished success: keep nothing.
+                    t.states.remove(&ticket);
+                } else {
+                    t.states.insert(ticket, TicketState::Pending { remaining: group.len(), error: None });
+                    ops.extend(group.into_iter().map(|op| (ticket, op)));
+                }
+            }
+        }
+        let bytes: usize = ops.iter().map(|o| o.1.len()).sum();
+        self.shared.outstanding_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if ops.is_empty() {
+            self.shared.done.notify_all();
+        } else if self.tx.send(Msg::Batch { priority, ops }).is_err() {
+            self.mark_dead();
+        }
+    }
+
+    fn is_done(&self, ticket: Ticket) -> bool {
+        let t = lock(&self.shared.tickets);
+        !matches!(t.states.get(&ticket), Some(TicketState::Pending { .. }))
+    }
+
+    /// A success is forgotten once seen (several slots may share a ticket: an unknown ticket is
+    /// a finished success); a failure stays.
+    fn wait(&self, ticket: Ticket) -> Result<(), Arc<IoError>> {
+        let mut t = lock(&self.shared.tickets);
+        // The event loop of a waiter: bounded by the ticket completing or the stage dying.
+        loop {
+            match t.states.get(&ticket) {
+                Some(TicketState::Done(Err(e))) => return Err(Arc::clone(e)),
+                Some(TicketState::Done(Ok(()))) => {
+                    t.states.remove(&ticket);
+                    return Ok(());
+                }
+                None => return Ok(()),
+                Some(TicketState::Pending { .. }) => {
+                    if let Some(why) = &t.dead {
+                        return Err(Arc::new(IoError::Setup {
+                            what: "reads".to_owned(),
+                            source: std::io::Error::other(why.clone()),
+                        }));
+                    }
+                    t = self.shared.done.wait(t).unwrap_or_else(PoisonError::into_inner);
+                }
+            }
+        }
+    }
+
+    /// Failures are kept: whoever needed those bytes must see the error.
+    fn forget(&self, ticket: Ticket) {
+        let mut t = lock(&self.shared.tickets);
+        if matches!(t.states.get(&ticket), Some(TicketState::Done(Ok(())))) {
+            t.states.remove(&ticket);
+        }
+    }
+
+    fn cancel(&self, ticket: Ticket) {
+        if self.tx.send(Msg::Cancel(ticket)).is_err() {
+            self.mark_dead();
+        }
+    }
+
+    fn promote(&self, ticket: Ticket) {
+        if self.tx.send(Msg::Promote(ticket)).is_err() {
+            self.mark_dead();
+        }
+    }
+}
+
+impl Drop for IoStage {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Stop);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! The I/O stage over a backend whose completions the test releases one at a time, so the
+//! order reads enter the backend in is observable.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::storage::io::gated::{Gate, GatedBackend};
+use crate::storage::io::BufOptions;
+use crate::storage::stream::arena::{Arena, FileRange, Region};
+use crate::storage::stream::reads::OpMeta;
+
+const PIECE: usize = 4096;
+
+/// A stage whose window is 8 pieces (so guesses may hold 2), and an arena to read into.
+fn stage() -> (IoStage, Arc<Gate>, Arena) {
+    let gate = Arc::new(Gate::default());
+    let g = Arc::clone(&gate);
+    let factory: BackendFactory =
+        Box::new(move || Ok(Box::new(GatedBackend::new(g, PIECE as u32)) as Box<dyn ReadBackend>));
+    let buf = Arc::new(AlignedBuf::new(1 << 20, &BufOptions::default()).unwrap());
+    let tracer = Arc::new(Tracer::new(false));
+    let io = IoStage::spawn(factory, 8 * PIECE, PIECE, None, tracer, vec![Arc::clone(&buf)]).unwrap();
+    (io, gate, Arena::new(buf, false))
+}
+
+/// Sends one read of `pieces` pieces at file offset `offset` into its own arena region.
+fn send(io: &IoStage, arena: &Arena, priority: Priority, offset: u64, pieces: usize) -> Ticket {
+    let len = pieces * PIECE;
+    let mut slot = arena.slot(Region { off: offset as usize, len });
+    let ticket = io.reserve();
+    let target = slot.start_read(ticket);
+    let meta = OpMeta { name: "test read", kind: priority.kind(), layer: None, expert: None };
+    let op = arena.op(target, 0, FileRange { file: 0, offset, len, min_len: len }, meta);
+    io.submit(priority, vec![(ticket, vec![op])]);
+    ticket
+}
+
+fn wait_done(io: &IoStage, ticket: Ticket) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !io.is_done(ticket) {
+        assert!(Instant::now() < deadline, "ticket {ticket} never completed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    io.wait(ticket).unwrap();
+}
+
+#[test]
+fn a_demand_read_jumps_ahead_of_every_guess_piece_not_yet_in_the_device() {
+    let (io, gate, arena) = stage();
+    let guess = send(&io, &arena, Priority::Guess, 0, 16);
+    assert_eq!(gate.offsets_after(8).len(), 8, "guesses fill the window, no more");
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(gate.offsets_after(8).len(), 8);
+    let demand = send(&io, &arena, Priority::Demand, 512 << 10, 2);
+    // One guess piece completes; the demand read enters before any other guess piece.
+    gate.release(1);
+    let log = gate.offsets_after(9);
+    let first: Vec<u64> = (0..8).map(|i| (i * PIECE) as u64).collect();
+    assert_eq!(log[..8], first[..], "{log:?}");
+    assert_eq!(log[8], 512 << 10, "{log:?}");
+    gate.release(1000);
+    wait_done(&io, demand);
+    wait_done(&io, guess);
+    // 16 guess pieces and the demand read, which enters whole.
+    let log = gate.offsets_after(17);
+    assert_eq!(log.len(), 17, "{log:?}");
+    let guesses: Vec<u64> = log.iter().copied().filter(|&o| o < 512 << 10).collect();
+    let want: Vec<u64> = (0..16).map(|i| (i * PIECE) as u64).collect();
+    assert_eq!(guesses, want, "every piece read once, in order");
+}
+
+#[test]
+fn a_cancelled_guess_reads_only_what_was_in_the_device() {
+    let (io, gate, arena) = stage();
+    let guess = send(&io, &arena, Priority::Guess, 0, 16);
+    assert_eq!(gate.offsets_after(8).len(), 8);
+    io.cancel(guess);
+    gate.release(8);
+    wait_done(&io, guess);
+    assert_eq!(io.cancelled_bytes(), (8 * PIECE) as u64);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(gate.offsets_after(8).len(), 8, "nothing more was read");
+    assert_eq!(io.outstanding_bytes(), 0);
+    assert_eq!(io.tickets_held(), 0);
+}
+
+#[test]
+fn a_promoted_guess_goes_ahead_of_queued_read_ahead() {
+    let (io, gate, arena) = stage();
+    let ahead = send(&io, &arena, Priority::Prefetch, 0, 16);
+    assert_eq!(gate.offsets_after(8).len(), 8, "read-ahead fills the window");
+    let guess = send(&io, &arena, Priority::Guess, 512 << 10, 2);
+    io.promote(guess);
+    gate.release(1);
+    let log = gate.offsets_after(9);
+    assert_eq!(log[8], 512 << 10, "the promoted guess is next: {log:?}");
+    gate.release(1000);
+    wait_done(&io, guess);
+    wait_done(&io, ahead);
+    // 16 read-ahead pieces and the promoted guess's 2.
+    assert_eq!(gate.offsets_after(18).len(), 18);
+}
+
+/// The needed-busy total once the I/O thread has closed the open period: a ticket is done
+/// before the thread accounts for it, so an open period still grows between two readings.
+fn needed_busy_once_closed(io: &IoStage) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, first) = io.needed_busy();
+        std::thread::sleep(Duration::from_millis(2));
+        let (_, second) = io.needed_busy();
+        if first == second {
+            return second;
+        }
+        assert!(Instant::now() < deadline, "the needed-busy period never closed");
+    }
+}
+
+#[test]
+fn needed_busy_time_counts_demand_and_read_ahead_not_guesses() {
+    let (io, gate, arena) = stage();
+    let (_, before) = io.needed_busy();
+    let demand = send(&io, &arena, Priority::Demand, 0, 1);
+    std::thread::sleep(Duration::from_millis(30));
+    gate.release(1);
+    wait_done(&io, demand);
+    let after_demand = needed_busy_once_closed(&io);
+    assert!(after_demand - before >= 30_000_000, "the demand read was outstanding 30 ms or more");
+    let guess = send(&io, &arena, Priority::Guess, 64 << 10, 1);
+    std::thread::sleep(Duration::from_millis(30));
+    gate.release(1);
+    wait_done(&io, guess);
+    let (_, after_guess) = io.needed_busy();
+    assert_eq!(after_guess, after_demand, "guesses are not time compute needed the device for");
+}
