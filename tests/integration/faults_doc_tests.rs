@@ -71,7 +71,7 @@ fn is_fn_name(name: &str) -> bool {
 
 /// The source file a test reference points into, and the function name:
 /// `checkpoint_tests::name` is `tests/integration/checkpoint_tests.rs` (registered in its
-/// `main.rs`); `src/config.rs::name` and `kernels/src/error.rs::name` are lib unit tests, by path
+/// `main.rs`); `src/config/tests.rs::name` and `kernels/src/error.rs::name` are lib unit tests, by path
 /// from the repository root.
 fn resolve(reference: &str, root: &Path) -> Result<(PathBuf, String), String> {
     let (file, name) = reference.rsplit_once("::").ok_or_else(|| format!("`{reference}` is not FILE::TEST"))?;
@@ -175,11 +175,11 @@ fn faults_doc_checker_refuses_missing_tests_and_unknown_codes() {
     let doc = "\
 | Input / fault | Exit | First line of the message | Test |
 |---|---|---|---|
-| good | 3 | `a \\| b` | `checkpoint_tests::truncated_shard_is_a_data_error_naming_shard_and_tensor`, `src/config.rs::read_failures_exit_4_and_refusals_exit_2` |
+| good | 3 | `a \\| b` | `checkpoint_tests::truncated_shard_is_a_data_error_naming_shard_and_tensor`, `src/config/tests.rs::read_failures_exit_4_and_refusals_exit_2` |
 | missing test | 2 | msg | `cli_tests::no_such_test_exists` |
 | helper, not a test | 2 | msg | `checkpoint_tests::copy_tiny` |
 | unregistered module | 2 | msg | `nowhere_tests::a_test` |
-| missing lib test | — | msg | `src/config.rs::no_such_test_exists` |
+| missing lib test | — | msg | `src/config/tests.rs::no_such_test_exists` |
 | outside the crate | — | msg | `tests/integration/cli_tests.rs::help_and_version_exit_0` |
 | bad code | 5 | msg | `cli_tests::help_and_version_exit_0` |
 | no test | 2 | msg | none |
