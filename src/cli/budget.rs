@@ -12,6 +12,8 @@ use crate::storage::plan::PlanError;
 /// budget, not the model, is what the user has to change.
 pub(super) fn name_budget_flag(err: anyhow::Error, flag: &str) -> anyhow::Error {
     match err.chain().find_map(plan_refusal) {
+        // The piece size has a flag of its own.
+        Some(plan @ PlanError::PieceTooSmall { .. }) => UsageError(format!("--piece-mb: {plan}")).into(),
         Some(plan) => UsageError(format!("{flag}: {plan}")).into(),
         None => err,
     }

@@ -204,6 +204,11 @@ pub struct StorageArgs {
     /// (default: trunk first, as much as fits).
     #[arg(long, value_name = "F", value_parser = parse_share)]
     pub trunk_share: Option<f64>,
+    /// Stream trunk units larger than this many MB (10^6 bytes) in pieces (row blocks of each
+    /// matrix), whatever the budget (default: whole units when the budget holds two of the
+    /// largest, else the largest pieces up to 32 MiB that fit).
+    #[arg(long, value_name = "MB", value_parser = parse_gb)]
+    pub piece_mb: Option<f64>,
 }
 
 fn parse_share(s: &str) -> Result<f64, String> {

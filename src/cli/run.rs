@@ -204,6 +204,7 @@ pub(super) fn streaming_run(
             verify_every_read: st.verify_reads,
             verify_experts: !st.no_verify_experts,
             policy: pipe.policy.clone(),
+            piece_bytes: st.piece_mb.map(|mb| (mb * 1e6) as u64),
             ..StoreOptions::default()
         },
         pipeline: PipelineOptions {
@@ -550,12 +551,17 @@ fn decode_rate(generated: usize, seconds_per_token: f64) -> String {
 pub(super) fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u64>, metrics: &crate::trace::Metrics) {
     let gb = |bytes: u64| format!("{:.4} GB", bytes as f64 / GB);
     eprintln!(
-        "k3ring: storage {} | trunk read {} ({} reads, {}/{} units pinned) | experts read {} ({} reads, {} hits, {} evictions) | read rate {:.0} MB/s | planned {:.3} GB, peak RSS {}",
+        "k3ring: storage {} | trunk read {} ({} reads, {}/{} units pinned{}) | experts read {} ({} reads, {} hits, {} evictions) | read rate {:.0} MB/s | planned {:.3} GB, peak RSS {}",
         s.backend,
         gb(s.trunk_bytes_read),
         s.trunk_reads,
         s.trunk_pinned_units,
         s.trunk_pinned_units + s.trunk_streamed_units,
+        if s.trunk_split_units > 0 {
+            format!(", {} streamed in {} pieces", s.trunk_split_units, s.trunk_pieces)
+        } else {
+            String::new()
+        },
         gb(s.expert_bytes_read),
         s.expert_reads,
         s.expert_hits,

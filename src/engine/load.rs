@@ -156,6 +156,21 @@ pub fn open_streaming(
             + logits
             + embed_buffer_bytes(&c.cfg, chunk, align),
         trunk_share: run.trunk_share,
+        pieces: Some(crate::storage::stream::pieces::plan_input(
+            &c.weights,
+            &c.cfg,
+            &manifest
+                .units
+                .iter()
+                .filter_map(|u| {
+                    let unit = PackUnit::parse(&u.unit).filter(|p| *p != PackUnit::Embed)?;
+                    Some((unit, u.tensors.iter().map(|t| (t.name.clone(), t.len)).collect()))
+                })
+                .collect::<Vec<_>>(),
+            &c.index,
+            align,
+            run.store.piece_bytes,
+        )),
     };
     let plan = Plan::make(&input)?;
     on_plan(&plan);

@@ -23,14 +23,17 @@ pub enum PlanError {
     AboveAvailable { budget_gb: f64, available_gb: f64, limited_by: String },
     #[error("unknown preset {0:?}; choose from: laptop, desktop, workstation, server, max, auto")]
     UnknownPreset(String),
+    #[error("a piece of {piece_mb:.3} MB is below this model's smallest piece of {min_mb:.3} MB (a block of rows that one computation needs whole); raise it")]
+    PieceTooSmall { piece_mb: f64, min_mb: f64 },
 }
 
 impl Classify for PlanError {
     fn exit_code(&self) -> ExitCode {
         match self {
-            PlanError::BelowMinimum { .. } | PlanError::AboveAvailable { .. } | PlanError::UnknownPreset(_) => {
-                ExitCode::Usage
-            }
+            PlanError::BelowMinimum { .. }
+            | PlanError::AboveAvailable { .. }
+            | PlanError::UnknownPreset(_)
+            | PlanError::PieceTooSmall { .. } => ExitCode::Usage,
         }
     }
 }
@@ -85,7 +88,32 @@ pub struct PlanInput {
     /// At most this share of what is left after the fixed parts goes to pinned trunk units
     /// (`None`: trunk first, as much as fits). `k3ring tune` sweeps it.
     pub trunk_share: Option<f64>,
+    /// How units can be streamed in pieces (`None`: whole units only).
+    pub pieces: Option<PieceInput>,
 }
+
+/// What the planner needs to stream units in pieces (row blocks of each matrix).
+#[derive(Clone, Debug)]
+pub struct PieceInput {
+    /// Per unit: bytes of its tensors that are not streamed matrices (norms, biases, conv
+    /// weights), kept resident while the unit is split.
+    pub small_bytes: Vec<(PackUnit, u64)>,
+    /// Data bytes of the largest block that cannot be split (a granule of rows of the widest
+    /// matrix): the smallest piece.
+    pub min_piece_bytes: u64,
+    /// Bytes a piece's slot needs beyond its data (its read is widened to the alignment).
+    pub slack_bytes: u64,
+    /// Piece size asked for (`--piece-mb`); `None`: whole units when the budget holds them,
+    /// else the largest piece up to [`DEFAULT_PIECE_BYTES`] that fits.
+    pub forced: Option<u64>,
+}
+
+/// Data bytes of a piece when the planner chooses: large enough that a read runs at the
+/// device's sequential rate, small enough that the ring stays a small part of a small budget.
+pub const DEFAULT_PIECE_BYTES: u64 = 32 << 20;
+
+/// Expert slots below which no plan goes: one expert being computed while the next is read.
+pub const MIN_EXPERT_SLOTS: usize = 2;
 
 /// The division of the budget, printed before allocation and written into `--json`.
 #[derive(Clone, Debug, Serialize)]
@@ -111,12 +139,23 @@ pub struct Plan {
     pub planned_bytes: u64,
     /// Smallest budget this model and run accept.
     pub minimum_bytes: u64,
+    /// Data bytes per piece of the units streamed in pieces (`None`: every streamed unit is
+    /// read whole).
+    pub piece_bytes: Option<u64>,
+    /// Units streamed in pieces (a subset of `streamed`).
+    pub split: Vec<String>,
+    /// The smallest piece this model allows (`None` when units cannot be split).
+    pub min_piece_bytes: Option<u64>,
+    /// Resident tensors of the split units (norms, biases: everything but their matrices).
+    pub small_bytes: u64,
     /// Trunk bytes read per token (every streamed unit once).
     pub trunk_read_bytes_per_token: u64,
     #[serde(skip)]
     pub pinned_units: Vec<PackUnit>,
     #[serde(skip)]
     pub streamed_units: Vec<PackUnit>,
+    #[serde(skip)]
+    pub split_units: Vec<PackUnit>,
 }
 
 impl Plan {
@@ -140,15 +179,47 @@ impl Plan {
         let largest = units.first().map_or(0, |u| u.1);
         // The minimum holds one sequence; more sequences come before pinned trunk, since a
         // batch run asked for them and pinning only saves reads.
-        let minimum = input.states_bytes + input.scratch_bytes + pool_min_bytes + ring_slots as u64 * largest;
+        let whole_minimum =
+            input.states_bytes + input.scratch_bytes + pool_min_bytes + ring_slots as u64 * largest;
+        let pieces = input.pieces.as_ref().map(|p| Pieces { input: p, units: &units, ring_slots });
+        if let (Some(p), Some(forced)) = (&pieces, pieces.as_ref().and_then(|p| p.input.forced)) {
+            if forced < p.input.min_piece_bytes {
+                return Err(PlanError::PieceTooSmall {
+                    piece_mb: forced as f64 / 1e6,
+                    min_mb: p.input.min_piece_bytes as f64 / 1e6,
+                });
+            }
+        }
+        let minimum = match &pieces {
+            Some(p) => {
+                let piece = p.input.forced.unwrap_or(p.input.min_piece_bytes);
+                let fixed = input.states_bytes + input.scratch_bytes + p.input_fixed(piece, input);
+                if p.input.forced.is_some() { fixed } else { fixed.min(whole_minimum) }
+            }
+            None => whole_minimum,
+        };
         if input.budget < minimum {
-            let detail = format!(
-                "states and KV cache {:.3} GB, scratch {:.3} GB, {ring_slots} trunk slots of {:.3} GB, {pool_min} expert slots of {:.4} GB",
-                to_gb(input.states_bytes),
-                to_gb(input.scratch_bytes),
-                to_gb(largest),
-                to_gb(input.expert_slot_bytes)
-            );
+            let detail = match &pieces {
+                Some(p) => {
+                    let piece = p.input.forced.unwrap_or(p.input.min_piece_bytes);
+                    format!(
+                        "states and KV cache {:.3} GB, scratch {:.3} GB, {ring_slots} trunk slots of {:.4} GB (pieces of {:.4} GB), resident norms and biases of the split units {:.4} GB, {MIN_EXPERT_SLOTS} expert slots of {:.4} GB",
+                        to_gb(input.states_bytes),
+                        to_gb(input.scratch_bytes),
+                        to_gb(p.slot(piece)),
+                        to_gb(piece),
+                        to_gb(p.small(piece)),
+                        to_gb(input.expert_slot_bytes)
+                    )
+                }
+                None => format!(
+                    "states and KV cache {:.3} GB, scratch {:.3} GB, {ring_slots} trunk slots of {:.3} GB, {pool_min} expert slots of {:.4} GB",
+                    to_gb(input.states_bytes),
+                    to_gb(input.scratch_bytes),
+                    to_gb(largest),
+                    to_gb(input.expert_slot_bytes)
+                ),
+            };
             return Err(PlanError::BelowMinimum { budget_gb: to_gb(input.budget), min_gb: to_gb(minimum), detail });
         }
         let asked = input.sequences.max(1);
@@ -156,56 +227,51 @@ impl Plan {
         let sequences = asked.min(1 + usize::try_from(more).unwrap_or(usize::MAX));
         let states_bytes = sequences as u64 * input.states_bytes;
         let fixed = states_bytes + input.scratch_bytes;
-        let avail = input.budget - fixed - pool_min_bytes;
-        // The ring is always affordable (the minimum includes it); the share caps pinning only.
-        let trunk_avail = match input.trunk_share {
-            Some(share) => {
-                let ring = ring_slots as u64 * largest;
-                (ring + ((avail - ring) as f64 * share.clamp(0.0, 1.0)) as u64).min(avail)
-            }
-            None => avail,
-        };
-        let (pinned, streamed, ring_slot_bytes) = choose_pinned(&units, trunk_avail, ring_slots);
-        let pinned_bytes: u64 = pinned.iter().map(|u| u.1).sum();
-        let ring_bytes = if streamed.is_empty() { 0 } else { ring_slots as u64 * ring_slot_bytes };
-        let spare = avail - pinned_bytes - ring_bytes;
-        let extra_slots = (spare / input.expert_slot_bytes.max(1)) as usize;
-        let expert_slots = (pool_min + extra_slots).min(input.experts_total.max(pool_min));
-        let ring_slots = if streamed.is_empty() { 0 } else { ring_slots };
-        let planned = fixed + pinned_bytes + ring_bytes + expert_slots as u64 * input.expert_slot_bytes;
-        Ok(Plan {
+        let base = Plan {
             budget_bytes: input.budget,
-            pinned: pinned.iter().map(|u| u.0.name()).collect(),
-            streamed: streamed.iter().map(|u| u.0.name()).collect(),
-            pinned_bytes,
-            ring_slots,
-            ring_slot_bytes,
-            expert_slots,
+            pinned: Vec::new(),
+            streamed: Vec::new(),
+            pinned_bytes: 0,
+            ring_slots: 0,
+            ring_slot_bytes: 0,
+            expert_slots: 0,
             expert_slot_bytes: input.expert_slot_bytes,
             states_bytes,
             sequences,
             sequences_asked: asked,
             sequence_bytes: input.states_bytes,
             scratch_bytes: input.scratch_bytes,
-            planned_bytes: planned,
+            planned_bytes: 0,
             minimum_bytes: minimum,
-            trunk_read_bytes_per_token: streamed.iter().map(|u| u.1).sum(),
-            pinned_units: pinned.iter().map(|u| u.0).collect(),
-            streamed_units: streamed.iter().map(|u| u.0).collect(),
-        })
+            trunk_read_bytes_per_token: 0,
+            piece_bytes: None,
+            split: Vec::new(),
+            min_piece_bytes: input.pieces.as_ref().map(|p| p.min_piece_bytes),
+            small_bytes: 0,
+            pinned_units: Vec::new(),
+            streamed_units: Vec::new(),
+            split_units: Vec::new(),
+        };
+        match pieces {
+            Some(p) if p.input.forced.is_some() || input.budget < whole_minimum => {
+                Ok(p.plan(input, base, input.budget - fixed))
+            }
+            _ => Ok(whole_plan(input, base, &units, ring_slots, pool_min, input.budget - fixed - pool_min_bytes)),
+        }
     }
 
     /// One line per part, for the console.
     pub fn describe(&self) -> String {
         let gb = fmt_gb;
         format!(
-            "plan: budget {} | trunk pinned {} units ({}), streamed {} units through {} slots of {} | expert pool {} slots of {} ({}) | states+KV {}{} | scratch {} | planned {} (minimum {}) | trunk read/token {}",
+            "plan: budget {} | trunk pinned {} units ({}), streamed {} units through {} slots of {}{} | expert pool {} slots of {} ({}) | states+KV {}{} | scratch {} | planned {} (minimum {}) | trunk read/token {}",
             gb(self.budget_bytes),
             self.pinned.len(),
             gb(self.pinned_bytes),
             self.streamed.len(),
             self.ring_slots,
             gb(self.ring_slot_bytes),
+            self.describe_pieces(),
             self.expert_slots,
             gb(self.expert_slot_bytes),
             gb(self.expert_slots as u64 * self.expert_slot_bytes),
@@ -220,6 +286,18 @@ impl Plan {
 }
 
 impl Plan {
+    fn describe_pieces(&self) -> String {
+        match self.piece_bytes {
+            Some(piece) if !self.split.is_empty() => format!(
+                " ({} in pieces of {}, their norms and biases resident: {})",
+                self.split.len(),
+                fmt_gb(piece),
+                fmt_gb(self.small_bytes)
+            ),
+            _ => String::new(),
+        }
+    }
+
     fn describe_sequences(&self) -> String {
         let gb = fmt_gb;
         match (self.sequences, self.sequences_asked) {
@@ -247,6 +325,105 @@ pub fn fmt_gb(bytes: u64) -> String {
 }
 
 type Unit = (PackUnit, u64);
+
+/// Today's plan for a budget that holds a ring of whole units: `avail` is what is left after
+/// states, scratch and the preferred expert pool.
+fn whole_plan(input: &PlanInput, mut plan: Plan, units: &[Unit], ring_slots: usize, pool_min: usize, avail: u64) -> Plan {
+    let largest = units.first().map_or(0, |u| u.1);
+    // The ring is always affordable (the minimum includes it); the share caps pinning only.
+    let trunk_avail = match input.trunk_share {
+        Some(share) => {
+            let ring = ring_slots as u64 * largest;
+            (ring + ((avail - ring) as f64 * share.clamp(0.0, 1.0)) as u64).min(avail)
+        }
+        None => avail,
+    };
+    let (pinned, streamed, ring_slot_bytes) = choose_pinned(units, trunk_avail, ring_slots);
+    let pinned_bytes: u64 = pinned.iter().map(|u| u.1).sum();
+    let ring_bytes = if streamed.is_empty() { 0 } else { ring_slots as u64 * ring_slot_bytes };
+    let spare = avail - pinned_bytes - ring_bytes;
+    let extra_slots = (spare / input.expert_slot_bytes.max(1)) as usize;
+    plan.expert_slots = (pool_min + extra_slots).min(input.experts_total.max(pool_min));
+    plan.ring_slots = if streamed.is_empty() { 0 } else { ring_slots };
+    plan.ring_slot_bytes = ring_slot_bytes;
+    plan.planned_bytes = plan.states_bytes
+        + plan.scratch_bytes
+        + pinned_bytes
+        + ring_bytes
+        + plan.expert_slots as u64 * input.expert_slot_bytes;
+    plan.pinned = pinned.iter().map(|u| u.0.name()).collect();
+    plan.streamed = streamed.iter().map(|u| u.0.name()).collect();
+    plan.pinned_bytes = pinned_bytes;
+    plan.trunk_read_bytes_per_token = streamed.iter().map(|u| u.1).sum();
+    plan.pinned_units = pinned.iter().map(|u| u.0).collect();
+    plan.streamed_units = streamed.iter().map(|u| u.0).collect();
+    plan
+}
+
+/// The plan below a ring of whole units: every unit streamed, those larger than a piece in
+/// row blocks through a ring of piece-sized slots, with their small tensors resident.
+struct Pieces<'a> {
+    input: &'a PieceInput,
+    /// Largest first.
+    units: &'a [Unit],
+    ring_slots: usize,
+}
+
+impl Pieces<'_> {
+    /// A ring slot for pieces of `piece` bytes (units no larger go whole and fit it too).
+    fn slot(&self, piece: u64) -> u64 {
+        piece + self.input.slack_bytes
+    }
+
+    fn is_split(&self, unit: &Unit, piece: u64) -> bool {
+        unit.1 > piece
+    }
+
+    /// Resident small tensors of the units split at `piece`.
+    fn small(&self, piece: u64) -> u64 {
+        let small_of = |u: PackUnit| self.input.small_bytes.iter().find(|s| s.0 == u).map_or(0, |s| s.1);
+        self.units.iter().filter(|u| self.is_split(u, piece)).map(|u| small_of(u.0)).sum()
+    }
+
+    /// Everything but states and scratch at `piece`, with the smallest expert pool.
+    fn input_fixed(&self, piece: u64, input: &PlanInput) -> u64 {
+        self.small(piece) + self.ring_slots as u64 * self.slot(piece) + MIN_EXPERT_SLOTS as u64 * input.expert_slot_bytes
+    }
+
+    /// Divides `avail` (the budget less states and scratch): the largest piece up to the
+    /// default that fits beside the smallest pool, then expert slots.
+    fn plan(&self, input: &PlanInput, mut plan: Plan, avail: u64) -> Plan {
+        let min = self.input.min_piece_bytes;
+        let piece = self.input.forced.unwrap_or_else(|| {
+            let mut piece = DEFAULT_PIECE_BYTES.max(min);
+            while piece > min && self.input_fixed(piece, input) > avail {
+                piece = (piece / 2).max(min);
+            }
+            piece
+        });
+        let fixed = self.input_fixed(piece, input) - MIN_EXPERT_SLOTS as u64 * input.expert_slot_bytes;
+        let spare = avail.saturating_sub(fixed);
+        let slots = (spare / input.expert_slot_bytes.max(1)) as usize;
+        plan.expert_slots = slots.max(MIN_EXPERT_SLOTS).min(input.experts_total.max(MIN_EXPERT_SLOTS));
+        let mut streamed: Vec<Unit> = self.units.to_vec();
+        streamed.sort_by_key(|u| u.0);
+        plan.ring_slots = if streamed.is_empty() { 0 } else { self.ring_slots };
+        plan.ring_slot_bytes = self.slot(piece);
+        plan.piece_bytes = Some(piece);
+        plan.small_bytes = self.small(piece);
+        plan.planned_bytes = plan.states_bytes
+            + plan.scratch_bytes
+            + plan.small_bytes
+            + plan.ring_slots as u64 * plan.ring_slot_bytes
+            + plan.expert_slots as u64 * input.expert_slot_bytes;
+        plan.streamed = streamed.iter().map(|u| u.0.name()).collect();
+        plan.split = streamed.iter().filter(|u| self.is_split(u, piece)).map(|u| u.0.name()).collect();
+        plan.split_units = streamed.iter().filter(|u| self.is_split(u, piece)).map(|u| u.0).collect();
+        plan.trunk_read_bytes_per_token = streamed.iter().map(|u| u.1).sum();
+        plan.streamed_units = streamed.iter().map(|u| u.0).collect();
+        plan
+    }
+}
 
 /// Pins the largest units that fit together with the ring the rest need; returns (pinned,
 /// streamed, ring slot size). `units` is sorted by size, largest first.
@@ -308,6 +485,7 @@ mod tests {
             sequences: 1,
             scratch_bytes: 50,
             trunk_share: None,
+            pieces: None,
         }
     }
 
@@ -382,6 +560,65 @@ mod tests {
         none.trunk_share = Some(0.0);
         let none = Plan::make(&none).unwrap();
         assert!(none.pinned_bytes <= half.pinned_bytes && none.expert_slots >= half.expert_slots);
+    }
+
+    fn pieces(forced: Option<u64>) -> PieceInput {
+        PieceInput {
+            small_bytes: (0..10).map(|l| (PackUnit::Layer(l), 3)).chain([(PackUnit::Head, 2)]).collect(),
+            min_piece_bytes: 20,
+            slack_bytes: 4,
+            forced,
+        }
+    }
+
+    #[test]
+    fn pieces_lower_the_minimum_to_two_pieces_the_small_tensors_and_two_expert_slots() {
+        let whole_min = 100 + 80 + 2 * 300;
+        let with = |budget: u64, forced: Option<u64>| Plan::make(&PlanInput { pieces: Some(pieces(forced)), ..input(budget) });
+        // states 50 + scratch 50 + small tensors of all 11 units (10 x 3 + 2) + 2 slots of
+        // (20 + 4) + 2 expert slots of 10.
+        let min = 100 + 32 + 2 * 24 + 2 * 10;
+        let p = with(min, None).unwrap();
+        assert_eq!(p.minimum_bytes, min);
+        assert_eq!((p.piece_bytes, p.ring_slots, p.ring_slot_bytes, p.expert_slots), (Some(20), 2, 24, 2));
+        assert_eq!(p.split.len(), 11, "every unit is larger than a piece: {p:?}");
+        assert!(p.pinned.is_empty());
+        assert_eq!(p.planned_bytes, min);
+        assert!(p.describe().contains("11 in pieces of"), "{}", p.describe());
+        let err = with(min - 1, None).unwrap_err().to_string();
+        assert!(err.contains("below this model's minimum") && err.contains("pieces of"), "{err}");
+        // More budget: larger pieces first (up to the default), then expert slots.
+        let p = with(min + 100, None).unwrap();
+        assert!(p.piece_bytes.unwrap() > 20 && p.planned_bytes <= p.budget_bytes, "{p:?}");
+        // A budget that holds whole units plans them as before, with the old floor of the pool.
+        let p = with(whole_min, None).unwrap();
+        assert_eq!((p.piece_bytes, p.minimum_bytes), (None, min));
+        assert!(p.expert_slots >= 8, "the preferred pool floor holds: {p:?}");
+        assert!(p.split.is_empty());
+    }
+
+    #[test]
+    fn a_forced_piece_splits_whatever_is_larger_and_is_refused_below_the_smallest() {
+        let with = |budget: u64, forced: Option<u64>| Plan::make(&PlanInput { pieces: Some(pieces(forced)), ..input(budget) });
+        let p = with(5000, Some(105)).unwrap();
+        assert_eq!(p.piece_bytes, Some(105));
+        // Layers 0..5 (100..105 bytes) fit a piece whole; layers 6..9 and the head are split.
+        assert_eq!(p.split, ["head", "layer.6", "layer.7", "layer.8", "layer.9"]);
+        assert_eq!(p.small_bytes, 4 * 3 + 2);
+        assert_eq!(p.minimum_bytes, 100 + p.small_bytes + 2 * 109 + 2 * 10);
+        let err = with(5000, Some(19)).unwrap_err();
+        assert!(matches!(err, PlanError::PieceTooSmall { .. }), "{err}");
+    }
+
+    #[test]
+    fn more_budget_never_reads_more_with_pieces() {
+        let mut last = u64::MAX;
+        for budget in (200..3000).step_by(13) {
+            let Ok(p) = Plan::make(&PlanInput { pieces: Some(pieces(None)), ..input(budget) }) else { continue };
+            assert!(p.trunk_read_bytes_per_token <= last, "budget {budget} reads more");
+            assert!(p.planned_bytes <= p.budget_bytes, "{p:?}");
+            last = p.trunk_read_bytes_per_token;
+        }
     }
 
     fn available(bytes: u64) -> Option<Available> {

@@ -13,6 +13,7 @@ mod faults_doc_tests;
 mod integrity_tests;
 mod limits_tests;
 mod oracle_tests;
+mod pieces_tests;
 mod pipeline_tests;
 mod serve_tests;
 mod soak_tests;

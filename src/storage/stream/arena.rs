@@ -140,6 +140,32 @@ impl Arena {
         unsafe { std::slice::from_raw_parts(self.buf.as_ptr().add(r.off), r.len) }
     }
 
+    /// Copies `from`'s bytes `range` into `to` at `at`, for a region filled by copying while
+    /// the store opens (the small tensors of split units), before any guard exists. Panics if
+    /// the two overlap or the copy leaves `to`.
+    pub fn copy_into(&self, to: Region, at: usize, from: Filled, range: std::ops::Range<usize>) {
+        let src = from.region;
+        assert!(range.end <= src.len && at + range.len() <= to.len, "a copy outside its regions");
+        assert!(to.off + to.len <= src.off || src.off + src.len <= to.off, "a copy between overlapping regions");
+        assert!(to.off + to.len <= self.buf.len() && src.off + src.len <= self.buf.len(), "a copy outside the arena");
+        // SAFETY: both regions lie inside the arena (asserted) and do not overlap (asserted).
+        // `from` is filled, so no read writes it; `to` is written only here, at open, before a
+        // `Filled` handle for it exists ([`Arena::copied`] makes the first one) and it is never a
+        // read's target, so nothing reads or writes it concurrently.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.buf.as_ptr().add(src.off + range.start),
+                self.buf.as_mut_ptr().add(to.off + at),
+                range.len(),
+            );
+        }
+    }
+
+    /// The handle of a region filled by [`Arena::copy_into`], once every copy into it is done.
+    pub fn copied(&self, region: Region) -> Filled {
+        Filled { region }
+    }
+
     /// A read of `len` bytes at `offset` of `file` into `target`, `at` bytes into its region.
     pub fn op(&self, target: ReadTarget, at: usize, read: FileRange, meta: OpMeta) -> SendOp {
         let r = target.region;

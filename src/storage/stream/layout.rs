@@ -154,18 +154,22 @@ pub struct ArenaLayout {
     pub ring: Vec<Region>,
     pub experts: Vec<Region>,
     pub embed: Region,
+    /// The small tensors of split units (see [`super::pieces`]).
+    pub small: Region,
     pub total: usize,
 }
 
 impl ArenaLayout {
     /// Assigns arena regions: pinned units, ring slots, expert slots, the embedding row buffer
-    /// (for `chunk_tokens` rows).
+    /// (for `chunk_tokens` rows), the small tensors of split units (`small_bytes`). Whether the
+    /// ring slots hold every streamed item is checked by [`super::pieces::RingItems::new`].
     pub fn new(
         pack: &PackLayout,
         cfg: &Config,
         plan: &Plan,
         chunk_tokens: usize,
         align: u64,
+        small_bytes: usize,
     ) -> Result<ArenaLayout, StreamError> {
         let mut off = 0u64;
         let mut take = |len: u64| {
@@ -181,18 +185,6 @@ impl ArenaLayout {
                 })?;
             pinned.push((i, take(pack.units[i].len)));
         }
-        let is_pinned = |i: usize| pinned.iter().any(|p| p.0 == i);
-        let streamed_max = (0..pack.units.len())
-            .filter(|&i| !is_pinned(i) && pack.units[i].unit != PackUnit::Embed)
-            .map(|i| pack.units[i].len)
-            .max()
-            .unwrap_or(0);
-        if plan.ring_slots > 0 && streamed_max > plan.ring_slot_bytes || plan.ring_slots == 0 && streamed_max > 0 {
-            return Err(StreamError::Mismatch(format!(
-                "the plan's trunk slots ({} of {} bytes) cannot hold a streamed unit of {streamed_max} bytes",
-                plan.ring_slots, plan.ring_slot_bytes
-            )));
-        }
         let ring = (0..plan.ring_slots).map(|_| take(plan.ring_slot_bytes)).collect();
         let slot = expert_slot_bytes(cfg, align);
         if slot > plan.expert_slot_bytes {
@@ -203,6 +195,7 @@ impl ArenaLayout {
         }
         let experts = (0..plan.expert_slots).map(|_| take(slot)).collect();
         let embed = take(embed_buffer_bytes(cfg, chunk_tokens.max(1), align));
-        Ok(ArenaLayout { pinned, ring, experts, embed, total: off as usize })
+        let small = take(small_bytes as u64);
+        Ok(ArenaLayout { pinned, ring, experts, embed, small, total: off as usize })
     }
 }

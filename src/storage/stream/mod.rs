@@ -29,6 +29,7 @@ pub mod cache_sim;
 pub mod embed;
 pub mod expert_pool;
 pub mod layout;
+pub mod pieces;
 pub mod policy;
 pub mod reads;
 pub mod stats;
@@ -40,6 +41,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use self::arena::{Arena, Filled, Slot};
 use self::expert_pool::ExpertPool;
 use self::layout::{ArenaLayout, PackLayout};
+use self::pieces::RingItems;
 use self::reads::{Priority, ReadQueue, Ticket};
 use self::trunk_ring::TrunkRing;
 use super::io::{AlignedBuf, BufOptions, IoError};
@@ -73,6 +75,9 @@ pub struct StoreOptions {
     pub numa_node: Option<u32>,
     /// Expert cache policy: "lru", "s3fifo" or "lfu".
     pub policy: String,
+    /// Stream trunk units in pieces of this many bytes whatever the budget (`--piece-mb`);
+    /// `None`: the planner decides.
+    pub piece_bytes: Option<u64>,
 }
 
 impl Default for StoreOptions {
@@ -85,6 +90,7 @@ impl Default for StoreOptions {
             lock_memory: true,
             numa_node: None,
             policy: "lru".to_owned(),
+            piece_bytes: None,
         }
     }
 }
@@ -134,6 +140,7 @@ pub struct Prepared {
     opts: StoreOptions,
     pinned_units: usize,
     expert_sums: Vec<Vec<u64>>,
+    items: RingItems,
 }
 
 impl Prepared {
@@ -166,6 +173,10 @@ pub struct Store {
     expert_sums: Vec<Vec<u64>>,
     /// Per unit: the bytes of a pinned unit (loaded and verified at open).
     pinned: Vec<Option<Filled>>,
+    /// What the ring cycles through: whole units and the pieces of split ones.
+    items: RingItems,
+    /// The small tensors of split units (copied at open), if any unit is split.
+    small: Option<Filled>,
     ring: Mutex<TrunkRing>,
     pool: Mutex<ExpertPool>,
     /// The embedding row buffer.
@@ -199,7 +210,15 @@ impl Store {
             )));
         }
         let pack = PackLayout::new(&manifest, &index, cfg, pack_path, files.len() - 1)?;
-        let layout = ArenaLayout::new(&pack, cfg, plan, opts.chunk_tokens, align)?;
+        let weights = crate::model::weights::ModelWeights::resolve(cfg, &index)
+            .map_err(|e| StreamError::Mismatch(e.to_string()))?;
+        let pinned: Vec<usize> = plan
+            .pinned_units
+            .iter()
+            .filter_map(|want| pack.units.iter().position(|u| u.unit == *want))
+            .collect();
+        let items = RingItems::new(&pack, &weights, cfg, plan, &pinned, align)?;
+        let layout = ArenaLayout::new(&pack, cfg, plan, opts.chunk_tokens, align, items.small_bytes)?;
         let buf_opts = BufOptions { node: opts.numa_node, lock: opts.lock_memory, ..BufOptions::default() };
         let buf = Arc::new(AlignedBuf::new(layout.total.max(align as usize), &buf_opts)?);
         Ok(Prepared {
@@ -212,6 +231,7 @@ impl Store {
             opts: opts.clone(),
             pinned_units: plan.pinned_units.len(),
             expert_sums,
+            items,
         })
     }
 
@@ -226,11 +246,8 @@ impl Store {
         expert_policy: Box<dyn policy::CachePolicy>,
     ) -> Result<Store, StreamError> {
         let arena = Arena::new(p.buf, fixed_buffers);
-        let is_pinned = |u: usize| p.layout.pinned.iter().any(|x| x.0 == u);
-        let mut streamed_order: Vec<usize> = p.pack.unit_of_layer.iter().copied().filter(|&u| !is_pinned(u)).collect();
-        if !is_pinned(p.pack.head_unit) {
-            streamed_order.push(p.pack.head_unit);
-        }
+        let streamed_order = p.items.order.clone();
+        let streamed_units = p.items.whole.iter().zip(&p.items.split).filter(|(w, s)| w.is_some() || s.is_some()).count();
         let lock_state = match arena.buffer().lock_state() {
             super::io::LockState::Locked => "mlocked".to_owned(),
             super::io::LockState::NotRequested => "not locked (--no-mlock)".to_owned(),
@@ -244,11 +261,13 @@ impl Store {
                 arena.buffer().node().map_or_else(|| "unbound".to_owned(), |n| n.to_string())
             ),
             trunk_pinned_units: p.pinned_units,
-            trunk_streamed_units: streamed_order.len(),
+            trunk_streamed_units: streamed_units,
+            trunk_split_units: p.items.split.iter().filter(|s| s.is_some()).count(),
+            trunk_pieces: p.items.items.iter().filter(|i| i.rows.is_some()).count(),
             ..stats
         };
         let ring_slots = p.layout.ring.iter().map(|&r| arena.slot(r)).collect();
-        let ring = TrunkRing::new(ring_slots, p.pack.units.len(), streamed_order, p.opts.readahead);
+        let ring = TrunkRing::new(ring_slots, p.items.items.len(), streamed_order, p.opts.readahead);
         let pool = ExpertPool::new(p.layout.experts.iter().map(|&r| arena.slot(r)).collect(), expert_policy);
         let embed = arena.slot(p.layout.embed);
         let mut store = Store {
@@ -262,12 +281,15 @@ impl Store {
             verify_every_read: p.opts.verify_every_read,
             verify_experts: p.opts.verify_experts,
             expert_sums: p.expert_sums,
+            items: p.items,
+            small: None,
             ring: Mutex::new(ring),
             pool: Mutex::new(pool),
             embed: Mutex::new(embed),
             stats: Mutex::new(stats),
         };
         store.load_pinned(&p.layout)?;
+        store.load_split(&p.layout)?;
         Ok(store)
     }
 
@@ -291,7 +313,6 @@ impl Store {
             let filled = slot.filled().ok_or_else(|| StreamError::Mismatch("a pinned unit is not filled".into()))?;
             self.verify_unit(*u, filled)?;
             self.pinned[*u] = Some(filled);
-            lock(&self.ring).mark_verified(*u);
             bytes += self.pack.units[*u].len;
         }
         let mut stats = lock(&self.stats);

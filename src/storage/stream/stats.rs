@@ -13,6 +13,9 @@ pub struct StreamStats {
     pub buffers: String,
     pub trunk_pinned_units: usize,
     pub trunk_streamed_units: usize,
+    /// Streamed units read in pieces, and how many pieces they have together.
+    pub trunk_split_units: usize,
+    pub trunk_pieces: usize,
     pub trunk_bytes_read: u64,
     pub trunk_reads: u64,
     pub embed_bytes_read: u64,

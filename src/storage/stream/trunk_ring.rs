@@ -1,9 +1,10 @@
 //! The trunk: pinned units read once at open, the other units cycled through a ring of slots, a
-//! unit and the `readahead` streamed units after it (in use order, wrapping to the next token)
-//! read at once, so the next layers' bytes arrive while this one computes.
+//! ring item (a whole unit, or a piece of a split unit: see [`super::pieces`]) and the
+//! `readahead` items after it (in use order, wrapping to the next token) read at once, so the
+//! next bytes arrive while these compute.
 //!
-//! A ring slot holding a unit that a guard reads is never chosen for another read; a slot whose
-//! unwanted read-ahead is still in flight is waited for before reuse. Each unit's checksum is
+//! A ring slot holding an item that a guard reads is never chosen for another read; a slot whose
+//! unwanted read-ahead is still in flight is waited for before reuse. Each item's checksum is
 //! verified on its first read (and on every read with `verify_every_read`).
 //!
 //! Threads: the scheduler thread, under the ring lock (never held across a demand wait for the
@@ -11,14 +12,16 @@
 
 use super::arena::{Filled, Slot};
 use super::layout::UnitPlace;
+use super::pieces::RingItem;
 use super::reads::{OpMeta, Priority, Ticket};
 use super::{lock, Store};
-use crate::model::weights::{SourceError, TensorId, TrunkUnit, TrunkView};
+use crate::model::weights::{Mat, SourceError, TensorId, TrunkUnit, TrunkView};
 use crate::storage::pack::{PackError, PackUnit};
 use crate::storage::stream::arena::FileRange;
 
 pub(super) struct RingSlot {
     slot: Slot,
+    /// The ring item it holds or is reading.
     unit: Option<usize>,
     /// Guards alive over the slot's bytes.
     users: usize,
@@ -26,28 +29,28 @@ pub(super) struct RingSlot {
 
 pub(super) struct TrunkRing {
     slots: Vec<RingSlot>,
-    /// Per unit: its checksum has been verified since the pack was opened.
+    /// Per ring item: its checksum has been verified since the pack was opened.
     verified: Vec<bool>,
-    /// Streamed units in the order a token uses them.
+    /// Ring items in the order a token uses them.
     streamed_order: Vec<usize>,
     readahead: usize,
 }
 
 impl TrunkRing {
-    pub fn new(slots: Vec<Slot>, units: usize, streamed_order: Vec<usize>, readahead: usize) -> TrunkRing {
+    pub fn new(slots: Vec<Slot>, items: usize, streamed_order: Vec<usize>, readahead: usize) -> TrunkRing {
         TrunkRing {
             slots: slots.into_iter().map(|slot| RingSlot { slot, unit: None, users: 0 }).collect(),
-            verified: vec![false; units],
+            verified: vec![false; items],
             streamed_order,
             readahead,
         }
     }
 
-    pub fn mark_verified(&mut self, unit: usize) {
-        self.verified[unit] = true;
+    pub fn mark_verified(&mut self, item: usize) {
+        self.verified[item] = true;
     }
 
-    /// `unit` and the `readahead` streamed units after it, in use order (wrapping to the next
+    /// Item `unit` and the `readahead` items after it, in use order (wrapping to the next
     /// token).
     fn window(&self, unit: usize) -> Vec<usize> {
         let n = self.streamed_order.len();
@@ -56,51 +59,105 @@ impl TrunkRing {
     }
 }
 
-/// A trunk unit made resident: pinned (no slot) or held in a ring slot until dropped.
+/// A trunk unit made resident: pinned (no slot), held whole in a ring slot until dropped, or
+/// split (its small tensors resident, its matrices read piece by piece by `row_blocks`).
 pub struct TrunkGuard<'a> {
     store: &'a Store,
     unit: usize,
+    held: Held<'a>,
+}
+
+enum Held<'a> {
+    Pinned(Filled),
+    Ring(RingHold<'a>),
+    Split,
+}
+
+/// A ring slot's bytes, held (its users count raised) until dropped.
+struct RingHold<'a> {
+    store: &'a Store,
+    slot: usize,
     base: Filled,
-    slot: Option<usize>,
+    data: std::ops::Range<usize>,
+}
+
+impl RingHold<'_> {
+    fn data(&self) -> &[u8] {
+        &self.store.arena.bytes(self.base)[self.data.clone()]
+    }
+}
+
+impl Drop for RingHold<'_> {
+    fn drop(&mut self) {
+        lock(&self.store.ring).slots[self.slot].users -= 1;
+    }
 }
 
 impl TrunkView for TrunkGuard<'_> {
     fn bytes(&self, id: TensorId) -> &[u8] {
+        let base = match &self.held {
+            Held::Pinned(base) => *base,
+            Held::Ring(hold) => hold.base,
+            Held::Split => {
+                let split = self.store.items.split[self.unit].as_ref();
+                let (Some(range), Some(small)) = (split.and_then(|s| s.small_of(id)), self.store.small) else {
+                    panic!("tensor {id} read whole from a unit streamed in pieces")
+                };
+                return &self.store.arena.bytes(small)[range];
+            }
+        };
         let Some(loc) = self.store.pack.loc(id).filter(|l| l.unit == self.unit) else {
             panic!("tensor {id} read through the view of another unit")
         };
-        &self.store.arena.bytes(self.base)[loc.offset..loc.offset + loc.len]
+        &self.store.arena.bytes(base)[loc.offset..loc.offset + loc.len]
     }
-}
 
-impl Drop for TrunkGuard<'_> {
-    fn drop(&mut self) {
-        if let Some(slot) = self.slot {
-            lock(&self.store.ring).slots[slot].users -= 1;
+    fn row_blocks(&self, mat: &Mat, f: &mut dyn FnMut(std::ops::Range<usize>, &[u8])) -> Result<(), SourceError> {
+        let items = match &self.held {
+            Held::Split => self.store.items.split[self.unit].as_ref().and_then(|s| s.items_of(mat.id)),
+            _ => None,
+        };
+        let Some(items) = items else {
+            f(0..mat.rows, self.bytes(mat.id));
+            return Ok(());
+        };
+        for item in items {
+            let hold = self.store.acquire_item(item)?;
+            let rows = self.store.items.items[item].rows.as_ref().map_or(0..mat.rows, |p| p.rows.clone());
+            f(rows, hold.data());
         }
+        Ok(())
     }
 }
 
 impl Store {
-    /// Makes a trunk unit resident and returns its bytes, starting the read-ahead after it.
+    /// Makes a trunk unit resident and returns its bytes, starting the read-ahead after it. A
+    /// split unit reads nothing here: its pieces are read as `row_blocks` asks for them.
     pub fn trunk(&self, unit: TrunkUnit) -> Result<TrunkGuard<'_>, SourceError> {
         let u = self.pack.unit_index(unit).ok_or_else(|| SourceError::Internal(format!("no trunk unit {unit:?}")))?;
-        match self.pinned[u] {
-            Some(base) => Ok(TrunkGuard { store: self, unit: u, base, slot: None }),
-            None => self.acquire_unit(u),
+        if let Some(base) = self.pinned[u] {
+            return Ok(TrunkGuard { store: self, unit: u, held: Held::Pinned(base) });
         }
+        if self.items.split[u].is_some() {
+            return Ok(TrunkGuard { store: self, unit: u, held: Held::Split });
+        }
+        let item = self.items.whole[u]
+            .ok_or_else(|| SourceError::Internal(format!("trunk unit {unit:?} is neither pinned nor streamed")))?;
+        Ok(TrunkGuard { store: self, unit: u, held: Held::Ring(self.acquire_item(item)?) })
     }
 
-    /// The unit's bytes if its read has completed (pinned, or read into the ring), without
-    /// waiting or issuing a read: for predictions, which must never stall compute. The bytes of
-    /// a unit read for the first time may not have been verified yet.
+    /// The unit's bytes if its read has completed (pinned, or read whole into the ring),
+    /// without waiting or issuing a read: for predictions, which must never stall compute. The
+    /// bytes of a unit read for the first time may not have been verified yet. A split unit is
+    /// never resident whole.
     pub fn trunk_if_resident(&self, unit: TrunkUnit) -> Option<TrunkGuard<'_>> {
         let u = self.pack.unit_index(unit)?;
         if let Some(base) = self.pinned[u] {
-            return Some(TrunkGuard { store: self, unit: u, base, slot: None });
+            return Some(TrunkGuard { store: self, unit: u, held: Held::Pinned(base) });
         }
+        let item = self.items.whole[u]?;
         let mut ring = lock(&self.ring);
-        let slot = ring.slots.iter().position(|s| s.unit == Some(u))?;
+        let slot = ring.slots.iter().position(|s| s.unit == Some(item))?;
         let s = &mut ring.slots[slot];
         if let Some(t) = s.slot.ticket() {
             // Seen done and successful here, so the next waiter finds it filled; a failure stays
@@ -112,17 +169,21 @@ impl Store {
         }
         let base = s.slot.filled()?;
         s.users += 1;
-        Some(TrunkGuard { store: self, unit: u, base, slot: Some(slot) })
+        let it = &self.items.items[item];
+        let hold = RingHold { store: self, slot, base, data: it.data_at..it.data_at + it.data_len };
+        Some(TrunkGuard { store: self, unit: u, held: Held::Ring(hold) })
     }
 
-    /// Makes a streamed unit resident in the ring, issuing read-ahead for the units after it.
-    fn acquire_unit(&self, unit: usize) -> Result<TrunkGuard<'_>, SourceError> {
+    /// Makes a ring item resident, issuing read-ahead for the items after it.
+    fn acquire_item(&self, item: usize) -> Result<RingHold<'_>, SourceError> {
+        let it = &self.items.items[item];
+        let unit = it.unit;
         let (slot, ticket) = {
             let mut ring = lock(&self.ring);
-            let window = ring.window(unit);
-            let slot = match ring.slots.iter().position(|s| s.unit == Some(unit)) {
+            let window = ring.window(item);
+            let slot = match ring.slots.iter().position(|s| s.unit == Some(item)) {
                 Some(s) => s,
-                None => self.start_unit_read(&mut ring, unit, &window, Priority::Demand)?,
+                None => self.start_unit_read(&mut ring, item, &window, Priority::Demand)?,
             };
             ring.slots[slot].users += 1;
             let ticket = ring.slots[slot].slot.ticket();
@@ -149,8 +210,7 @@ impl Store {
         if let Some(t) = ticket {
             if let Err(e) = self.wait_io(t, self.pack.layer_of_unit(unit)) {
                 release(self);
-                let what = format!("trunk unit {} of the pack", self.pack.units[unit].unit.name());
-                return Err(self.read_error(what, &e));
+                return Err(self.read_error(self.item_name(item), &e));
             }
         }
         let (base, verify) = {
@@ -160,24 +220,53 @@ impl Store {
                 s.landed();
             }
             let base = s.filled();
-            (base, self.verify_every_read || !ring.verified[unit])
+            (base, self.verify_every_read || !ring.verified[item])
         };
         let Some(base) = base else {
             release(self);
-            return Err(SourceError::Internal(format!("trunk unit {unit}: its slot is not filled after its read")));
+            return Err(SourceError::Internal(format!("{}: its slot is not filled after its read", self.item_name(item))));
         };
+        let data = it.data_at..it.data_at + it.data_len;
         if verify {
-            if let Err(e) = self.verify_unit(unit, base) {
+            let checked = match &it.rows {
+                None => self.verify_unit(unit, base).map_err(|e| e.to_string()),
+                Some(piece) => {
+                    let got = xxhash_rust::xxh3::xxh3_64(&self.arena.bytes(base)[data.clone()]);
+                    if got == piece.checksum {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "{}: checksum {got:016x}, {:016x} when the unit was checked at open: the pack changed while in use",
+                            self.pack.pack_path.display(),
+                            piece.checksum
+                        ))
+                    }
+                }
+            };
+            if let Err(message) = checked {
                 release(self);
-                let what = format!("trunk unit {}", self.pack.units[unit].unit.name());
-                return Err(SourceError::Corrupt { what, message: e.to_string() });
+                return Err(SourceError::Corrupt { what: self.item_name(item), message });
             }
-            lock(&self.ring).mark_verified(unit);
+            lock(&self.ring).mark_verified(item);
         }
-        Ok(TrunkGuard { store: self, unit, base, slot: Some(slot) })
+        Ok(RingHold { store: self, slot, base, data })
     }
 
-    /// Picks a ring slot no guard holds and no unit of `window` occupies, and starts reading.
+    /// "trunk unit layer.3" or "trunk unit layer.3, rows 0..512 of tensor 41".
+    fn item_name(&self, item: usize) -> String {
+        let it = &self.items.items[item];
+        let unit = self.pack.units[it.unit].unit.name();
+        match &it.rows {
+            None => format!("trunk unit {unit} of the pack"),
+            Some(p) => {
+                let name = self.index.tensors.get(p.tensor).map_or_else(|| p.tensor.to_string(), |t| t.name.clone());
+                format!("trunk unit {unit} of the pack, rows {}..{} of {name}", p.rows.start, p.rows.end)
+            }
+        }
+    }
+
+    /// Picks a ring slot no guard holds and no item of `window` occupies, and starts reading
+    /// ring item `unit`.
     fn start_unit_read(
         &self,
         ring: &mut TrunkRing,
@@ -200,14 +289,17 @@ impl Store {
             let _ = self.wait_io(t, None);
             s.slot.abandon();
         }
-        let u = &self.pack.units[unit];
+        let it: &RingItem = &self.items.items[unit];
+        let u = &self.pack.units[it.unit];
         let ticket: Ticket = self.reads.reserve();
         let target = s.slot.start_read(ticket);
-        let op = self.arena.op(target, 0, self.unit_range(u), unit_meta(u, priority));
+        let len = it.read_len as usize;
+        let range = FileRange { file: self.pack.pack_file, offset: it.read_offset, len, min_len: len };
+        let op = self.arena.op(target, 0, range, unit_meta(u, priority));
         self.reads.submit(priority, vec![(ticket, vec![op])]);
         s.unit = Some(unit);
         let mut stats = lock(&self.stats);
-        stats.trunk_bytes_read += u.len;
+        stats.trunk_bytes_read += it.read_len;
         stats.trunk_reads += 1;
         Ok(slot)
     }

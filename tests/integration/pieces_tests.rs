@@ -1,0 +1,157 @@
+//! The smallest budget (issue 14): units streamed in pieces (row blocks of each matrix) and an
+//! expert pool below top-k give the resident run's bits at the planner's minimum, with pieces
+//! that split every matrix and with pieces that split none; one byte below the minimum is
+//! refused with the numbers.
+
+use std::path::Path;
+
+use k3ring::engine::{open_streaming, GenerateOptions, Generation, StreamingRun};
+use k3ring::pipeline::{IoOptions, PipelineOptions};
+use k3ring::storage::plan::Plan;
+use k3ring::storage::stream::{StoreOptions, StreamStats};
+use kernels::{Isa, Kernels};
+
+use crate::checkpoint_tests::k3ring;
+use crate::common::*;
+
+const GEN: usize = 6;
+
+fn run_options(budget: u64, piece: Option<u64>, prompt_len: usize) -> StreamingRun {
+    StreamingRun {
+        budget_bytes: budget,
+        sequences: 1,
+        context: prompt_len + GEN,
+        chunk: 8,
+        threads: 2,
+        store: StoreOptions { piece_bytes: piece, ..StoreOptions::default() },
+        pipeline: PipelineOptions { io: IoOptions::default(), ..PipelineOptions::default() },
+        prefetch_window: None,
+        placement: None,
+        trace_detail: false,
+        trunk_share: None,
+        available_memory: None,
+    }
+}
+
+fn generate(model: &Path, trunk: &Path, run: &StreamingRun, ids: &[u32]) -> Result<(Generation, Plan, StreamStats), String> {
+    let (o, plan) = open_streaming(model, trunk, run, Kernels::with_isa(Isa::best()).unwrap(), |_| {})
+        .map_err(|e| e.to_string())?;
+    let opts = GenerateOptions { gen: GEN, keep_logits: true, prefill_chunk: 8, ..Default::default() };
+    let g = o
+        .engine
+        .generate(ids, &opts, |_| {})
+        .map_err(|e| format!("{e}: {:?}", std::error::Error::source(&e).map(|s| s.to_string())))?;
+    Ok((g, plan, o.engine.src.stats()))
+}
+
+fn resident(model: &Path, ids: &[u32]) -> Generation {
+    let o = open(model, 2, Isa::best());
+    let opts = GenerateOptions { gen: GEN, keep_logits: true, prefill_chunk: 8, ..Default::default() };
+    o.engine.generate(ids, &opts, |_| {}).unwrap()
+}
+
+fn assert_same(a: &Generation, b: &Generation, what: &str) {
+    let bits = |g: &Generation| g.logits.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(a.generated_ids, b.generated_ids, "{what}: ids differ from the resident run");
+    assert!(bits(a) == bits(b), "{what}: logits differ from the resident run");
+}
+
+/// The plan of a run with a large budget (its minimum is what the planner accepts at least).
+fn plan_for(model: &Path, trunk: &Path, piece: Option<u64>, prompt_len: usize) -> Plan {
+    let run = run_options(4_000_000_000, piece, prompt_len);
+    let (_, plan) = open_streaming(model, trunk, &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).unwrap();
+    plan
+}
+
+/// At the minimum budget of each piece size: the resident bits. Returns the pieces per token at
+/// each size.
+fn check_piece_sizes(model: &Path, ids: &[u32], pieces: &[Option<u64>]) -> Vec<usize> {
+    let trunk = pack(model);
+    let base = resident(model, ids);
+    let mut counts = Vec::new();
+    for &piece in pieces {
+        let min = plan_for(model, trunk.path(), piece, ids.len()).minimum_bytes;
+        let (g, plan, stats) = generate(model, trunk.path(), &run_options(min, piece, ids.len()), ids).unwrap();
+        let what = format!("piece {piece:?} at the minimum budget ({})", plan.describe());
+        assert_same(&g, &base, &what);
+        assert!(plan.planned_bytes <= min, "{what}");
+        assert!(!plan.split.is_empty() && stats.trunk_pieces > 0, "{what}: nothing was split");
+        assert!(plan.pinned.is_empty(), "{what}");
+        counts.push(stats.trunk_pieces);
+    }
+    counts
+}
+
+#[test]
+fn the_minimum_budget_streams_in_pieces_with_fewer_expert_slots_than_top_k() {
+    let model = tiny_dir();
+    let trunk = pack(&model);
+    let ids = prompt();
+    let base = resident(&model, &ids);
+    let plan = plan_for(&model, trunk.path(), None, ids.len());
+    let min = plan.minimum_bytes;
+    let (g, plan, stats) = generate(&model, trunk.path(), &run_options(min, None, ids.len()), &ids).unwrap();
+    assert_same(&g, &base, &plan.describe());
+    assert!(plan.piece_bytes.is_some() && stats.trunk_split_units > 0, "{}", plan.describe());
+    let top_k = 4;
+    assert!(plan.expert_slots < top_k, "the minimum pool is below top-k: {}", plan.describe());
+    assert!(stats.expert_reads > 0 && stats.expert_evictions > 0);
+    // One byte less is refused, with the minimum and its parts.
+    let err = generate(&model, trunk.path(), &run_options(min - 1, None, ids.len()), &ids).unwrap_err();
+    assert!(err.contains("below this model's minimum"), "{err}");
+    assert!(err.contains(&format!("{:.3} GB", min as f64 / 1e9)), "{err}");
+    assert!(err.contains("pieces of") && err.contains("expert slots"), "{err}");
+}
+
+#[test]
+fn tiny_model_pieces_that_split_every_matrix_or_none_give_the_resident_bits() {
+    let model = tiny_dir();
+    let trunk = pack(&model);
+    let plan = plan_for(&model, trunk.path(), None, prompt().len());
+    let smallest = plan.min_piece_bytes.unwrap();
+    // The tiny model's largest matrix is lm_head (768 x 64 bf16): a piece of it splits none.
+    let whole_matrices = 768 * 64 * 2;
+    let counts = check_piece_sizes(&model, &prompt(), &[Some(smallest), Some(3 * smallest), Some(whole_matrices)]);
+    assert!(counts[0] > counts[2], "smaller pieces make more of them: {counts:?}");
+}
+
+#[test]
+fn small_synth_model_pieces_give_the_resident_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("small");
+    let s = dir.to_str().unwrap();
+    let (code, _, err) = k3ring(&["synth", "--dims", "small", "--layers", "4", "--experts", "8", "--top-k", "4", "--out", s]);
+    assert_eq!(code, 0, "{err}");
+    let ids: Vec<u32> = (1..12).map(|i| i * 37).collect();
+    let trunk = pack(&dir);
+    let plan = plan_for(&dir, trunk.path(), None, ids.len());
+    let smallest = plan.min_piece_bytes.unwrap();
+    // Pieces of the smallest size split every matrix with more rows than its granule; pieces of
+    // the largest matrix (the dense layer's down_proj, 1792 x 8448 bf16) split none.
+    let largest_matrix = 1792 * 8448 * 2;
+    let counts = check_piece_sizes(&dir, &ids, &[None, Some(smallest), Some(largest_matrix)]);
+    assert!(counts[1] > counts[2], "{counts:?}");
+}
+
+#[test]
+fn a_piece_below_the_smallest_is_refused_naming_the_flag() {
+    let model = tiny_dir();
+    let trunk = pack(&model);
+    let (code, _, err) = k3ring(&[
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--trunk",
+        trunk.path().to_str().unwrap(),
+        "--mem-gb",
+        "1",
+        "--piece-mb",
+        "0.000001",
+        "--ids",
+        "1,2,3",
+        "--gen",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--piece-mb") && err.contains("smallest piece"), "{err}");
+}
