@@ -14,6 +14,7 @@ mod integrity_tests;
 mod limits_tests;
 mod oracle_tests;
 mod pipeline_tests;
+mod row_block_tests;
 mod serve_tests;
 mod soak_tests;
 mod streaming_tests;
