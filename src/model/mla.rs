@@ -179,6 +179,9 @@ pub fn append(
     Ok(())
 }
 
+/// Calls its argument with each sequence of a step: its latent cache and its rows of the step.
+pub type EachSequence<'a> = dyn Fn(&mut dyn FnMut(&MlaCache, std::ops::Range<usize>)) + 'a;
+
 /// Causal attention of every sequence of the step over its own cache, once [`append`] has
 /// added the step's latents: `seqs` gives each sequence's cache and its rows of the step (of `t`
 /// rows), whose latents are the cache's last. kv_b_proj is read once for all of them, block by
@@ -194,7 +197,7 @@ pub fn attend_all(
     cfg: &Config,
     view: &dyn TrunkView,
     w: &MlaWeights,
-    seqs: &dyn Fn(&mut dyn FnMut(&MlaCache, std::ops::Range<usize>)),
+    seqs: &EachSequence<'_>,
     t: usize,
     s: &mut MlaScratch,
 ) -> Result<(), ModelError> {

@@ -219,7 +219,7 @@ impl BlockCheck {
         let m = self.mat;
         let why = if rows.start != self.next || rows.end <= rows.start || rows.end > m.rows {
             Some(format!("rows {rows:?} where rows {}.. of {} were due", self.next, m.rows))
-        } else if rows.end < m.rows && rows.len() % self.granule != 0 {
+        } else if rows.end < m.rows && !rows.len().is_multiple_of(self.granule) {
             Some(format!("rows {rows:?}: not a whole number of {}-row granules", self.granule))
         } else if Some(bytes.len()) != rows.len().checked_mul(m.cols).and_then(|n| n.checked_mul(2)) {
             Some(format!("rows {rows:?} came as {} bytes, not {} x {} x 2", bytes.len(), rows.len(), m.cols))
@@ -452,7 +452,7 @@ impl LayerWeights {
             AttnWeights::Kda(w) => out.extend(
                 [w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj, w.g_proj, w.o_proj].map(product),
             ),
-            // mla::project (q_a, q_b, kv_a, g), mla::mix (kv_b), mla::output (o).
+            // mla::project (q_a, q_b, kv_a, g), mla::attend_all (kv_b), mla::output (o).
             AttnWeights::Mla(w) => {
                 out.extend([w.q_a_proj, w.q_b_proj, w.kv_a_proj_with_mqa, w.g_proj].map(product));
                 out.push(Streamed::kv_b(cfg, w.kv_b_proj));
@@ -472,7 +472,6 @@ impl LayerWeights {
         }
         out
     }
-
 }
 
 impl GlobalWeights {

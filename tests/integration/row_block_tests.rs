@@ -95,7 +95,7 @@ impl TrunkView for BlockedView<'_> {
         let row_bytes = 2 * mat.cols;
         // One call in four gets the whole matrix; the others blocks of 1 to 3 granules each.
         let mut r = mix(0x5EED ^ self.src.calls.fetch_add(1, Ordering::Relaxed));
-        let whole = r % 4 == 0;
+        let whole = r.is_multiple_of(4);
         let mut blocks = Vec::new();
         let mut start = 0;
         while start < mat.rows {

@@ -123,7 +123,8 @@ fn matmul_bf16_rows_equal_the_whole_product() {
                 let mut whole = vec![f32::NAN; t * rows];
                 pool.install(|| k.par_matmul_bf16(&w, rows, cols, &x, t, &mut whole));
                 let ranges = [(0, rows), (0, rows.min(64)), (5.min(rows), rows.min(70)), (63.min(rows), rows.min(130))];
-                let more = [(64.min(rows), rows.min(128)), (rows - 1, rows), (rows / 2, rows / 2), (rows.min(100), rows)];
+                let more =
+                    [(64.min(rows), rows.min(128)), (rows - 1, rows), (rows / 2, rows / 2), (rows.min(100), rows)];
                 for (r0, r1) in ranges.into_iter().chain(more) {
                     for busy in [false, true] {
                         let mut y = vec![f32::from_bits(SENTINEL); t * rows];
