@@ -1,6 +1,7 @@
 //! [`Kernels`]: the kernel table chosen once per process, and the crate's safe API.
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::atomic::AtomicU64;
 
 use crate::error::KernelError;
@@ -104,6 +105,42 @@ impl Kernels {
         busy: &AtomicU64,
     ) {
         self.bf16.par_matmul(w, rows, cols, x, t, y, Some(busy));
+    }
+
+    /// Rows `rows` of [`Kernels::par_matmul_bf16`] of a `[rows_total, cols]` matrix, from only
+    /// those rows' weights `w` (`[rows.len(), cols]` bf16): writes `y[tok * rows_total + r]` for
+    /// every token and every `r` in `rows`, the same bits as the whole product, and leaves the
+    /// other entries of `y` (`[t, rows_total]`) untouched. For weights that arrive in row blocks.
+    /// Panics if the slice lengths disagree with the shapes or `rows` is not within `rows_total`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn par_matmul_bf16_rows(
+        &self,
+        w: &[u8],
+        rows: Range<usize>,
+        rows_total: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+    ) {
+        self.bf16.par_matmul_rows(w, rows, rows_total, cols, x, t, y, None);
+    }
+
+    /// [`Kernels::par_matmul_bf16_rows`] that also adds its blocks' wall time to `busy`, as
+    /// [`Kernels::par_matmul_bf16_busy`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn par_matmul_bf16_rows_busy(
+        &self,
+        w: &[u8],
+        rows: Range<usize>,
+        rows_total: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+        busy: &AtomicU64,
+    ) {
+        self.bf16.par_matmul_rows(w, rows, rows_total, cols, x, t, y, Some(busy));
     }
 
     /// `y[tok, r] = canonical_dot(W[r, :], x[tok, :])` with `W` in MXFP4 (spec §4; routed

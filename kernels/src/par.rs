@@ -12,7 +12,7 @@ use crate::out::RowsOut;
 
 /// Rows per block. A block of a 7168-column bf16 matrix is 0.9 MB of weights, enough to amortise
 /// a rayon join, and small enough to balance 12288 rows over many threads.
-pub(crate) const ROWS_PER_BLOCK: usize = 64;
+pub const ROWS_PER_BLOCK: usize = 64;
 
 /// Runs `f` on consecutive blocks of [`ROWS_PER_BLOCK`] rows, in order, stopping at the first
 /// error (which is therefore the first in row-major order if `f` reports its own first).

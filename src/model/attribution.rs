@@ -24,6 +24,8 @@ use std::time::Instant;
 use kernels::{KernelError, Kernels};
 use serde::Serialize;
 
+use super::weights::{BlockCheck, SourceError, Streamed, TrunkView};
+
 /// What a timed region computes. Each weight tensor is read in the regions of one class only,
 /// so a class's bytes per decoded token are the sizes of its tensors (the routed experts: of
 /// the experts chosen).
@@ -220,35 +222,65 @@ impl Meter<'_> {
         let busy = AtomicU64::new(0);
         let start = Instant::now();
         let r = f(Some(&busy));
-        let wall = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        // Blocks on one thread never overlap and all lie within the product, so busy time is at
-        // most wall x threads; `min` only guards the clock's rounding.
-        let threads = rayon::current_num_threads().max(1) as u64;
-        let compute = (busy.load(Ordering::Relaxed) / threads).min(wall);
-        a.add(class, compute, bytes as u64);
-        a.add(OpClass::ParallelIdle, wall - compute, 0);
-        a.idle[class.index()].fetch_add(wall - compute, Ordering::Relaxed);
+        record_par(a, class, bytes, busy.load(Ordering::Relaxed), elapsed(start));
         r
     }
 
-    /// [`Kernels::par_matmul_bf16`] of `w`, counted to `class`.
+    /// The bf16 product `y = W x` of the matrix `s.mat` of `view` ([`Kernels::par_matmul_bf16`]),
+    /// one row block at a time as the view hands them over, counted to `class` with the whole
+    /// matrix's bytes as one call. Only the blocks' products are timed: a store's wait for its
+    /// next block is not compute, and stays in the caller's remainder ("other").
+    ///
+    /// # Errors
+    /// The view's, or [`SourceError::Internal`] for blocks that break its contract.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     pub fn bf16(
         self,
         k: &Kernels,
         class: OpClass,
-        w: &[u8],
-        rows: usize,
-        cols: usize,
+        view: &dyn TrunkView,
+        s: Streamed,
         x: &[f32],
         t: usize,
         y: &mut [f32],
-    ) {
-        self.time_par(class, w.len(), |busy| match busy {
-            None => k.par_matmul_bf16(w, rows, cols, x, t, y),
-            Some(b) => k.par_matmul_bf16_busy(w, rows, cols, x, t, y, b),
+    ) -> Result<(), SourceError> {
+        let Some(a) = self.0 else { return bf16_product(k, view, s, x, t, y) };
+        let m = s.mat;
+        let mut check = BlockCheck::new(s);
+        let busy = AtomicU64::new(0);
+        let mut wall = 0u64;
+        let read = view.row_blocks(&m, &mut |rows, w| {
+            if check.admit(&rows, w) {
+                let start = Instant::now();
+                k.par_matmul_bf16_rows_busy(w, rows, m.rows, m.cols, x, t, y, &busy);
+                wall = wall.saturating_add(elapsed(start));
+            }
         });
+        record_par(a, class, m.rows * m.cols * 2, busy.load(Ordering::Relaxed), wall);
+        read?;
+        check.finish()
+    }
+
+    /// Runs `f`, adding its wall time in nanoseconds to `nanos` when on: one lap of a region
+    /// that a store's waits interrupt, counted with [`Meter::record`] once it is done.
+    #[inline]
+    pub fn lap<R>(self, nanos: &mut u64, f: impl FnOnce() -> R) -> R {
+        if self.0.is_none() {
+            return f();
+        }
+        let start = Instant::now();
+        let r = f();
+        *nanos = nanos.saturating_add(elapsed(start));
+        r
+    }
+
+    /// Counts `nanos` (the laps of one region) and `bytes` of weights to `class`, as one call.
+    #[inline]
+    pub fn record(self, class: OpClass, nanos: u64, bytes: usize) {
+        if let Some(a) = self.0 {
+            a.add(class, nanos, bytes as u64);
+        }
     }
 
     /// [`Kernels::par_matmul_mxfp4`] of `packed` and `scales`, counted to the expert products.
@@ -272,6 +304,46 @@ impl Meter<'_> {
             Some(b) => k.par_matmul_mxfp4_busy(packed, scales, rows, cols, x, t, y, b),
         })
     }
+}
+
+fn elapsed(start: Instant) -> u64 {
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Counts a parallel product of `wall` nanoseconds whose blocks were busy `busy` nanoseconds
+/// summed over the threads (see [`Meter::time_par`]).
+fn record_par(a: &Attribution, class: OpClass, bytes: usize, busy: u64, wall: u64) {
+    // Blocks on one thread never overlap and all lie within the product, so busy time is at
+    // most wall x threads; `min` only guards the clock's rounding.
+    let threads = rayon::current_num_threads().max(1) as u64;
+    let compute = (busy / threads).min(wall);
+    a.add(class, compute, bytes as u64);
+    a.add(OpClass::ParallelIdle, wall - compute, 0);
+    a.idle[class.index()].fetch_add(wall - compute, Ordering::Relaxed);
+}
+
+/// The bf16 product `y = W x` of the matrix `s.mat` of `view`, block by block as the view hands
+/// the rows over, unmetered. Each output row is computed whole from its block, with the bits of
+/// the whole product ([`Kernels::par_matmul_bf16_rows`]).
+///
+/// # Errors
+/// The view's, or [`SourceError::Internal`] for blocks that break its contract.
+pub fn bf16_product(
+    k: &Kernels,
+    view: &dyn TrunkView,
+    s: Streamed,
+    x: &[f32],
+    t: usize,
+    y: &mut [f32],
+) -> Result<(), SourceError> {
+    let m = s.mat;
+    let mut check = BlockCheck::new(s);
+    view.row_blocks(&m, &mut |rows, w| {
+        if check.admit(&rows, w) {
+            k.par_matmul_bf16_rows(w, rows, m.rows, m.cols, x, t, y);
+        }
+    })?;
+    check.finish()
 }
 
 /// One row of the table.

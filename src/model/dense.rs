@@ -5,7 +5,7 @@ use kernels::Kernels;
 
 use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
-use super::weights::{DenseWeights, TrunkView};
+use super::weights::{DenseWeights, SourceError, Streamed, TrunkView};
 use crate::config::Config;
 
 /// Buffers for a chunk of up to `chunk` tokens at hidden width `width`.
@@ -25,6 +25,10 @@ impl GluScratch {
 
 /// `out` [t, D] = down(SiTU-GLU(gate x, up x)) for `x` [t, D]. The products count to `class`
 /// of `meter` (dense FFN or shared experts), the activation to the norms and activations.
+/// Reads gate, up, down in that order ([`super::weights::LayerWeights::streamed`]).
+///
+/// # Errors
+/// The view's, while it hands over the matrices' row blocks.
 #[allow(clippy::too_many_arguments)]
 pub fn glu_mlp(
     k: &Kernels,
@@ -36,16 +40,15 @@ pub fn glu_mlp(
     hidden: usize,
     s: &mut GluScratch,
     out: &mut [f32],
-) {
+) -> Result<(), SourceError> {
     let inter = w.gate_proj.rows;
     let n = t * inter;
     assert!(s.gate.len() >= n, "GLU scratch sized for a narrower MLP");
     let xs = &x[..t * hidden];
-    let (gate, up, down) = (view.bytes(w.gate_proj.id), view.bytes(w.up_proj.id), view.bytes(w.down_proj.id));
-    meter.bf16(k, class, gate, inter, hidden, xs, t, &mut s.gate[..n]);
-    meter.bf16(k, class, up, inter, hidden, xs, t, &mut s.up[..n]);
+    meter.bf16(k, class, view, Streamed::product(w.gate_proj), xs, t, &mut s.gate[..n])?;
+    meter.bf16(k, class, view, Streamed::product(w.up_proj), xs, t, &mut s.up[..n])?;
     meter.time(OpClass::NormsActivations, 0, || {
         k.situ_glu(&s.gate[..n], &s.up[..n], s.beta.0, s.beta.1, &mut s.act[..n])
     });
-    meter.bf16(k, class, down, hidden, inter, &s.act[..n], t, &mut out[..t * hidden]);
+    meter.bf16(k, class, view, Streamed::product(w.down_proj), &s.act[..n], t, &mut out[..t * hidden])
 }

@@ -6,7 +6,7 @@ use kernels::Kernels;
 use super::attn_res::{self, ResScratch};
 use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
-use super::weights::{vector_into, GlobalWeights, TrunkView, WeightSource};
+use super::weights::{vector_into, GlobalWeights, Streamed, TrunkView, WeightSource};
 use super::ModelError;
 use crate::config::Config;
 
@@ -54,6 +54,9 @@ impl HeadScratch {
 
 /// Computes the final hidden state of the chunk's tokens and the logits of the tokens `rows`
 /// (in that order) into `logits` ([rows.len(), V]). Returns h (debug probes).
+///
+/// # Errors
+/// The view's, while it hands over lm_head's row blocks.
 #[allow(clippy::too_many_arguments)]
 pub fn forward<'a>(
     k: &Kernels,
@@ -67,7 +70,7 @@ pub fn forward<'a>(
     rows: &[usize],
     s: &'a mut HeadScratch,
     logits: &mut [f32],
-) -> &'a [f32] {
+) -> Result<&'a [f32], ModelError> {
     let d = cfg.hidden_size;
     meter.time(OpClass::ResidualReads, attn_res::weight_bytes(view, &w.output_res), || {
         attn_res::forward(k, view, &w.output_res, snapshots, partial, t, d, &mut s.res, &mut s.h[..t * d])
@@ -81,8 +84,8 @@ pub fn forward<'a>(
         }
     });
     let n = rows.len();
-    let head = &w.lm_head;
-    let head_bytes = view.bytes(head.id);
-    meter.bf16(k, OpClass::LmHead, head_bytes, head.rows, head.cols, &s.hn[..n * d], n, &mut logits[..n * head.rows]);
-    &s.h[..t * d]
+    let head = Streamed::product(w.lm_head);
+    let y = &mut logits[..n * w.lm_head.rows];
+    meter.bf16(k, OpClass::LmHead, view, head, &s.hn[..n * d], n, y)?;
+    Ok(&s.h[..t * d])
 }

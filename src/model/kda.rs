@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
-use super::weights::{f32_at, KdaWeights, TrunkView};
+use super::weights::{f32_at, KdaWeights, Mat, SourceError, Streamed, TrunkView};
 use crate::config::Config;
 
 /// l2norm eps inside the square root (spec 5).
@@ -92,7 +92,11 @@ impl KdaScratch {
 }
 
 /// The row-wise first half for the `t` rows of a step, whatever sequences they belong to:
-/// the q, k, v projections, the decay gate alpha, beta and the output gate.
+/// the q, k, v projections, the decay gate alpha, beta and the output gate. Reads q, k, v,
+/// f_a, f_b, b, g in that order ([`super::weights::LayerWeights::streamed`]).
+///
+/// # Errors
+/// The view's, while it hands over the matrices' row blocks.
 #[allow(clippy::too_many_arguments)]
 pub fn project(
     k: &Kernels,
@@ -103,21 +107,20 @@ pub fn project(
     x: &[f32],
     t: usize,
     s: &mut KdaScratch,
-) {
+) -> Result<(), SourceError> {
     let kd = &cfg.kda;
     let (width, hd, heads) = (kd.width(), kd.head_dim, kd.n_heads);
     let tw = t * width;
     let d = cfg.hidden_size;
-    let mm = |m: &super::weights::Mat, input: &[f32], y: &mut [f32]| {
-        let w = view.bytes(m.id);
-        meter.bf16(k, OpClass::KdaProjections, w, m.rows, m.cols, input, t, y);
+    let mm = |m: &Mat, input: &[f32], y: &mut [f32]| {
+        meter.bf16(k, OpClass::KdaProjections, view, Streamed::product(*m), input, t, y)
     };
     for (i, proj) in [&w.q_proj, &w.k_proj, &w.v_proj].into_iter().enumerate() {
-        mm(proj, &x[..t * d], &mut s.raw[i][..tw]);
+        mm(proj, &x[..t * d], &mut s.raw[i][..tw])?;
     }
     // Gate: z = f_b(f_a x); g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias)); alpha = exp(g).
-    mm(&w.f_a_proj, &x[..t * d], &mut s.za[..t * hd]);
-    mm(&w.f_b_proj, &s.za[..t * hd], &mut s.gate[..tw]);
+    mm(&w.f_a_proj, &x[..t * d], &mut s.za[..t * hd])?;
+    mm(&w.f_b_proj, &s.za[..t * hd], &mut s.gate[..tw])?;
     let (a_log, dt_bias) = (view.bytes(w.a_log.id), view.bytes(w.dt_bias.id));
     meter.time(OpClass::NormsActivations, a_log.len() + dt_bias.len(), || {
         for tok in 0..t {
@@ -133,10 +136,11 @@ pub fn project(
         k.scale(kd.gate_lower_bound, &mut s.gate[..tw]);
         k.exp(&mut s.gate[..tw]);
     });
-    mm(&w.b_proj, &x[..t * d], &mut s.beta[..t * heads]);
+    mm(&w.b_proj, &x[..t * d], &mut s.beta[..t * heads])?;
     meter.time(OpClass::NormsActivations, 0, || k.sigmoid(&mut s.beta[..t * heads]));
-    mm(&w.g_proj, &x[..t * d], &mut s.out_gate[..tw]);
+    mm(&w.g_proj, &x[..t * d], &mut s.out_gate[..tw])?;
     meter.time(OpClass::NormsActivations, 0, || k.sigmoid(&mut s.out_gate[..tw]));
+    Ok(())
 }
 
 /// Weight bytes [`mix`] touches: the three conv kernels.
@@ -182,6 +186,9 @@ pub fn mix(
 
 /// The row-wise second half for the `t` rows of a step: head-wise norm, output gate and the
 /// output projection into `out` [t, D].
+///
+/// # Errors
+/// The view's, while it hands over o_proj's row blocks.
 #[allow(clippy::too_many_arguments)]
 pub fn output(
     k: &Kernels,
@@ -192,7 +199,7 @@ pub fn output(
     t: usize,
     s: &mut KdaScratch,
     out: &mut [f32],
-) {
+) -> Result<(), SourceError> {
     let kd = &cfg.kda;
     let (width, hd, heads) = (kd.width(), kd.head_dim, kd.n_heads);
     let d = cfg.hidden_size;
@@ -213,9 +220,8 @@ pub fn output(
             }
         }
     });
-    let o_proj = view.bytes(w.o_proj.id);
-    let (rows, cols) = (w.o_proj.rows, w.o_proj.cols);
-    meter.bf16(k, OpClass::KdaProjections, o_proj, rows, cols, &s.o[..t * width], t, &mut out[..t * d]);
+    let o_proj = Streamed::product(w.o_proj);
+    meter.bf16(k, OpClass::KdaProjections, view, o_proj, &s.o[..t * width], t, &mut out[..t * d])
 }
 
 /// Depthwise causal conv of width `kw` (no bias): c_t = sum_i W[ch, 0, i] * u_{t-kw+1+i}, tap

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
-use super::weights::{vector_into, Mat, MlaWeights, TrunkView};
+use super::weights::{vector_into, BlockCheck, Mat, MlaWeights, SourceError, Streamed, TrunkView};
 use super::ModelError;
 use crate::config::{Config, MLA_LATENT_NORM_EPS};
 
@@ -105,7 +105,11 @@ impl MlaScratch {
 }
 
 /// The row-wise first half for the `t` rows of a step, whatever sequences they belong to: the
-/// query path, the latent rows (not yet normalised or cached) and the output gate.
+/// query path, the latent rows (not yet normalised or cached) and the output gate. Reads q_a,
+/// q_b, kv_a, g in that order ([`super::weights::LayerWeights::streamed`]).
+///
+/// # Errors
+/// The view's, while it hands over the matrices' row blocks.
 #[allow(clippy::too_many_arguments)]
 pub fn project(
     k: &Kernels,
@@ -116,16 +120,15 @@ pub fn project(
     x: &[f32],
     t: usize,
     s: &mut MlaScratch,
-) {
+) -> Result<(), SourceError> {
     let m = &cfg.mla;
     let d = cfg.hidden_size;
     let qlr = m.q_lora_rank;
     let hv = m.n_heads * m.v_head_dim;
     let mm = |mat: &Mat, input: &[f32], y: &mut [f32]| {
-        let w = view.bytes(mat.id);
-        meter.bf16(k, OpClass::MlaProjections, w, mat.rows, mat.cols, input, t, y);
+        meter.bf16(k, OpClass::MlaProjections, view, Streamed::product(*mat), input, t, y)
     };
-    mm(&w.q_a_proj, &x[..t * d], &mut s.cq[..t * qlr]);
+    mm(&w.q_a_proj, &x[..t * d], &mut s.cq[..t * qlr])?;
     let q_norm = view.bytes(w.q_a_layernorm.id);
     meter.time(OpClass::NormsActivations, q_norm.len(), || {
         vector_into(q_norm, w.q_a_layernorm.dtype, &mut s.norm_w[..qlr]);
@@ -134,17 +137,18 @@ pub fn project(
             k.rmsnorm(&s.cq[r.clone()], &s.norm_w[..qlr], MLA_LATENT_NORM_EPS, &mut s.cqn[r]);
         }
     });
-    mm(&w.q_b_proj, &s.cqn[..t * qlr], &mut s.q[..t * m.n_heads * m.qk_head_dim()]);
-    mm(&w.kv_a_proj_with_mqa, &x[..t * d], &mut s.ckv[..t * m.cache_width()]);
-    mm(&w.g_proj, &x[..t * d], &mut s.gate[..t * hv]);
+    mm(&w.q_b_proj, &s.cqn[..t * qlr], &mut s.q[..t * m.n_heads * m.qk_head_dim()])?;
+    mm(&w.kv_a_proj_with_mqa, &x[..t * d], &mut s.ckv[..t * m.cache_width()])?;
+    mm(&w.g_proj, &x[..t * d], &mut s.gate[..t * hv])?;
     meter.time(OpClass::NormsActivations, 0, || k.sigmoid(&mut s.gate[..t * hv]));
+    Ok(())
 }
 
-/// The part that reads and extends one sequence's latent cache, for the `rows` of a step (of
-/// `t` rows) that belong to it: appends their normalised latents at positions cache.len()..,
-/// then attends causally. Rows of other sequences are untouched.
+/// Appends the normalised latents of the `rows` of a step that belong to one sequence to its
+/// cache, at positions cache.len()..; [`attend`] then reads them. Rows of other sequences are
+/// untouched.
 #[allow(clippy::too_many_arguments)]
-pub fn mix(
+pub fn append(
     k: &Kernels,
     meter: Meter<'_>,
     cfg: &Config,
@@ -152,7 +156,6 @@ pub fn mix(
     w: &MlaWeights,
     cache: &mut MlaCache,
     rows: std::ops::Range<usize>,
-    t: usize,
     s: &mut MlaScratch,
 ) -> Result<(), ModelError> {
     let m = &cfg.mla;
@@ -173,14 +176,59 @@ pub fn mix(
         }
     });
     cache.len = start + rows.len();
-    let kv_b = view.bytes(w.kv_b_proj.id);
-    meter.time(OpClass::MlaAttention, kv_b.len(), || {
-        attend(k, cfg, kv_b, cache, start, rows, t, &s.q, &mut s.heads_out, &mut s.per_head)
-    });
+    Ok(())
+}
+
+/// Calls its argument with each sequence of a step: its latent cache and its rows of the step.
+pub type EachSequence<'a> = dyn Fn(&mut dyn FnMut(&MlaCache, std::ops::Range<usize>)) + 'a;
+
+/// Causal attention of every sequence of the step over its own cache, once [`append`] has
+/// added the step's latents: `seqs` gives each sequence's cache and its rows of the step (of `t`
+/// rows), whose latents are the cache's last. kv_b_proj is read once for all of them, block by
+/// block of whole heads as the view hands it over; each block's heads are computed for every
+/// sequence before the next block (a head's result does not depend on the other heads).
+///
+/// # Errors
+/// The view's, while it hands over kv_b_proj's row blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_all(
+    k: &Kernels,
+    meter: Meter<'_>,
+    cfg: &Config,
+    view: &dyn TrunkView,
+    w: &MlaWeights,
+    seqs: &EachSequence<'_>,
+    t: usize,
+    s: &mut MlaScratch,
+) -> Result<(), ModelError> {
+    let kv_b = Streamed::kv_b(cfg, w.kv_b_proj);
+    let head_rows = kv_b.granule;
+    let mut check = BlockCheck::new(kv_b);
+    let mut nanos = 0u64;
+    view.row_blocks(&w.kv_b_proj, &mut |rows, bytes| {
+        if !check.admit(&rows, bytes) {
+            return;
+        }
+        // Whole heads: the check admitted only multiples of the granule, and the matrix is
+        // heads x head_rows, so the last block ends on a head too.
+        let heads = rows.start / head_rows..rows.end.div_ceil(head_rows);
+        meter.lap(&mut nanos, || {
+            seqs(&mut |cache, rows| {
+                let start = cache.len - rows.len();
+                attend(k, cfg, bytes, heads.clone(), cache, start, rows, t, &s.q, &mut s.heads_out, &mut s.per_head);
+            })
+        });
+    })?;
+    check.finish()?;
+    let m = &w.kv_b_proj;
+    meter.record(OpClass::MlaAttention, nanos, m.rows * m.cols * 2);
     Ok(())
 }
 
 /// The row-wise second half for the `t` rows of a step: output gate and projection into `out`.
+///
+/// # Errors
+/// The view's, while it hands over o_proj's row blocks.
 #[allow(clippy::too_many_arguments)]
 pub fn output(
     k: &Kernels,
@@ -191,7 +239,7 @@ pub fn output(
     t: usize,
     s: &mut MlaScratch,
     out: &mut [f32],
-) {
+) -> Result<(), SourceError> {
     let m = &cfg.mla;
     let d = cfg.hidden_size;
     let hv = m.n_heads * m.v_head_dim;
@@ -206,18 +254,19 @@ pub fn output(
             }
         }
     });
-    let o_proj = view.bytes(w.o_proj.id);
-    let (rows, cols) = (w.o_proj.rows, w.o_proj.cols);
-    meter.bf16(k, OpClass::MlaProjections, o_proj, rows, cols, &s.o[..t * hv], t, &mut out[..t * d]);
+    let o_proj = Streamed::product(w.o_proj);
+    meter.bf16(k, OpClass::MlaProjections, view, o_proj, &s.o[..t * hv], t, &mut out[..t * d])
 }
 
 /// Causal attention over the latent cache for `rows` of a step of `t` rows, whose latents sit
-/// at positions `start..` of the cache; heads in parallel; writes [heads, t, v].
+/// at positions `start..` of the cache, for the heads `heads`, whose rows of kv_b_proj are
+/// `kv_b`; heads in parallel; writes their part of [heads, t, v].
 #[allow(clippy::too_many_arguments)]
 fn attend(
     k: &Kernels,
     cfg: &Config,
     kv_b: &[u8],
+    heads: std::ops::Range<usize>,
     cache: &MlaCache,
     start: usize,
     rows: std::ops::Range<usize>,
@@ -234,17 +283,20 @@ fn attend(
     let rows_per_head = nope + v_dim;
     let row_bytes = 2 * klr;
     let head_scratch = 2 * klr + cache.capacity();
-    heads_out[..m.n_heads * t * v_dim]
+    heads_out[heads.start * t * v_dim..heads.end * t * v_dim]
         .par_chunks_mut(t * v_dim)
-        .zip(per_head.par_chunks_mut(head_scratch))
+        .zip(per_head[heads.start * head_scratch..heads.end * head_scratch].par_chunks_mut(head_scratch))
         .enumerate()
         .for_each(|(h, (o, scratch))| {
+            // `h` counts from the block's first head, as do the block's rows in `kv_b`; `qh`
+            // needs the head's index in the model.
+            let head = heads.start + h;
             let w_kb = &kv_b[h * rows_per_head * row_bytes..(h * rows_per_head + nope) * row_bytes];
             let w_vb = &kv_b[(h * rows_per_head + nope) * row_bytes..(h + 1) * rows_per_head * row_bytes];
             let (q_lat, rest) = scratch.split_at_mut(klr);
             let (o_lat, scores) = rest.split_at_mut(klr);
             for (i, tok) in rows.clone().enumerate() {
-                let qh = &q[(tok * m.n_heads + h) * qk..(tok * m.n_heads + h + 1) * qk];
+                let qh = &q[(tok * m.n_heads + head) * qk..(tok * m.n_heads + head + 1) * qk];
                 let (q_nope, q_shared) = qh.split_at(nope);
                 k.matvec_t_bf16(w_kb, nope, klr, q_nope, q_lat);
                 let n_pos = start + i + 1;

@@ -308,7 +308,7 @@ impl Model {
             logit_rows,
             &mut sc.head,
             logits,
-        );
+        )?;
         drop(head_span);
         if let Some(p) = probe {
             p.tensor(None, "final_hidden", t, h);
@@ -378,22 +378,31 @@ impl Model {
         let disagree = || ModelError::Internal(format!("layer {l}: state and weights disagree"));
         match &lw.attn {
             AttnWeights::Kda(w) => {
-                kda::project(k, meter, cfg, &view, w, &sc.xn, t, &mut sc.kda);
+                kda::project(k, meter, cfg, &view, w, &sc.xn, t, &mut sc.kda)?;
                 for seg in segments {
                     let LayerState::Kda(s) = &mut states[seg.slot].layers[l] else { return Err(disagree()) };
                     meter.time(OpClass::KdaRecurrence, kda::conv_weight_bytes(&view, w), || {
                         kda::mix(k, cfg, &view, w, s, seg.rows.clone(), t, &mut sc.kda)
                     });
                 }
-                kda::output(k, meter, cfg, &view, w, t, &mut sc.kda, &mut sc.a);
+                kda::output(k, meter, cfg, &view, w, t, &mut sc.kda, &mut sc.a)?;
             }
             AttnWeights::Mla(w) => {
-                mla::project(k, meter, cfg, &view, w, &sc.xn, t, &mut sc.mla);
+                mla::project(k, meter, cfg, &view, w, &sc.xn, t, &mut sc.mla)?;
                 for seg in segments {
                     let LayerState::Mla(c) = &mut states[seg.slot].layers[l] else { return Err(disagree()) };
-                    mla::mix(k, meter, cfg, &view, w, c, seg.rows.clone(), t, &mut sc.mla)?;
+                    mla::append(k, meter, cfg, &view, w, c, seg.rows.clone(), &mut sc.mla)?;
                 }
-                mla::output(k, meter, cfg, &view, w, t, &mut sc.mla, &mut sc.a);
+                // Every segment's state is MLA here (the loop above checked), so none is skipped.
+                let seqs = |f: &mut dyn FnMut(&mla::MlaCache, std::ops::Range<usize>)| {
+                    for seg in segments {
+                        if let LayerState::Mla(c) = &states[seg.slot].layers[l] {
+                            f(c, seg.rows.clone());
+                        }
+                    }
+                };
+                mla::attend_all(k, meter, cfg, &view, w, &seqs, t, &mut sc.mla)?;
+                mla::output(k, meter, cfg, &view, w, t, &mut sc.mla, &mut sc.a)?;
             }
         }
         report(probe, l, "attn_out", t, &sc.a[..td]);
@@ -413,7 +422,7 @@ impl Model {
             FfnWeights::Dense(w) => {
                 let _s =
                     self.tracer.as_ref().map(|t| t.span_args(ComputeOp::DenseFfn, SpanArgs::new().layer(l as u32)));
-                dense::glu_mlp(k, (meter, OpClass::DenseFfn), &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a)
+                dense::glu_mlp(k, (meter, OpClass::DenseFfn), &view, w, &sc.xn, t, d, &mut sc.dense, &mut sc.a)?
             }
             FfnWeights::Moe(w) => {
                 let obs = moe::Observers { tracer: self.tracer.as_deref(), meter };

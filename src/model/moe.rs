@@ -12,7 +12,7 @@ use kernels::Kernels;
 use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
 use super::dense::{self, GluScratch};
-use super::weights::{f32_at, vector_into, ExpertView, MoeWeights, TrunkView, WeightSource};
+use super::weights::{f32_at, vector_into, ExpertView, MoeWeights, SourceError, Streamed, TrunkView, WeightSource};
 use super::ModelError;
 use crate::config::Config;
 use crate::trace::{ComputeOp, SpanArgs, Tracer};
@@ -111,8 +111,11 @@ pub fn forward<S: WeightSource>(
     let (lat, e) = (m.latent, m.n_experts);
     let router_span = tracer.map(|t| t.span_args(ComputeOp::Router, SpanArgs::new().layer(layer as u32)));
     let bias = view.bytes(w.e_score_correction_bias.id);
-    meter.time(OpClass::Router, view.bytes(w.gate.id).len() + bias.len(), || {
-        router_scores(k, view, w, &x[..t * d], t, &mut s.scores[..t * e]);
+    let gate_bytes = w.gate.rows * w.gate.cols * 2;
+    // The region holds the gate's product whole (with any wait for its blocks): it is small
+    // next to the experts, and the router's time has always been one region.
+    meter.time(OpClass::Router, gate_bytes + bias.len(), || {
+        router_scores(k, view, w, &x[..t * d], t, &mut s.scores[..t * e])?;
         for (i, b) in s.bias.iter_mut().enumerate() {
             *b = f32_at(bias, i);
         }
@@ -128,11 +131,10 @@ pub fn forward<S: WeightSource>(
     src.request(layer, &mut s.distinct);
     let shared_span = tracer.map(|t| t.span_args(ComputeOp::SharedExperts, SpanArgs::new().layer(layer as u32)));
     if let Some(shared) = &w.shared {
-        dense::glu_mlp(k, (meter, OpClass::SharedExperts), view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d]);
+        dense::glu_mlp(k, (meter, OpClass::SharedExperts), view, shared, x, t, d, &mut s.glu, &mut s.up[..t * d])?;
     }
-    let down = &w.routed_expert_down_proj;
-    let down_bytes = view.bytes(down.id);
-    meter.bf16(k, OpClass::LatentProjections, down_bytes, down.rows, down.cols, &x[..t * d], t, &mut s.u[..t * lat]);
+    let down = Streamed::product(w.routed_expert_down_proj);
+    meter.bf16(k, OpClass::LatentProjections, view, down, &x[..t * d], t, &mut s.u[..t * lat])?;
     drop(shared_span);
     for i in 0..s.distinct.len() {
         run_expert(k, cfg, src, layer, s.distinct[i], t, s, obs)?;
@@ -155,9 +157,8 @@ pub fn forward<S: WeightSource>(
             k.rmsnorm(&s.y[r.clone()], &s.norm_w, cfg.rms_norm_eps, &mut s.yn[r]);
         }
     });
-    let up = &w.routed_expert_up_proj;
-    let up_bytes = view.bytes(up.id);
-    meter.bf16(k, OpClass::LatentProjections, up_bytes, up.rows, up.cols, &s.yn[..t * lat], t, &mut out[..t * d]);
+    let up = Streamed::product(w.routed_expert_up_proj);
+    meter.bf16(k, OpClass::LatentProjections, view, up, &s.yn[..t * lat], t, &mut out[..t * d])?;
     if w.shared.is_some() {
         for (o, sh) in out[..t * d].iter_mut().zip(&s.up[..t * d]) {
             *o += *sh;
@@ -167,9 +168,20 @@ pub fn forward<S: WeightSource>(
 }
 
 /// The router's sigmoid scores of `t` tokens ([t, E]) for the normalised input `x` ([t, D]).
-pub fn router_scores(k: &Kernels, view: &dyn TrunkView, w: &MoeWeights, x: &[f32], t: usize, scores: &mut [f32]) {
-    k.par_matmul_bf16(view.bytes(w.gate.id), w.gate.rows, w.gate.cols, x, t, scores);
+///
+/// # Errors
+/// The view's, while it hands over the gate's row blocks.
+pub fn router_scores(
+    k: &Kernels,
+    view: &dyn TrunkView,
+    w: &MoeWeights,
+    x: &[f32],
+    t: usize,
+    scores: &mut [f32],
+) -> Result<(), SourceError> {
+    super::attribution::bf16_product(k, view, Streamed::product(w.gate), x, t, scores)?;
     k.sigmoid(scores);
+    Ok(())
 }
 
 /// The `n` largest of `biased` in descending order into `out` (ties: the lower index first),

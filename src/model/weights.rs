@@ -171,10 +171,85 @@ impl Classify for SourceError {
     }
 }
 
+/// A trunk matrix as the forward pass consumes it: row blocks must be whole multiples of `granule` rows
+/// (except the matrix's last block), so that a block never splits what one computation needs.
+#[derive(Clone, Copy, Debug)]
+pub struct Streamed {
+    pub mat: Mat,
+    pub granule: usize,
+}
+
 /// Bytes of the trunk tensors of one unit (a layer or the globals), alive while the guard lives.
+///
+/// The unit's vectors are read whole with [`TrunkView::bytes`]; its bf16 matrices (those
+/// [`LayerWeights::streamed`] and [`GlobalWeights::head_streamed`] list) only through
+/// [`TrunkView::row_blocks`], so that a store may hold a matrix in pieces and never whole.
 pub trait TrunkView {
     /// The bytes of tensor `id`; only ids of this unit are valid.
     fn bytes(&self, id: TensorId) -> &[u8];
+    /// Runs `f` on consecutive row blocks of `mat`, in increasing row order, covering all rows once:
+    /// `f(rows, bytes_of_those_rows)`. Default: one block, the whole matrix from `bytes`.
+    fn row_blocks(&self, mat: &Mat, f: &mut dyn FnMut(std::ops::Range<usize>, &[u8])) -> Result<(), SourceError> {
+        f(0..mat.rows, self.bytes(mat.id));
+        Ok(())
+    }
+}
+
+/// Checks the blocks of one `row_blocks` call against its contract as they come: consecutive
+/// from row 0, each a whole number of granules (but the last), each `rows * cols * 2` bytes.
+/// A block that breaks it is not computed, and [`BlockCheck::finish`] reports it: a store bug
+/// must be an error, not a panic in a kernel nor, worse, output rows silently left stale.
+pub(crate) struct BlockCheck {
+    mat: Mat,
+    granule: usize,
+    next: usize,
+    bad: Option<String>,
+}
+
+impl BlockCheck {
+    pub(crate) fn new(s: Streamed) -> BlockCheck {
+        BlockCheck { mat: s.mat, granule: s.granule.max(1), next: 0, bad: None }
+    }
+
+    /// Whether the block `rows` with `bytes` may be computed (records why not otherwise).
+    pub(crate) fn admit(&mut self, rows: &std::ops::Range<usize>, bytes: &[u8]) -> bool {
+        if self.bad.is_some() {
+            return false;
+        }
+        let m = self.mat;
+        let why = if rows.start != self.next || rows.end <= rows.start || rows.end > m.rows {
+            Some(format!("rows {rows:?} where rows {}.. of {} were due", self.next, m.rows))
+        } else if rows.end < m.rows && !rows.len().is_multiple_of(self.granule) {
+            Some(format!("rows {rows:?}: not a whole number of {}-row granules", self.granule))
+        } else if Some(bytes.len()) != rows.len().checked_mul(m.cols).and_then(|n| n.checked_mul(2)) {
+            Some(format!("rows {rows:?} came as {} bytes, not {} x {} x 2", bytes.len(), rows.len(), m.cols))
+        } else {
+            None
+        };
+        match why {
+            Some(w) => {
+                self.bad = Some(w);
+                false
+            }
+            None => {
+                self.next = rows.end;
+                true
+            }
+        }
+    }
+
+    /// Ok when every row came once, in order, in admissible blocks.
+    pub(crate) fn finish(self) -> Result<(), SourceError> {
+        let m = self.mat;
+        match self.bad {
+            Some(w) => Err(SourceError::Internal(format!("row blocks of tensor {}: {w}", m.id))),
+            None if self.next != m.rows => Err(SourceError::Internal(format!(
+                "row blocks of tensor {}: stopped at row {} of {}",
+                m.id, self.next, m.rows
+            ))),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Bytes of one routed expert, alive while the guard lives.
@@ -336,6 +411,73 @@ impl Resolver<'_> {
                 FfnKind::Moe => FfnWeights::Moe(self.moe(&format!("{p}block_sparse_moe."), cfg)?),
             },
         })
+    }
+}
+
+/// The granule of a matrix consumed by row-wise products: the kernels' block, so that a piece
+/// splits over the threads exactly as the whole matrix does.
+const PRODUCT_GRANULE: usize = kernels::ROWS_PER_BLOCK;
+
+impl Streamed {
+    /// A matrix of a row-wise product (`y = W x`): any block of whole kernel blocks will do.
+    pub(crate) fn product(mat: Mat) -> Streamed {
+        Streamed { mat, granule: PRODUCT_GRANULE }
+    }
+
+    /// MLA's `kv_b_proj`: the attention slices it per head (W_kb then W_vb), so a block must
+    /// hold whole heads.
+    pub(crate) fn kv_b(cfg: &Config, mat: Mat) -> Streamed {
+        Streamed { mat, granule: cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim }
+    }
+}
+
+fn product(mat: Mat) -> Streamed {
+    Streamed::product(mat)
+}
+
+impl DenseWeights {
+    /// gate, up, down: the order of [`super::dense::glu_mlp`].
+    fn streamed_into(&self, out: &mut Vec<Streamed>) {
+        out.extend([self.gate_proj, self.up_proj, self.down_proj].map(product));
+    }
+}
+
+impl LayerWeights {
+    /// Every matrix of the layer's trunk unit, in the exact order the forward pass first reads it
+    /// (the same for one token, a prefill chunk and a batch step), with its granule.
+    pub fn streamed(&self, cfg: &Config) -> Vec<Streamed> {
+        let mut out = Vec::with_capacity(16);
+        match &self.attn {
+            // kda::project (q, k, v, f_a, f_b, b, g), then kda::output (o).
+            AttnWeights::Kda(w) => out.extend(
+                [w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.f_b_proj, w.b_proj, w.g_proj, w.o_proj].map(product),
+            ),
+            // mla::project (q_a, q_b, kv_a, g), mla::attend_all (kv_b), mla::output (o).
+            AttnWeights::Mla(w) => {
+                out.extend([w.q_a_proj, w.q_b_proj, w.kv_a_proj_with_mqa, w.g_proj].map(product));
+                out.push(Streamed::kv_b(cfg, w.kv_b_proj));
+                out.push(product(w.o_proj));
+            }
+        }
+        match &self.ffn {
+            FfnWeights::Dense(w) => w.streamed_into(&mut out),
+            // moe::forward: the router, the shared experts, the latent down then up projection.
+            FfnWeights::Moe(w) => {
+                out.push(product(w.gate));
+                if let Some(shared) = &w.shared {
+                    shared.streamed_into(&mut out);
+                }
+                out.extend([w.routed_expert_down_proj, w.routed_expert_up_proj].map(product));
+            }
+        }
+        out
+    }
+}
+
+impl GlobalWeights {
+    /// The head unit's matrices (lm_head) in the order the head reads them. The embedding is not part of it.
+    pub fn head_streamed(&self) -> Vec<Streamed> {
+        vec![product(self.lm_head)]
     }
 }
 

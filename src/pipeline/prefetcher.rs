@@ -414,7 +414,11 @@ impl Prefetcher {
         let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
         let norm = view.bytes(model.weights.layers[next].post_attention_layernorm.id);
         norm_rows(k, norm, cfg.rms_norm_eps, &y[..t * d], &mut sc.xn[..t * d], d);
-        router_scores(k, &view, w, &sc.xn[..t * d], t, &mut sc.scores[..t * e]);
+        // A prediction is only a guess: if the gate's blocks cannot be had, make none (the
+        // layer's own routing will meet the same error and report it).
+        if router_scores(k, &view, w, &sc.xn[..t * d], t, &mut sc.scores[..t * e]).is_err() {
+            return;
+        }
         let bias = view.bytes(w.e_score_correction_bias.id);
         let want = (cfg.moe.top_k + self.spec.margin).min(e);
         sc.predicted.clear();

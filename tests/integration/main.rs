@@ -15,6 +15,7 @@ mod limits_tests;
 mod oracle_tests;
 mod pieces_tests;
 mod pipeline_tests;
+mod row_block_tests;
 mod serve_tests;
 mod soak_tests;
 mod streaming_tests;

@@ -72,10 +72,10 @@ impl Fns {
         }
     }
 
-    /// Runs the kernel on one block of rows.
-    fn block(&self, w: &[u8], cols: usize, x: &[f32], t: usize, mut out: RowsOut<'_>) {
+    /// Runs the kernel on one block of rows; `w` holds the rows from `first_row` on.
+    fn block(&self, w: &[u8], first_row: usize, cols: usize, x: &[f32], t: usize, mut out: RowsOut<'_>) {
         let row_bytes = 2 * cols;
-        let begin = out.row_begin() * row_bytes;
+        let begin = (out.row_begin() - first_row) * row_bytes;
         let end = begin + out.rows() * row_bytes;
         // SAFETY: `self` was built by `for_isa`, whose caller guaranteed the ISA's features.
         unsafe { (self.matmul)(&w[begin..end], cols, x, t, &mut out) }
@@ -83,7 +83,7 @@ impl Fns {
 
     pub(crate) fn matmul(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
         check_matmul_shapes(w, rows, cols, x, t, y);
-        self.block(w, cols, x, t, RowsOut::new(y, t, rows));
+        self.block(w, 0, cols, x, t, RowsOut::new(y, t, rows));
     }
 
     /// `busy`, when given, gains the summed wall time of the blocks (see [`par::timed`]).
@@ -99,12 +99,65 @@ impl Fns {
         busy: Option<&AtomicU64>,
     ) {
         check_matmul_shapes(w, rows, cols, x, t, y);
+        self.par_blocks(w, 0, cols, x, t, RowsOut::new(y, t, rows), busy);
+    }
+
+    /// Rows `rows` of the product whose output `y` is `[t, rows_total]`, from those rows'
+    /// weights `w` only (`[rows.len(), cols]`). Entries of other rows are not written. Each
+    /// row's value is computed whole by the same kernel as in [`Fns::par_matmul`], and a row's
+    /// bits do not depend on which rows share its block (the twins pin every ISA to the scalar
+    /// kernel, which computes rows independently), so these are the full product's bits.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn par_matmul_rows(
+        &self,
+        w: &[u8],
+        rows: std::ops::Range<usize>,
+        rows_total: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+        busy: Option<&AtomicU64>,
+    ) {
+        assert!(
+            rows.start <= rows.end && rows.end <= rows_total,
+            "matmul_bf16 rows: {rows:?} must lie within the product's {rows_total} rows"
+        );
+        assert_eq!(
+            Some(w.len()),
+            rows.len().checked_mul(cols).and_then(|n| n.checked_mul(2)),
+            "matmul_bf16 rows: w must hold rows * cols * 2 = {} * {cols} * 2 bytes",
+            rows.len()
+        );
+        assert_eq!(Some(x.len()), t.checked_mul(cols), "matmul_bf16: x must hold t * cols = {t} * {cols} floats");
+        assert_eq!(
+            Some(y.len()),
+            t.checked_mul(rows_total),
+            "matmul_bf16: y must hold t * rows = {t} * {rows_total} floats"
+        );
+        let (_, tail) = RowsOut::new(y, t, rows_total).split_at(rows.start);
+        let (piece, _) = tail.split_at(rows.len());
+        self.par_blocks(w, rows.start, cols, x, t, piece, busy);
+    }
+
+    /// Splits `out` in blocks over the current pool; `w` holds the rows from `first_row` on.
+    #[allow(clippy::too_many_arguments)]
+    fn par_blocks(
+        &self,
+        w: &[u8],
+        first_row: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        out: RowsOut<'_>,
+        busy: Option<&AtomicU64>,
+    ) {
         let run = |out: RowsOut<'_>| {
-            par::timed(busy, || self.block(w, cols, x, t, out));
+            par::timed(busy, || self.block(w, first_row, cols, x, t, out));
             Ok(())
         };
         // The closure never fails, so neither does the split.
-        let _infallible = par::par_blocks(RowsOut::new(y, t, rows), &run);
+        let _infallible = par::par_blocks(out, &run);
     }
 
     pub(crate) fn matvec_t(&self, w: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) {

@@ -105,3 +105,58 @@ fn matmul_bf16_shape_mismatch_panics() {
     let mut y = [0.0f32; 2];
     k.matmul_bf16(&[0u8; 12], 2, 3, &[1.0, 2.0], 1, &mut y);
 }
+
+/// Rows `r0..r1` of a product from only those rows' weights (weights streamed in row blocks)
+/// must be the whole product's bits for those rows, on every ISA, with and without the busy
+/// counter, and must leave every other entry of `y` as it was.
+#[test]
+fn matmul_bf16_rows_equal_the_whole_product() {
+    const SENTINEL: u32 = 0x7FC0_1234; // a NaN whose payload no kernel produces
+    let mut rng = Rng::new(21);
+    let pool = pool(3);
+    for k in all_kernels() {
+        for (rows, cols) in [(200usize, 33usize), (130, 300), (64, 16), (9, 513), (1, 7)] {
+            let w = rng.bf16_bytes(rows * cols, false);
+            let row_bytes = 2 * cols;
+            for t in [1usize, 2, 3, 4, 5, 16] {
+                let x = rng.adversarials(t * cols);
+                let mut whole = vec![f32::NAN; t * rows];
+                pool.install(|| k.par_matmul_bf16(&w, rows, cols, &x, t, &mut whole));
+                let ranges = [(0, rows), (0, rows.min(64)), (5.min(rows), rows.min(70)), (63.min(rows), rows.min(130))];
+                let more =
+                    [(64.min(rows), rows.min(128)), (rows - 1, rows), (rows / 2, rows / 2), (rows.min(100), rows)];
+                for (r0, r1) in ranges.into_iter().chain(more) {
+                    for busy in [false, true] {
+                        let mut y = vec![f32::from_bits(SENTINEL); t * rows];
+                        let part = &w[r0 * row_bytes..r1 * row_bytes];
+                        let (buf, off) = unaligned(part);
+                        let part = &buf[off..off + part.len()];
+                        let counter = std::sync::atomic::AtomicU64::new(0);
+                        pool.install(|| {
+                            if busy {
+                                k.par_matmul_bf16_rows_busy(part, r0..r1, rows, cols, &x, t, &mut y, &counter);
+                            } else {
+                                k.par_matmul_bf16_rows(part, r0..r1, rows, cols, &x, t, &mut y);
+                            }
+                        });
+                        let ctx = format!("{:?} {rows}x{cols} t={t} rows {r0}..{r1} busy={busy}", k.isa());
+                        for tok in 0..t {
+                            let (got, want) = (&y[tok * rows..(tok + 1) * rows], &whole[tok * rows..(tok + 1) * rows]);
+                            assert_bits(&format!("{ctx} tok {tok}"), &want[r0..r1], &got[r0..r1]);
+                            let outside = got[..r0].iter().chain(&got[r1..]);
+                            assert!(outside.clone().all(|v| v.to_bits() == SENTINEL), "{ctx}: wrote outside its rows");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "must lie within")]
+fn matmul_bf16_rows_past_the_product_panics() {
+    let k = scalar();
+    let mut y = vec![0.0f32; 4];
+    k.par_matmul_bf16_rows(&[0u8; 8], 3..5, 4, 2, &[0.0; 2], 1, &mut y);
+}
