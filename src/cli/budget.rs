@@ -57,7 +57,7 @@ mod tests {
         let named = name_budget_flag(wrapped, "--budget-share 0.000001");
         assert_eq!(exit_code_for(&named), ExitCode::Usage);
         let text = named.to_string();
-        assert!(text.starts_with("--budget-share 0.000001: a budget of 0.000 GB is below"), "{text}");
+        assert!(text.starts_with("--budget-share 0.000001: a budget of 0.0000 GB is below"), "{text}");
         assert!(!text.contains("--mem-gb") && !text.contains("opening model"), "{text}");
 
         let measured = MeasureError::Open(OpenError::Plan(PlanError::AboveAvailable {

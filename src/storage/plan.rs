@@ -16,7 +16,7 @@ use crate::exit::{Classify, ExitCode};
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
     #[error(
-        "a budget of {budget_gb:.3} GB is below this model's minimum of {min_gb:.3} GB ({detail}); raise the budget"
+        "a budget of {budget_gb:.4} GB is below this model's minimum of {min_gb:.4} GB ({detail}); raise the budget"
     )]
     BelowMinimum { budget_gb: f64, min_gb: f64, detail: String },
     #[error("a budget of {budget_gb:.3} GB is above 95% of available memory ({available_gb:.3} GB available, limited by {limited_by}); lower the budget or free memory")]
@@ -115,6 +115,11 @@ pub const DEFAULT_PIECE_BYTES: u64 = 32 << 20;
 /// Expert slots below which no plan goes: one expert being computed while the next is read.
 pub const MIN_EXPERT_SLOTS: usize = 2;
 
+/// Ring slots when units are split and read-ahead is on: three pieces in flight while one
+/// computes. Small pieces read one at a time leave the device at queue depth 1, and a slot
+/// costs only a piece.
+pub const PIECE_RING_SLOTS: usize = 4;
+
 /// The division of the budget, printed before allocation and written into `--json`.
 #[derive(Clone, Debug, Serialize)]
 pub struct Plan {
@@ -179,9 +184,9 @@ impl Plan {
         let largest = units.first().map_or(0, |u| u.1);
         // The minimum holds one sequence; more sequences come before pinned trunk, since a
         // batch run asked for them and pinning only saves reads.
-        let whole_minimum =
-            input.states_bytes + input.scratch_bytes + pool_min_bytes + ring_slots as u64 * largest;
-        let pieces = input.pieces.as_ref().map(|p| Pieces { input: p, units: &units, ring_slots });
+        let whole_minimum = input.states_bytes + input.scratch_bytes + pool_min_bytes + ring_slots as u64 * largest;
+        let piece_ring_slots = if input.readahead == 0 { ring_slots } else { ring_slots.max(PIECE_RING_SLOTS) };
+        let pieces = input.pieces.as_ref().map(|p| Pieces { input: p, units: &units, ring_slots: piece_ring_slots });
         if let (Some(p), Some(forced)) = (&pieces, pieces.as_ref().and_then(|p| p.input.forced)) {
             if forced < p.input.min_piece_bytes {
                 return Err(PlanError::PieceTooSmall {
@@ -194,7 +199,11 @@ impl Plan {
             Some(p) => {
                 let piece = p.input.forced.unwrap_or(p.input.min_piece_bytes);
                 let fixed = input.states_bytes + input.scratch_bytes + p.input_fixed(piece, input);
-                if p.input.forced.is_some() { fixed } else { fixed.min(whole_minimum) }
+                if p.input.forced.is_some() {
+                    fixed
+                } else {
+                    fixed.min(whole_minimum)
+                }
             }
             None => whole_minimum,
         };
@@ -203,13 +212,14 @@ impl Plan {
                 Some(p) => {
                     let piece = p.input.forced.unwrap_or(p.input.min_piece_bytes);
                     format!(
-                        "states and KV cache {:.3} GB, scratch {:.3} GB, {ring_slots} trunk slots of {:.4} GB (pieces of {:.4} GB), resident norms and biases of the split units {:.4} GB, {MIN_EXPERT_SLOTS} expert slots of {:.4} GB",
-                        to_gb(input.states_bytes),
-                        to_gb(input.scratch_bytes),
-                        to_gb(p.slot(piece)),
-                        to_gb(piece),
-                        to_gb(p.small(piece)),
-                        to_gb(input.expert_slot_bytes)
+                        "states and KV cache {}, scratch {}, {} trunk slots of {} (pieces of {}), resident norms and biases of the split units {}, {MIN_EXPERT_SLOTS} expert slots of {}",
+                        fmt_gb(input.states_bytes),
+                        fmt_gb(input.scratch_bytes),
+                        p.ring_slots,
+                        fmt_gb(p.slot(piece)),
+                        fmt_gb(piece),
+                        fmt_gb(p.small(piece)),
+                        fmt_gb(input.expert_slot_bytes)
                     )
                 }
                 None => format!(
@@ -220,7 +230,9 @@ impl Plan {
                     to_gb(input.expert_slot_bytes)
                 ),
             };
-            return Err(PlanError::BelowMinimum { budget_gb: to_gb(input.budget), min_gb: to_gb(minimum), detail });
+            // Rounded up, so the number printed is a budget that is accepted.
+            let min_gb = (to_gb(minimum) * 1e4).ceil() / 1e4;
+            return Err(PlanError::BelowMinimum { budget_gb: to_gb(input.budget), min_gb, detail });
         }
         let asked = input.sequences.max(1);
         let more = (input.budget - minimum) / input.states_bytes.max(1);
@@ -328,7 +340,14 @@ type Unit = (PackUnit, u64);
 
 /// Today's plan for a budget that holds a ring of whole units: `avail` is what is left after
 /// states, scratch and the preferred expert pool.
-fn whole_plan(input: &PlanInput, mut plan: Plan, units: &[Unit], ring_slots: usize, pool_min: usize, avail: u64) -> Plan {
+fn whole_plan(
+    input: &PlanInput,
+    mut plan: Plan,
+    units: &[Unit],
+    ring_slots: usize,
+    pool_min: usize,
+    avail: u64,
+) -> Plan {
     let largest = units.first().map_or(0, |u| u.1);
     // The ring is always affordable (the minimum includes it); the share caps pinning only.
     let trunk_avail = match input.trunk_share {
@@ -387,7 +406,9 @@ impl Pieces<'_> {
 
     /// Everything but states and scratch at `piece`, with the smallest expert pool.
     fn input_fixed(&self, piece: u64, input: &PlanInput) -> u64 {
-        self.small(piece) + self.ring_slots as u64 * self.slot(piece) + MIN_EXPERT_SLOTS as u64 * input.expert_slot_bytes
+        self.small(piece)
+            + self.ring_slots as u64 * self.slot(piece)
+            + MIN_EXPERT_SLOTS as u64 * input.expert_slot_bytes
     }
 
     /// Divides `avail` (the budget less states and scratch): the largest piece up to the
@@ -574,13 +595,17 @@ mod tests {
     #[test]
     fn pieces_lower_the_minimum_to_two_pieces_the_small_tensors_and_two_expert_slots() {
         let whole_min = 100 + 80 + 2 * 300;
-        let with = |budget: u64, forced: Option<u64>| Plan::make(&PlanInput { pieces: Some(pieces(forced)), ..input(budget) });
-        // states 50 + scratch 50 + small tensors of all 11 units (10 x 3 + 2) + 2 slots of
+        let with =
+            |budget: u64, forced: Option<u64>| Plan::make(&PlanInput { pieces: Some(pieces(forced)), ..input(budget) });
+        // states 50 + scratch 50 + small tensors of all 11 units (10 x 3 + 2) + 4 slots of
         // (20 + 4) + 2 expert slots of 10.
-        let min = 100 + 32 + 2 * 24 + 2 * 10;
+        let min = 100 + 32 + 4 * 24 + 2 * 10;
         let p = with(min, None).unwrap();
         assert_eq!(p.minimum_bytes, min);
-        assert_eq!((p.piece_bytes, p.ring_slots, p.ring_slot_bytes, p.expert_slots), (Some(20), 2, 24, 2));
+        assert_eq!((p.piece_bytes, p.ring_slots, p.ring_slot_bytes, p.expert_slots), (Some(20), 4, 24, 2));
+        // Without read-ahead (serial mode) two slots do.
+        let serial = Plan::make(&PlanInput { pieces: Some(pieces(None)), readahead: 0, ..input(min) }).unwrap();
+        assert_eq!((serial.ring_slots, serial.minimum_bytes), (2, min - 2 * 24));
         assert_eq!(p.split.len(), 11, "every unit is larger than a piece: {p:?}");
         assert!(p.pinned.is_empty());
         assert_eq!(p.planned_bytes, min);
@@ -599,13 +624,14 @@ mod tests {
 
     #[test]
     fn a_forced_piece_splits_whatever_is_larger_and_is_refused_below_the_smallest() {
-        let with = |budget: u64, forced: Option<u64>| Plan::make(&PlanInput { pieces: Some(pieces(forced)), ..input(budget) });
+        let with =
+            |budget: u64, forced: Option<u64>| Plan::make(&PlanInput { pieces: Some(pieces(forced)), ..input(budget) });
         let p = with(5000, Some(105)).unwrap();
         assert_eq!(p.piece_bytes, Some(105));
         // Layers 0..5 (100..105 bytes) fit a piece whole; layers 6..9 and the head are split.
         assert_eq!(p.split, ["head", "layer.6", "layer.7", "layer.8", "layer.9"]);
         assert_eq!(p.small_bytes, 4 * 3 + 2);
-        assert_eq!(p.minimum_bytes, 100 + p.small_bytes + 2 * 109 + 2 * 10);
+        assert_eq!(p.minimum_bytes, 100 + p.small_bytes + 4 * 109 + 2 * 10);
         let err = with(5000, Some(19)).unwrap_err();
         assert!(matches!(err, PlanError::PieceTooSmall { .. }), "{err}");
     }

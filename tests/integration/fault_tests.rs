@@ -340,7 +340,7 @@ fn refused_budgets_name_the_flag_each_command_was_given() {
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             [&["run", "--model", m, "--trunk", t, "--mem-gb", "0.0001", "--prompt", "x"][..]].concat(),
-            "k3ring: error: --mem-gb 0.0001: a budget of 0.000 GB is below this model's minimum",
+            "k3ring: error: --mem-gb 0.0001: a budget of 0.0001 GB is below this model's minimum",
         ),
         (
             [&["run", "--model", m, "--trunk", t, "--mem-gb", "100000", "--prompt", "x"][..]].concat(),
@@ -353,11 +353,11 @@ fn refused_budgets_name_the_flag_each_command_was_given() {
                 &["--device-reads", "4"],
             ]
             .concat(),
-            "k3ring: error: --budgets 0.0001: a budget of 0.000 GB is below this model's minimum",
+            "k3ring: error: --budgets 0.0001: a budget of 0.0001 GB is below this model's minimum",
         ),
         (
             [&["tune", "--model", m, "--trunk", t, "--mem-gb", "0.0001"][..], &quick].concat(),
-            "k3ring: error: --mem-gb 0.0001: a budget of 0.000 GB is below this model's minimum",
+            "k3ring: error: --mem-gb 0.0001: a budget of 0.0001 GB is below this model's minimum",
         ),
     ];
     for (args, want) in cases {

@@ -213,9 +213,11 @@ impl Store {
         // issued (tickets grow; guesses still being read were issued before this layer's
         // misses), so compute never waits for one expert while another is ready. Experts that
         // got no slot yet come last, read when a slot frees.
+        // Those waiting for a slot come in the order they will be read (disk order): computing
+        // one out of turn would evict a protected expert just read, to be read again.
         let order = |e: &usize| match pool.resident.get(&(layer, *e)) {
-            Some(&slot) => pool.slots[slot].slot.ticket().filter(|&t| !self.reads.is_done(t)).unwrap_or(0),
-            None => Ticket::MAX,
+            Some(&slot) => (pool.slots[slot].slot.ticket().filter(|&t| !self.reads.is_done(t)).unwrap_or(0), 0),
+            None => (Ticket::MAX, pool.pending.iter().position(|k| *k == (layer, *e)).unwrap_or(usize::MAX)),
         };
         experts.sort_by_cached_key(order);
         drop(pool);

@@ -212,11 +212,8 @@ impl Store {
         let pack = PackLayout::new(&manifest, &index, cfg, pack_path, files.len() - 1)?;
         let weights = crate::model::weights::ModelWeights::resolve(cfg, &index)
             .map_err(|e| StreamError::Mismatch(e.to_string()))?;
-        let pinned: Vec<usize> = plan
-            .pinned_units
-            .iter()
-            .filter_map(|want| pack.units.iter().position(|u| u.unit == *want))
-            .collect();
+        let pinned: Vec<usize> =
+            plan.pinned_units.iter().filter_map(|want| pack.units.iter().position(|u| u.unit == *want)).collect();
         let items = RingItems::new(&pack, &weights, cfg, plan, &pinned, align)?;
         let layout = ArenaLayout::new(&pack, cfg, plan, opts.chunk_tokens, align, items.small_bytes)?;
         let buf_opts = BufOptions { node: opts.numa_node, lock: opts.lock_memory, ..BufOptions::default() };
@@ -247,7 +244,8 @@ impl Store {
     ) -> Result<Store, StreamError> {
         let arena = Arena::new(p.buf, fixed_buffers);
         let streamed_order = p.items.order.clone();
-        let streamed_units = p.items.whole.iter().zip(&p.items.split).filter(|(w, s)| w.is_some() || s.is_some()).count();
+        let streamed_units =
+            p.items.whole.iter().zip(&p.items.split).filter(|(w, s)| w.is_some() || s.is_some()).count();
         let lock_state = match arena.buffer().lock_state() {
             super::io::LockState::Locked => "mlocked".to_owned(),
             super::io::LockState::NotRequested => "not locked (--no-mlock)".to_owned(),
@@ -267,7 +265,11 @@ impl Store {
             ..stats
         };
         let ring_slots = p.layout.ring.iter().map(|&r| arena.slot(r)).collect();
-        let ring = TrunkRing::new(ring_slots, p.items.items.len(), streamed_order, p.opts.readahead);
+        // Pieces are small: with read-ahead on, every ring slot but the computing one reads ahead.
+        let split = p.items.split.iter().any(Option::is_some);
+        let readahead =
+            if split && p.opts.readahead > 0 { p.layout.ring.len().saturating_sub(1) } else { p.opts.readahead };
+        let ring = TrunkRing::new(ring_slots, p.items.items.len(), streamed_order, readahead);
         let pool = ExpertPool::new(p.layout.experts.iter().map(|&r| arena.slot(r)).collect(), expert_policy);
         let embed = arena.slot(p.layout.embed);
         let mut store = Store {

@@ -115,8 +115,13 @@ impl RingItems {
         align: u64,
     ) -> Result<RingItems, StreamError> {
         let n = pack.units.len();
-        let mut out =
-            RingItems { items: Vec::new(), order: Vec::new(), whole: vec![None; n], split: vec![None; n], small_bytes: 0 };
+        let mut out = RingItems {
+            items: Vec::new(),
+            order: Vec::new(),
+            whole: vec![None; n],
+            split: vec![None; n],
+            small_bytes: 0,
+        };
         let mut use_order: Vec<usize> = pack.unit_of_layer.clone();
         use_order.push(pack.head_unit);
         for u in use_order.into_iter().filter(|u| !pinned.contains(u)) {
@@ -243,12 +248,7 @@ pub fn plan_input(
             .sum();
         small_bytes.push((*unit, small));
     }
-    crate::storage::plan::PieceInput {
-        small_bytes,
-        min_piece_bytes: min_piece,
-        slack_bytes: 2 * align,
-        forced,
-    }
+    crate::storage::plan::PieceInput { small_bytes, min_piece_bytes: min_piece, slack_bytes: 2 * align, forced }
 }
 
 impl super::Store {
@@ -273,7 +273,8 @@ impl super::Store {
             let pieces = self.items.pieces_by_offset(u, place.file_offset);
             let small = self.items.split[u].as_ref().map(|s| s.small.clone()).unwrap_or_default();
             let mut whole = xxhash_rust::xxh3::Xxh3::new();
-            let mut piece_hash: Vec<xxhash_rust::xxh3::Xxh3> = pieces.iter().map(|_| xxhash_rust::xxh3::Xxh3::new()).collect();
+            let mut piece_hash: Vec<xxhash_rust::xxh3::Xxh3> =
+                pieces.iter().map(|_| xxhash_rust::xxh3::Xxh3::new()).collect();
             let mut at = 0u64;
             while at < place.len {
                 let n = chunk.min(place.len - at);

@@ -224,7 +224,10 @@ impl Store {
         };
         let Some(base) = base else {
             release(self);
-            return Err(SourceError::Internal(format!("{}: its slot is not filled after its read", self.item_name(item))));
+            return Err(SourceError::Internal(format!(
+                "{}: its slot is not filled after its read",
+                self.item_name(item)
+            )));
         };
         let data = it.data_at..it.data_at + it.data_len;
         if verify {
