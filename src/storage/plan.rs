@@ -23,7 +23,7 @@ pub enum PlanError {
     AboveAvailable { budget_gb: f64, available_gb: f64, limited_by: String },
     #[error("unknown preset {0:?}; choose from: laptop, desktop, workstation, server, max, auto")]
     UnknownPreset(String),
-    #[error("a piece of {piece_mb:.3} MB is below this model's smallest piece of {min_mb:.3} MB (a block of rows that one computation needs whole); raise it")]
+    #[error("a piece of {piece_mb:.6} MB is below this model's smallest piece of {min_mb:.6} MB (a block of rows that one computation needs whole); raise it")]
     PieceTooSmall { piece_mb: f64, min_mb: f64 },
 }
 
@@ -186,8 +186,15 @@ impl Plan {
         // batch run asked for them and pinning only saves reads.
         let whole_minimum = input.states_bytes + input.scratch_bytes + pool_min_bytes + ring_slots as u64 * largest;
         let piece_ring_slots = if input.readahead == 0 { ring_slots } else { ring_slots.max(PIECE_RING_SLOTS) };
-        let pieces = input.pieces.as_ref().map(|p| Pieces { input: p, units: &units, ring_slots: piece_ring_slots });
-        if let (Some(p), Some(forced)) = (&pieces, pieces.as_ref().and_then(|p| p.input.forced)) {
+        let pieces = input.pieces.as_ref().map(|p| Pieces {
+            input: p,
+            units: &units,
+            ring_slots: piece_ring_slots,
+            align: p.slack_bytes / 2,
+        });
+        // A forced piece larger than every unit splits none: the same as the largest unit.
+        let forced = pieces.as_ref().and_then(|p| p.input.forced.map(|f| f.min(largest.max(p.input.min_piece_bytes))));
+        if let (Some(p), Some(forced)) = (&pieces, forced) {
             if forced < p.input.min_piece_bytes {
                 return Err(PlanError::PieceTooSmall {
                     piece_mb: forced as f64 / 1e6,
@@ -195,22 +202,30 @@ impl Plan {
                 });
             }
         }
-        let minimum = match &pieces {
-            Some(p) => {
-                let piece = p.input.forced.unwrap_or(p.input.min_piece_bytes);
-                let fixed = input.states_bytes + input.scratch_bytes + p.input_fixed(piece, input);
-                if p.input.forced.is_some() {
-                    fixed
-                } else {
-                    fixed.min(whole_minimum)
-                }
-            }
-            None => whole_minimum,
+        let pieces_minimum = pieces.as_ref().map(|p| {
+            let piece = forced.unwrap_or(p.input.min_piece_bytes);
+            input.states_bytes + input.scratch_bytes + p.input_fixed(piece, input)
+        });
+        let minimum = match (pieces_minimum, forced) {
+            (Some(m), Some(_)) => m,
+            (Some(m), None) => m.min(whole_minimum),
+            (None, _) => whole_minimum,
+        };
+        // Whole units while the budget holds their ring, the preferred pool and every sequence
+        // asked for; below that, pieces (sequences come before the ring's size, as before
+        // pinned trunk).
+        let asked = input.sequences.max(1);
+        let all_sequences = (asked as u64 - 1).saturating_mul(input.states_bytes);
+        let whole = forced.is_none()
+            && (pieces_minimum.is_none() || input.budget >= whole_minimum.saturating_add(all_sequences));
+        let regime_minimum = match pieces_minimum {
+            Some(m) if !whole => m,
+            _ => whole_minimum,
         };
         if input.budget < minimum {
             let detail = match &pieces {
                 Some(p) => {
-                    let piece = p.input.forced.unwrap_or(p.input.min_piece_bytes);
+                    let piece = forced.unwrap_or(p.input.min_piece_bytes);
                     format!(
                         "states and KV cache {}, scratch {}, {} trunk slots of {} (pieces of {}), resident norms and biases of the split units {}, {MIN_EXPERT_SLOTS} expert slots of {}",
                         fmt_gb(input.states_bytes),
@@ -234,8 +249,7 @@ impl Plan {
             let min_gb = (to_gb(minimum) * 1e4).ceil() / 1e4;
             return Err(PlanError::BelowMinimum { budget_gb: to_gb(input.budget), min_gb, detail });
         }
-        let asked = input.sequences.max(1);
-        let more = (input.budget - minimum) / input.states_bytes.max(1);
+        let more = input.budget.saturating_sub(regime_minimum) / input.states_bytes.max(1);
         let sequences = asked.min(1 + usize::try_from(more).unwrap_or(usize::MAX));
         let states_bytes = sequences as u64 * input.states_bytes;
         let fixed = states_bytes + input.scratch_bytes;
@@ -264,12 +278,12 @@ impl Plan {
             streamed_units: Vec::new(),
             split_units: Vec::new(),
         };
-        match pieces {
-            Some(p) if p.input.forced.is_some() || input.budget < whole_minimum => {
-                Ok(p.plan(input, base, input.budget - fixed))
-            }
-            _ => Ok(whole_plan(input, base, &units, ring_slots, pool_min, input.budget - fixed - pool_min_bytes)),
-        }
+        let plan = match pieces {
+            Some(p) if !whole => p.plan(input, base, forced, input.budget - fixed),
+            _ => whole_plan(input, base, &units, ring_slots, pool_min, input.budget - fixed - pool_min_bytes),
+        };
+        debug_assert!(plan.planned_bytes <= plan.budget_bytes, "{plan:?}");
+        Ok(plan)
     }
 
     /// One line per part, for the console.
@@ -338,6 +352,14 @@ pub fn fmt_gb(bytes: u64) -> String {
 
 type Unit = (PackUnit, u64);
 
+fn align_to(x: u64, align: u64) -> u64 {
+    if align <= 1 {
+        x
+    } else {
+        x.div_ceil(align).saturating_mul(align)
+    }
+}
+
 /// Today's plan for a budget that holds a ring of whole units: `avail` is what is left after
 /// states, scratch and the preferred expert pool.
 fn whole_plan(
@@ -386,12 +408,14 @@ struct Pieces<'a> {
     /// Largest first.
     units: &'a [Unit],
     ring_slots: usize,
+    /// The arena aligns each region to this: the plan counts what the store allocates.
+    align: u64,
 }
 
 impl Pieces<'_> {
     /// A ring slot for pieces of `piece` bytes (units no larger go whole and fit it too).
     fn slot(&self, piece: u64) -> u64 {
-        piece + self.input.slack_bytes
+        align_to(piece.saturating_add(self.input.slack_bytes), self.align)
     }
 
     fn is_split(&self, unit: &Unit, piece: u64) -> bool {
@@ -401,7 +425,8 @@ impl Pieces<'_> {
     /// Resident small tensors of the units split at `piece`.
     fn small(&self, piece: u64) -> u64 {
         let small_of = |u: PackUnit| self.input.small_bytes.iter().find(|s| s.0 == u).map_or(0, |s| s.1);
-        self.units.iter().filter(|u| self.is_split(u, piece)).map(|u| small_of(u.0)).sum()
+        let small: u64 = self.units.iter().filter(|u| self.is_split(u, piece)).map(|u| small_of(u.0)).sum();
+        align_to(small, self.align)
     }
 
     /// Everything but states and scratch at `piece`, with the smallest expert pool.
@@ -411,11 +436,11 @@ impl Pieces<'_> {
             + MIN_EXPERT_SLOTS as u64 * input.expert_slot_bytes
     }
 
-    /// Divides `avail` (the budget less states and scratch): the largest piece up to the
-    /// default that fits beside the smallest pool, then expert slots.
-    fn plan(&self, input: &PlanInput, mut plan: Plan, avail: u64) -> Plan {
+    /// Divides `avail` (the budget less states and scratch): the default piece, halved until it
+    /// fits beside the smallest pool (but never below the smallest piece), then expert slots.
+    fn plan(&self, input: &PlanInput, mut plan: Plan, forced: Option<u64>, avail: u64) -> Plan {
         let min = self.input.min_piece_bytes;
-        let piece = self.input.forced.unwrap_or_else(|| {
+        let piece = forced.unwrap_or_else(|| {
             let mut piece = DEFAULT_PIECE_BYTES.max(min);
             while piece > min && self.input_fixed(piece, input) > avail {
                 piece = (piece / 2).max(min);
@@ -631,9 +656,44 @@ mod tests {
         // Layers 0..5 (100..105 bytes) fit a piece whole; layers 6..9 and the head are split.
         assert_eq!(p.split, ["head", "layer.6", "layer.7", "layer.8", "layer.9"]);
         assert_eq!(p.small_bytes, 4 * 3 + 2);
-        assert_eq!(p.minimum_bytes, 100 + p.small_bytes + 4 * 109 + 2 * 10);
+        // Slots of 105 + 4 bytes, aligned to 2 as the arena aligns its regions.
+        assert_eq!(p.minimum_bytes, 100 + p.small_bytes + 4 * 110 + 2 * 10);
         let err = with(5000, Some(19)).unwrap_err();
         assert!(matches!(err, PlanError::PieceTooSmall { .. }), "{err}");
+    }
+
+    /// A batch asks for more sequences than the whole-unit plan holds: the extra sequences are
+    /// counted against the regime that is planned, never more than the budget.
+    #[test]
+    fn sequences_with_pieces_never_plan_more_than_the_budget() {
+        let with = |budget: u64, n: usize| {
+            Plan::make(&PlanInput { pieces: Some(pieces(None)), sequences: n, ..input(budget) }).unwrap()
+        };
+        // 780 holds the whole-unit ring and one sequence; 16 sequences need 15 x 50 more.
+        let p = with(780, 16);
+        assert!(p.piece_bytes.is_some(), "pieces make room for more sequences: {p:?}");
+        assert!(p.sequences > 1 && p.planned_bytes <= 780, "{p:?}");
+        let p = with(780 + 15 * 50, 16);
+        assert_eq!((p.piece_bytes, p.sequences), (None, 16), "{p:?}");
+        assert!(p.planned_bytes <= p.budget_bytes);
+        for budget in (248..3000).step_by(7) {
+            for n in [1, 3, 16] {
+                let Ok(p) = Plan::make(&PlanInput { pieces: Some(pieces(None)), sequences: n, ..input(budget) }) else {
+                    continue;
+                };
+                assert!(p.planned_bytes <= budget, "budget {budget}, {n} sequences: {p:?}");
+            }
+        }
+    }
+
+    /// A forced piece larger than every unit splits none, and huge values do not overflow.
+    #[test]
+    fn a_forced_piece_is_capped_at_the_largest_unit() {
+        for forced in [300, 10_000, u64::MAX] {
+            let p = Plan::make(&PlanInput { pieces: Some(pieces(Some(forced))), ..input(5000) }).unwrap();
+            assert_eq!(p.piece_bytes, Some(300), "{p:?}");
+            assert!(p.split.is_empty() && p.planned_bytes <= 5000);
+        }
     }
 
     #[test]

@@ -208,6 +208,9 @@ fn release_k3_minimum_budget_from_the_planner() {
         units.push((unit, len.div_ceil(align) * align));
         small.push((unit, unit_small));
     }
+    // The smallest piece: 64 rows of the dense layer's down_proj ([7168, 33792] bf16).
+    assert_eq!(min_piece, 64 * 33_792 * 2);
+    let docs = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/STORAGE.md")).unwrap();
     let chunk = 32;
     println!("| context | states and KV cache | scratch | trunk slots (4 pieces) | norms and biases | expert slots (2) | minimum |");
     println!("|---|---|---|---|---|---|---|");
@@ -253,6 +256,16 @@ fn release_k3_minimum_budget_from_the_planner() {
             gb(plan.planned_bytes)
         );
         assert_eq!(plan.split.len(), cfg.n_layers + 1, "every unit is split at the smallest piece");
+        let row = format!(
+            "| {context} | {} | {} | {} | {} | {} | {} |",
+            gb(plan.states_bytes),
+            gb(plan.scratch_bytes),
+            gb(plan.ring_slots as u64 * plan.ring_slot_bytes),
+            gb(plan.small_bytes),
+            gb(plan.expert_slots as u64 * plan.expert_slot_bytes),
+            gb(plan.planned_bytes)
+        );
+        assert!(docs.contains(&row), "docs/STORAGE.md lacks the planner's row {row}");
         assert!(plan.planned_bytes <= budget && plan.planned_bytes > last);
         last = plan.planned_bytes;
     }
@@ -262,6 +275,8 @@ fn release_k3_minimum_budget_from_the_planner() {
 #[test]
 fn a_damaged_split_unit_is_a_data_error_naming_the_unit() {
     let trunk = pack(&tiny_dir());
+    let plan = plan_for(&tiny_dir(), trunk.path(), Some(20_000), 3);
+    assert!(plan.split.contains(&"layer.5".to_owned()), "{}", plan.describe());
     let manifest = k3ring::storage::pack::Manifest::load(trunk.path()).unwrap();
     let unit = manifest.units.iter().find(|u| u.unit == "layer.5").unwrap();
     let path = trunk.path().join("trunk.pack");
@@ -284,7 +299,8 @@ fn a_damaged_split_unit_is_a_data_error_naming_the_unit() {
         "2",
     ]);
     assert_eq!(code, 3, "{err}");
-    assert!(err.contains("layer.5") && err.contains("checksum"), "{err}");
+    // Caught while opening (the pass over split units), not by a piece's first read.
+    assert!(err.contains("opening model") && err.contains("unit layer.5 fails its checksum"), "{err}");
 }
 
 /// Pieces read after open are checked against the checksums the pass at open recorded: with

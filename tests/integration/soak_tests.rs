@@ -117,7 +117,9 @@ fn faults(seed: u64) -> SimOptions {
     let mut sim = SimOptions::fault_free(seed);
     sim.latency_max = 40;
     sim.short_ppm = 50_000;
-    let (eio, ecanceled, corrupt) = if seed == 3 { (2_000, 1_000, 5_000) } else { (2, 1, 20) };
+    // Faults are per read, and the smallest budget streams the tiny model in about 170 pieces
+    // per token: 1 ppm each still fails a run every few runs.
+    let (eio, ecanceled, corrupt) = if seed == 3 { (2_000, 1_000, 5_000) } else { (1, 1, 1) };
     sim.eio_ppm = eio;
     sim.ecanceled_ppm = ecanceled;
     sim.corrupt_ppm = corrupt;

@@ -141,17 +141,20 @@ impl Arena {
     }
 
     /// Copies `from`'s bytes `range` into `to` at `at`, for a region filled by copying while
-    /// the store opens (the small tensors of split units), before any guard exists. Panics if
-    /// the two overlap or the copy leaves `to`.
-    pub fn copy_into(&self, to: Region, at: usize, from: Filled, range: std::ops::Range<usize>) {
+    /// the store opens (the small tensors of split units). Panics if the two overlap or the copy
+    /// leaves either region.
+    ///
+    /// # Safety
+    /// `to` must be a region of its own (no slot, pinned unit or other region covers it),
+    /// never a read's target, and no `Filled` handle for it may exist yet: nothing may read or
+    /// write it concurrently.
+    pub(super) unsafe fn copy_into(&self, to: Region, at: usize, from: Filled, range: std::ops::Range<usize>) {
         let src = from.region;
         assert!(range.end <= src.len && at + range.len() <= to.len, "a copy outside its regions");
         assert!(to.off + to.len <= src.off || src.off + src.len <= to.off, "a copy between overlapping regions");
         assert!(to.off + to.len <= self.buf.len() && src.off + src.len <= self.buf.len(), "a copy outside the arena");
         // SAFETY: both regions lie inside the arena (asserted) and do not overlap (asserted).
-        // `from` is filled, so no read writes it; `to` is written only here, at open, before a
-        // `Filled` handle for it exists ([`Arena::copied`] makes the first one) and it is never a
-        // read's target, so nothing reads or writes it concurrently.
+        // `from` is filled, so no read writes it; the caller guarantees nothing else touches `to`.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.buf.as_ptr().add(src.off + range.start),
@@ -161,8 +164,12 @@ impl Arena {
         }
     }
 
-    /// The handle of a region filled by [`Arena::copy_into`], once every copy into it is done.
-    pub fn copied(&self, region: Region) -> Filled {
+    /// The handle of a region filled by [`Arena::copy_into`].
+    ///
+    /// # Safety
+    /// Every copy into `region` is done and no other write into it will ever happen (the
+    /// region is never a read's target), so shared views of it are sound from now on.
+    pub(super) unsafe fn copied(&self, region: Region) -> Filled {
         Filled { region }
     }
 

@@ -195,7 +195,8 @@ impl ArenaLayout {
         }
         let experts = (0..plan.expert_slots).map(|_| take(slot)).collect();
         let embed = take(embed_buffer_bytes(cfg, chunk_tokens.max(1), align));
-        let small = take(small_bytes as u64);
+        // Nothing split, nothing allocated: the plan counts no small region then.
+        let small = if small_bytes > 0 { take(small_bytes as u64) } else { Region { off: 0, len: 0 } };
         Ok(ArenaLayout { pinned, ring, experts, embed, small, total: off as usize })
     }
 }

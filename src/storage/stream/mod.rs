@@ -106,6 +106,9 @@ pub enum StreamError {
     /// its waiters, so the error stays behind its `Arc` and keeps its own classification.
     #[error("reading pinned trunk units: {0}")]
     PinnedRead(Arc<IoError>),
+    /// A read of the pass over split units at open failed (see [`pieces`]).
+    #[error("reading the trunk units streamed in pieces, at open: {0}")]
+    SplitRead(Arc<IoError>),
     #[error("{0}")]
     Mismatch(String),
 }
@@ -115,7 +118,7 @@ impl Classify for StreamError {
         match self {
             StreamError::Pack(e) => e.exit_code(),
             StreamError::Io(e) => e.exit_code(),
-            StreamError::PinnedRead(e) => e.exit_code(),
+            StreamError::PinnedRead(e) | StreamError::SplitRead(e) => e.exit_code(),
             StreamError::Mismatch(_) => ExitCode::Data,
         }
     }

@@ -290,7 +290,7 @@ impl super::Store {
                 self.reads.submit(Priority::Demand, vec![(ticket, vec![op])]);
                 if let Err(e) = self.wait_io(ticket, None) {
                     slot.abandon();
-                    return Err(StreamError::PinnedRead(e));
+                    return Err(StreamError::SplitRead(e));
                 }
                 slot.landed();
                 let filled = slot.filled().ok_or_else(|| StreamError::Mismatch("a trunk slot is not filled".into()))?;
@@ -307,7 +307,11 @@ impl super::Store {
                     let (s, e) = ((offset as u64).max(window.start), ((offset + len) as u64).min(window.end));
                     if s < e {
                         let into = to + (s - offset as u64) as usize;
-                        self.arena.copy_into(layout.small, into, filled, (s - at) as usize..(e - at) as usize);
+                        // SAFETY: the small region is a region of its own in the layout, never
+                        // a read's target, and its `Filled` handle is made only after this loop.
+                        unsafe {
+                            self.arena.copy_into(layout.small, into, filled, (s - at) as usize..(e - at) as usize);
+                        }
                     }
                 }
                 slot.clear();
@@ -330,7 +334,8 @@ impl super::Store {
                 }
             }
         }
-        self.small = Some(self.arena.copied(layout.small));
+        // SAFETY: every copy into the small region is done, and nothing writes it again.
+        self.small = Some(unsafe { self.arena.copied(layout.small) });
         let mut stats = super::lock(&self.stats);
         stats.trunk_bytes_read += bytes_read;
         stats.trunk_reads += reads;
