@@ -223,28 +223,7 @@ impl Plan {
             _ => whole_minimum,
         };
         if input.budget < minimum {
-            let detail = match &pieces {
-                Some(p) => {
-                    let piece = forced.unwrap_or(p.input.min_piece_bytes);
-                    format!(
-                        "states and KV cache {}, scratch {}, {} trunk slots of {} (pieces of {}), resident norms and biases of the split units {}, {MIN_EXPERT_SLOTS} expert slots of {}",
-                        fmt_gb(input.states_bytes),
-                        fmt_gb(input.scratch_bytes),
-                        p.ring_slots,
-                        fmt_gb(p.slot(piece)),
-                        fmt_gb(piece),
-                        fmt_gb(p.small(piece)),
-                        fmt_gb(input.expert_slot_bytes)
-                    )
-                }
-                None => format!(
-                    "states and KV cache {:.3} GB, scratch {:.3} GB, {ring_slots} trunk slots of {:.3} GB, {pool_min} expert slots of {:.4} GB",
-                    to_gb(input.states_bytes),
-                    to_gb(input.scratch_bytes),
-                    to_gb(largest),
-                    to_gb(input.expert_slot_bytes)
-                ),
-            };
+            let detail = refusal_detail(input, pieces.as_ref(), forced, ring_slots, pool_min, largest);
             // Rounded up, so the number printed is a budget that is accepted.
             let min_gb = (to_gb(minimum) * 1e4).ceil() / 1e4;
             return Err(PlanError::BelowMinimum { budget_gb: to_gb(input.budget), min_gb, detail });
@@ -348,6 +327,40 @@ pub fn fmt_gb(bytes: u64) -> String {
     }
     let decimals = (2 - gb.log10().floor() as i32).clamp(0, 12) as usize;
     format!("{gb:.decimals$} GB")
+}
+
+/// The parts of the minimum, for the refusal of a budget below it.
+fn refusal_detail(
+    input: &PlanInput,
+    pieces: Option<&Pieces<'_>>,
+    forced: Option<u64>,
+    ring_slots: usize,
+    pool_min: usize,
+    largest: u64,
+) -> String {
+    let to_gb = |b: u64| b as f64 / GB;
+    match pieces {
+        Some(p) => {
+            let piece = forced.unwrap_or(p.input.min_piece_bytes);
+            format!(
+                "states and KV cache {}, scratch {}, {} trunk slots of {} (pieces of {}), resident norms and biases of the split units {}, {MIN_EXPERT_SLOTS} expert slots of {}",
+                fmt_gb(input.states_bytes),
+                fmt_gb(input.scratch_bytes),
+                p.ring_slots,
+                fmt_gb(p.slot(piece)),
+                fmt_gb(piece),
+                fmt_gb(p.small(piece)),
+                fmt_gb(input.expert_slot_bytes)
+            )
+        }
+        None => format!(
+            "states and KV cache {:.3} GB, scratch {:.3} GB, {ring_slots} trunk slots of {:.3} GB, {pool_min} expert slots of {:.4} GB",
+            to_gb(input.states_bytes),
+            to_gb(input.scratch_bytes),
+            to_gb(largest),
+            to_gb(input.expert_slot_bytes)
+        ),
+    }
 }
 
 type Unit = (PackUnit, u64);
