@@ -57,6 +57,11 @@ impl Shared {
         self.pending.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| (p < limit).then_some(p + 1)).is_ok()
     }
 
+    /// Whether `limit` requests are already pending (a hint: [`Shared::try_admit`] decides).
+    pub fn is_full(&self, limit: usize) -> bool {
+        self.pending.load(Ordering::Acquire) >= limit
+    }
+
     /// A request admitted by [`Shared::try_admit`] is done.
     pub fn release(&self) {
         let _ = self.pending.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| p.checked_sub(1));

@@ -174,6 +174,25 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, 
 
 async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Result<Response, ApiError> {
     authorize(app, headers)?;
+    let capacity = app.slots.saturating_add(app.max_queue);
+    let full = || {
+        ApiError::queue_full(
+            format!(
+                "the server is full: {} requests running and {} waiting (--max-queue); retry later",
+                app.slots, app.max_queue
+            ),
+            1,
+        )
+    };
+    // A full server refuses before reading the body: it spends neither time nor memory on an
+    // upload it would refuse. Admission itself comes after parsing, so a malformed request
+    // never holds a place.
+    if app.shared.shutting_down() {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    if app.shared.is_full(capacity) {
+        return Err(full());
+    }
     let body = read_body(app, headers, body).await?;
     let job = match kind {
         Kind::Completion => completion_job(&body, &app.limits)?,
@@ -182,14 +201,8 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
     if app.shared.shutting_down() {
         return Err(ApiError::unavailable("the server is shutting down"));
     }
-    if !app.shared.try_admit(app.slots.saturating_add(app.max_queue)) {
-        return Err(ApiError::queue_full(
-            format!(
-                "the server is full: {} requests running and {} waiting (--max-queue); retry later",
-                app.slots, app.max_queue
-            ),
-            1,
-        ));
+    if !app.shared.try_admit(capacity) {
+        return Err(full());
     }
     let (tx, mut rx) = unbounded_channel();
     let (stream, include_usage, return_ids) = (job.stream, job.include_usage, job.return_token_ids);

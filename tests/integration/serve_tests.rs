@@ -572,6 +572,19 @@ fn serve_full_queue_gets_429_and_a_disconnect_frees_the_slot() {
     assert_eq!(v["error"]["code"], "queue_full");
     assert!(r.header("retry-after").is_some_and(|s| s.parse::<u64>().is_ok()), "{:?}", r.headers);
     assert_eq!(request(addr, "GET", "/health", &[], b"").status, 200, "health answers while full");
+    // A full server answers 429 before reading the body: this request announces one and never
+    // sends it, and still gets its answer.
+    let mut c = connect(addr);
+    c.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n",
+    )
+    .unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut head = [0u8; 64];
+    let n = c.read(&mut head).unwrap();
+    let head = String::from_utf8_lossy(&head[..n]);
+    assert!(head.starts_with("HTTP/1.1 429"), "{head}");
+    drop(c);
     // A leaves mid-stream: its slot goes to B at the next step.
     drop(a);
     wait_until("B running", || metric(addr, "k3ring_queue_length") == 0.0);
