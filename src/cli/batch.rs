@@ -17,7 +17,7 @@ use serde::Serialize;
 use super::budget::name_budget_flag;
 use super::pipeline_flags::PipelineArgs;
 use super::run::{print_streaming_summary, streaming_run, typed_budget_flag};
-use super::startup::{start_up, Started, StartupFlags};
+use super::startup::{start_up, startup_flags, Started};
 use super::StorageArgs;
 use crate::config::Config;
 use crate::engine::requests::{parse_request_line, RequestDefaults};
@@ -132,14 +132,7 @@ struct Summary<'a> {
 }
 
 pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
-    let flags = StartupFlags {
-        isa: &args.isa,
-        model: args.model.as_deref(),
-        streaming: args.storage.trunk.is_some(),
-        given: &args.given,
-        pipeline: &args.pipeline,
-        threads: args.threads,
-    };
+    let flags = startup_flags!(args);
     if args.pipeline.dump_trace.is_some() {
         return Err(UsageError(
             "--dump-trace records the routing of one sequence; use `k3ring run` for it, not batch".into(),

@@ -13,7 +13,7 @@ use anyhow::Context;
 
 use super::budget::name_budget_flag;
 use super::run::{streaming_run, typed_budget_flag};
-use super::startup::{start_up, Started, StartupFlags};
+use super::startup::{start_up, startup_flags, Started};
 use super::{parse_chunk, parse_probability, parse_temperature, StorageArgs};
 use crate::chat::parse::{Channel, Event};
 use crate::chat::template::{Effort, Specials, Thinking};
@@ -91,14 +91,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     if args.max_tokens == 0 {
         return Err(UsageError("--max-tokens 0 leaves no room for a reply".into()).into());
     }
-    let flags = StartupFlags {
-        isa: &args.isa,
-        model: args.model.as_deref(),
-        streaming: args.storage.trunk.is_some(),
-        given: &args.given,
-        pipeline: &args.pipeline,
-        threads: args.threads,
-    };
+    let flags = startup_flags!(args);
     let Some(Started { kernels, model_dir, placement }) = start_up(&flags)? else {
         return Ok(());
     };

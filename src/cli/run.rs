@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::budget::name_budget_flag;
 use super::output::JsonOut;
 use super::pipeline_flags::PipelineArgs;
-use super::startup::{start_up, Started, StartupFlags};
+use super::startup::{start_up, startup_flags, Started};
 use super::{RunArgs, StorageArgs};
 use crate::engine::{
     context_needed, open_resident, open_streaming, peak_rss_bytes, state_file, ChatSession, Fingerprint,
@@ -57,14 +57,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
 /// `run`, naming `budget_flag` (when given) rather than run's own budget flags if the plan refuses
 /// the budget: the demo's budget comes from its `--budget-share`.
 pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> anyhow::Result<()> {
-    let flags = StartupFlags {
-        isa: &args.isa,
-        model: args.model.as_deref(),
-        streaming: args.storage.trunk.is_some(),
-        given: &args.given,
-        pipeline: &args.pipeline,
-        threads: args.threads,
-    };
+    let flags = startup_flags!(args);
     let Some(Started { kernels, model_dir, placement }) = start_up(&flags)? else {
         return Ok(());
     };

@@ -25,6 +25,23 @@ pub struct StartupFlags<'a> {
     pub threads: usize,
 }
 
+/// The [`StartupFlags`] of a subcommand's arguments: every generating subcommand names these
+/// fields alike (`isa`, `model`, `storage.trunk`, `given`, `pipeline`, `threads`), so one
+/// definition reads them for all.
+macro_rules! startup_flags {
+    ($args:expr) => {
+        $crate::cli::startup::StartupFlags {
+            isa: &$args.isa,
+            model: $args.model.as_deref(),
+            streaming: $args.storage.trunk.is_some(),
+            given: &$args.given,
+            pipeline: &$args.pipeline,
+            threads: $args.threads,
+        }
+    };
+}
+pub(super) use startup_flags;
+
 /// What start-up resolved.
 #[derive(Debug)]
 pub struct Started {

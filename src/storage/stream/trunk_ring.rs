@@ -22,7 +22,7 @@ use crate::storage::stream::arena::FileRange;
 pub(super) struct RingSlot {
     slot: Slot,
     /// The ring item it holds or is reading.
-    unit: Option<usize>,
+    item: Option<usize>,
     /// Guards alive over the slot's bytes.
     users: usize,
 }
@@ -39,7 +39,7 @@ pub(super) struct TrunkRing {
 impl TrunkRing {
     pub fn new(slots: Vec<Slot>, items: usize, streamed_order: Vec<usize>, readahead: usize) -> TrunkRing {
         TrunkRing {
-            slots: slots.into_iter().map(|slot| RingSlot { slot, unit: None, users: 0 }).collect(),
+            slots: slots.into_iter().map(|slot| RingSlot { slot, item: None, users: 0 }).collect(),
             verified: vec![false; items],
             streamed_order,
             readahead,
@@ -52,9 +52,9 @@ impl TrunkRing {
 
     /// Item `unit` and the `readahead` items after it, in use order (wrapping to the next
     /// token).
-    fn window(&self, unit: usize) -> Vec<usize> {
+    fn window(&self, item: usize) -> Vec<usize> {
         let n = self.streamed_order.len();
-        let Some(pos) = self.streamed_order.iter().position(|&u| u == unit) else { return vec![unit] };
+        let Some(pos) = self.streamed_order.iter().position(|&u| u == item) else { return vec![item] };
         (0..=self.readahead.min(n.saturating_sub(1))).map(|i| self.streamed_order[(pos + i) % n]).collect()
     }
 }
@@ -157,7 +157,7 @@ impl Store {
         }
         let item = self.items.whole[u]?;
         let mut ring = lock(&self.ring);
-        let slot = ring.slots.iter().position(|s| s.unit == Some(item))?;
+        let slot = ring.slots.iter().position(|s| s.item == Some(item))?;
         let s = &mut ring.slots[slot];
         if let Some(t) = s.slot.ticket() {
             // Seen done and successful here, so the next waiter finds it filled; a failure stays
@@ -181,15 +181,15 @@ impl Store {
         let (slot, ticket) = {
             let mut ring = lock(&self.ring);
             let window = ring.window(item);
-            let slot = match ring.slots.iter().position(|s| s.unit == Some(item)) {
+            let slot = match ring.slots.iter().position(|s| s.item == Some(item)) {
                 Some(s) => s,
-                None => self.start_unit_read(&mut ring, item, &window, Priority::Demand)?,
+                None => self.start_item_read(&mut ring, item, &window, Priority::Demand)?,
             };
             ring.slots[slot].users += 1;
             let ticket = ring.slots[slot].slot.ticket();
             for &next in window.iter().skip(1) {
-                if !ring.slots.iter().any(|s| s.unit == Some(next))
-                    && self.start_unit_read(&mut ring, next, &window, Priority::Prefetch).is_err()
+                if !ring.slots.iter().any(|s| s.item == Some(next))
+                    && self.start_item_read(&mut ring, next, &window, Priority::Prefetch).is_err()
                 {
                     break;
                 }
@@ -200,7 +200,7 @@ impl Store {
             let mut ring = lock(&this.ring);
             let s = &mut ring.slots[slot];
             s.users -= 1;
-            s.unit = None;
+            s.item = None;
             if ticket.is_some() && s.slot.ticket() == ticket {
                 s.slot.abandon();
             } else {
@@ -269,15 +269,15 @@ impl Store {
     }
 
     /// Picks a ring slot no guard holds and no item of `window` occupies, and starts reading
-    /// ring item `unit`.
-    fn start_unit_read(
+    /// ring item `item`.
+    fn start_item_read(
         &self,
         ring: &mut TrunkRing,
-        unit: usize,
+        item: usize,
         window: &[usize],
         priority: Priority,
     ) -> Result<usize, SourceError> {
-        let outside = |s: &RingSlot| s.users == 0 && s.unit.is_none_or(|u| !window.contains(&u));
+        let outside = |s: &RingSlot| s.users == 0 && s.item.is_none_or(|i| !window.contains(&i));
         let slot = ring
             .slots
             .iter()
@@ -292,7 +292,7 @@ impl Store {
             let _ = self.wait_io(t, None);
             s.slot.abandon();
         }
-        let it: &RingItem = &self.items.items[unit];
+        let it: &RingItem = &self.items.items[item];
         let u = &self.pack.units[it.unit];
         let ticket: Ticket = self.reads.reserve();
         let target = s.slot.start_read(ticket);
@@ -300,7 +300,7 @@ impl Store {
         let range = FileRange { file: self.pack.pack_file, offset: it.read_offset, len, min_len: len };
         let op = self.arena.op(target, 0, range, unit_meta(u, priority));
         self.reads.submit(priority, vec![(ticket, vec![op])]);
-        s.unit = Some(unit);
+        s.item = Some(item);
         let mut stats = lock(&self.stats);
         stats.trunk_bytes_read += it.read_len;
         stats.trunk_reads += 1;
