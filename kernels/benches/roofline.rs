@@ -3,8 +3,9 @@
 //! as GFLOP/s over the FMA peak (independent `vfmadd` chains on every thread).
 //!
 //! `cargo bench -p k3ring-kernels --bench roofline [-- --threads N --repeats N --isa NAME
-//! --only bf16|mxfp4 --tokens 1,2,...]` (`--only` and `--tokens` restrict the kernel rows; the
-//! limits are always measured).
+//! --only bf16|mxfp4 --tokens 1,2,... --hot]` (`--only` and `--tokens` restrict the kernel rows;
+//! the limits are always measured; `--hot` adds MXFP4 rows of a 256x3584 matrix that stays in L2,
+//! 100 products per timing: the kernel's rate when memory is not the limit).
 //!
 //! Every number is the median of `--repeats` timings (default 9); the triad and the FMA peak are
 //! measured before and after the kernels and the better of the two medians is the limit, so a
@@ -30,10 +31,13 @@ struct Options {
     only: Option<String>,
     /// Token counts to measure (default 1, 2, 3, 4, 16; bf16 skips 3).
     tokens: Vec<usize>,
+    /// Also measure an L2-resident MXFP4 matrix.
+    hot: bool,
 }
 
 fn options() -> Options {
-    let mut o = Options { threads: 2, repeats: 9, isa: Isa::best(), only: None, tokens: vec![1, 2, 3, 4, 16] };
+    let mut o =
+        Options { threads: 2, repeats: 9, isa: Isa::best(), only: None, tokens: vec![1, 2, 3, 4, 16], hot: false };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
@@ -49,6 +53,11 @@ fn options() -> Options {
                 o.tokens = value
                     .and_then(|v| v.split(',').map(|t| t.parse().ok()).collect::<Option<Vec<usize>>>())
                     .expect("--tokens 1,2,...")
+            }
+            "--hot" => {
+                o.hot = true;
+                i += 1;
+                continue;
             }
             // cargo bench passes --bench; anything else is a criterion-style filter we ignore.
             _ => {
@@ -214,9 +223,13 @@ fn bf16_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -
 fn mxfp4_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -> Vec<Row> {
     const COPIES: usize = 8;
     let mut out = Vec::new();
-    for (rows, cols) in [(3072usize, 3584usize), (3584, 3072)] {
-        let experts = rng.mxfp4_copies(COPIES, rows, cols);
-        let bytes = rows * cols / 2 + rows * cols / 32;
+    let mut shapes = vec![(3072usize, 3584usize, COPIES, 1usize), (3584, 3072, COPIES, 1)];
+    if o.hot {
+        shapes.push((256, 3584, 1, 100));
+    }
+    for (rows, cols, copies, calls) in shapes {
+        let experts = rng.mxfp4_copies(copies, rows, cols);
+        let bytes = calls * (rows * cols / 2 + rows * cols / 32);
         // 2-4: the rows a batch step routes to one expert (issue 18).
         for t in [1usize, 2, 3, 4, 16].into_iter().filter(|t| o.tokens.contains(t)) {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
@@ -224,18 +237,20 @@ fn mxfp4_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) 
             for threads in [1, o.threads] {
                 let mut i = 0;
                 let secs = time(o.repeats, || {
-                    let (p, s) = &experts[i % COPIES];
-                    i += 1;
-                    if threads == 1 {
-                        k.matmul_mxfp4(black_box(p), black_box(s), rows, cols, black_box(&x), t, &mut y).unwrap();
-                    } else {
-                        pool.install(|| k.par_matmul_mxfp4(black_box(p), black_box(s), rows, cols, &x, t, &mut y))
-                            .unwrap();
+                    for _ in 0..calls {
+                        let (p, s) = &experts[i % copies];
+                        i += 1;
+                        if threads == 1 {
+                            k.matmul_mxfp4(black_box(p), black_box(s), rows, cols, black_box(&x), t, &mut y).unwrap();
+                        } else {
+                            pool.install(|| k.par_matmul_mxfp4(black_box(p), black_box(s), rows, cols, &x, t, &mut y))
+                                .unwrap();
+                        }
                     }
                 })
                 .as_secs_f64();
-                let name = format!("mxfp4 {rows}x{cols}");
-                out.push(Row { name, t, threads, bytes, flops: 2 * rows * cols * t, secs });
+                let name = if calls > 1 { format!("mxfp4 {rows}x{cols} hot") } else { format!("mxfp4 {rows}x{cols}") };
+                out.push(Row { name, t, threads, bytes, flops: calls * 2 * rows * cols * t, secs });
             }
         }
     }
