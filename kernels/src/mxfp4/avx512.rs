@@ -133,11 +133,12 @@ fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, xp: &[[f3
     let shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
     let mut acc = [_mm512_setzero_ps(); R];
     for g in 0..groups {
-        if g % 4 == 0 {
-            // One 64-byte line of each of the next R rows, at this group's offset.
-            for i in 0..R {
-                prefetch(packed.as_ptr().wrapping_add((R + i) * pb + g * GROUP_BYTES));
-            }
+        // The block of R rows after the next one, one line per group in address order (a block
+        // is R * groups / 4 lines: exactly one per group at R = 4, a few lines past the rows at
+        // R = 1, harmless). One block ahead or one line per row every 4 groups was slower, four
+        // blocks ahead too (the lines leave L1 before use); see docs/BENCHMARKS.md.
+        for k in 0..R.div_ceil(4) {
+            prefetch(packed.as_ptr().wrapping_add(2 * R * pb + (g * R.div_ceil(4) + k) * 64));
         }
         let x0 = load16z(&xp[2 * g]);
         let x1 = load16z(&xp[2 * g + 1]);
