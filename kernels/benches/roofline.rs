@@ -2,7 +2,10 @@
 //! single-token products as GB/s of weight bytes over the STREAM triad's GB/s, 16-token products
 //! as GFLOP/s over the FMA peak (independent `vfmadd` chains on every thread).
 //!
-//! `cargo bench -p k3ring-kernels --bench roofline [-- --threads N --repeats N --isa NAME]`
+//! `cargo bench -p k3ring-kernels --bench roofline [-- --threads N --repeats N --isa NAME
+//! --only bf16|mxfp4 --tokens 1,2,... --hot]` (`--only` and `--tokens` restrict the kernel rows;
+//! the limits are always measured; `--hot` adds MXFP4 rows of a 256x3584 matrix that stays in L2,
+//! 100 products per timing: the kernel's rate when memory is not the limit).
 //!
 //! Every number is the median of `--repeats` timings (default 9); the triad and the FMA peak are
 //! measured before and after the kernels and the better of the two medians is the limit, so a
@@ -24,10 +27,17 @@ struct Options {
     threads: usize,
     repeats: usize,
     isa: Isa,
+    /// `Some("bf16")` or `Some("mxfp4")`: only that format's rows.
+    only: Option<String>,
+    /// Token counts to measure (default 1, 2, 3, 4, 16; bf16 skips 3).
+    tokens: Vec<usize>,
+    /// Also measure an L2-resident MXFP4 matrix.
+    hot: bool,
 }
 
 fn options() -> Options {
-    let mut o = Options { threads: 2, repeats: 9, isa: Isa::best() };
+    let mut o =
+        Options { threads: 2, repeats: 9, isa: Isa::best(), only: None, tokens: vec![1, 2, 3, 4, 16], hot: false };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
@@ -36,6 +46,19 @@ fn options() -> Options {
             "--threads" => o.threads = value.and_then(|v| v.parse().ok()).expect("--threads N"),
             "--repeats" => o.repeats = value.and_then(|v| v.parse().ok()).expect("--repeats N"),
             "--isa" => o.isa = value.and_then(|v| Isa::from_name(v)).expect("--isa scalar|avx2|avx512"),
+            "--only" => {
+                o.only = Some(value.filter(|v| *v == "bf16" || *v == "mxfp4").expect("--only bf16|mxfp4").clone())
+            }
+            "--tokens" => {
+                o.tokens = value
+                    .and_then(|v| v.split(',').map(|t| t.parse().ok()).collect::<Option<Vec<usize>>>())
+                    .expect("--tokens 1,2,...")
+            }
+            "--hot" => {
+                o.hot = true;
+                i += 1;
+                continue;
+            }
             // cargo bench passes --bench; anything else is a criterion-style filter we ignore.
             _ => {
                 i += 1;
@@ -129,6 +152,41 @@ fn fma_chains(iters: usize) -> f32 {
     sum
 }
 
+/// The same with 512-bit `vfmadd` (AVX-512 F hosts only): informational, the roof keeps the
+/// 256-bit peak so that figures stay comparable with earlier runs.
+fn fma_peak_zmm(pool: &rayon::ThreadPool, repeats: usize) -> Option<f64> {
+    const ITERS: usize = 2_000_000;
+    if !Isa::Avx512.is_available() {
+        return None;
+    }
+    let threads = pool.current_num_threads();
+    let t = time(repeats, || {
+        pool.scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|_| {
+                    // SAFETY: AVX-512 availability was checked above.
+                    black_box(unsafe { fma_chains_zmm(ITERS) });
+                });
+            }
+        });
+    });
+    Some((threads * ITERS * 16 * 16 * 2) as f64 / t.as_secs_f64() / 1e9)
+}
+
+#[target_feature(enable = "avx512f")]
+fn fma_chains_zmm(iters: usize) -> f32 {
+    use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_reduce_add_ps, _mm512_set1_ps};
+    let m = _mm512_set1_ps(black_box(0.999_999));
+    let a = _mm512_set1_ps(black_box(1e-7));
+    let mut acc = [_mm512_set1_ps(0.0); 16];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_fmadd_ps(*x, m, a);
+        }
+    }
+    acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
+}
+
 struct Row {
     name: String,
     t: usize,
@@ -142,7 +200,7 @@ fn bf16_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -
     let mut out = Vec::new();
     for (rows, cols) in [(7168usize, 12288usize), (12288, 7168)] {
         let w = rng.bf16_bytes(rows * cols);
-        for t in [1usize, 2, 4, 16] {
+        for t in [1usize, 2, 4, 16].into_iter().filter(|t| o.tokens.contains(t)) {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
             let mut y = vec![0.0f32; t * rows];
             for threads in [1, o.threads] {
@@ -165,28 +223,34 @@ fn bf16_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -
 fn mxfp4_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -> Vec<Row> {
     const COPIES: usize = 8;
     let mut out = Vec::new();
-    for (rows, cols) in [(3072usize, 3584usize), (3584, 3072)] {
-        let experts = rng.mxfp4_copies(COPIES, rows, cols);
-        let bytes = rows * cols / 2 + rows * cols / 32;
+    let mut shapes = vec![(3072usize, 3584usize, COPIES, 1usize), (3584, 3072, COPIES, 1)];
+    if o.hot {
+        shapes.push((256, 3584, 1, 100));
+    }
+    for (rows, cols, copies, calls) in shapes {
+        let experts = rng.mxfp4_copies(copies, rows, cols);
+        let bytes = calls * (rows * cols / 2 + rows * cols / 32);
         // 2-4: the rows a batch step routes to one expert (issue 18).
-        for t in [1usize, 2, 3, 4, 16] {
+        for t in [1usize, 2, 3, 4, 16].into_iter().filter(|t| o.tokens.contains(t)) {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
             let mut y = vec![0.0f32; t * rows];
             for threads in [1, o.threads] {
                 let mut i = 0;
                 let secs = time(o.repeats, || {
-                    let (p, s) = &experts[i % COPIES];
-                    i += 1;
-                    if threads == 1 {
-                        k.matmul_mxfp4(black_box(p), black_box(s), rows, cols, black_box(&x), t, &mut y).unwrap();
-                    } else {
-                        pool.install(|| k.par_matmul_mxfp4(black_box(p), black_box(s), rows, cols, &x, t, &mut y))
-                            .unwrap();
+                    for _ in 0..calls {
+                        let (p, s) = &experts[i % copies];
+                        i += 1;
+                        if threads == 1 {
+                            k.matmul_mxfp4(black_box(p), black_box(s), rows, cols, black_box(&x), t, &mut y).unwrap();
+                        } else {
+                            pool.install(|| k.par_matmul_mxfp4(black_box(p), black_box(s), rows, cols, &x, t, &mut y))
+                                .unwrap();
+                        }
                     }
                 })
                 .as_secs_f64();
-                let name = format!("mxfp4 {rows}x{cols}");
-                out.push(Row { name, t, threads, bytes, flops: 2 * rows * cols * t, secs });
+                let name = if calls > 1 { format!("mxfp4 {rows}x{cols} hot") } else { format!("mxfp4 {rows}x{cols}") };
+                out.push(Row { name, t, threads, bytes, flops: calls * 2 * rows * cols * t, secs });
             }
         }
     }
@@ -202,14 +266,22 @@ fn main() {
     let bw_before = [triad(&single, o.repeats), triad(&pool, o.repeats)];
     let peak_before = [fma_peak(&single, o.repeats), fma_peak(&pool, o.repeats)];
     let mut rng = Lcg(3);
-    let mut rows = bf16_rows(k, &pool, &o, &mut rng);
-    rows.extend(mxfp4_rows(k, &pool, &o, &mut rng));
+    let mut rows = Vec::new();
+    if o.only.as_deref() != Some("mxfp4") {
+        rows.extend(bf16_rows(k, &pool, &o, &mut rng));
+    }
+    if o.only.as_deref() != Some("bf16") {
+        rows.extend(mxfp4_rows(k, &pool, &o, &mut rng));
+    }
     let bw_after = [triad(&single, o.repeats), triad(&pool, o.repeats)];
     let peak_after = [fma_peak(&single, o.repeats), fma_peak(&pool, o.repeats)];
     let bw = [bw_before[0].max(bw_after[0]), bw_before[1].max(bw_after[1])];
     let peak = [peak_before[0].max(peak_after[0]), peak_before[1].max(peak_after[1])];
     println!("isa {}  triad GB/s: 1 thread {:.1}, {} threads {:.1}", k.isa(), bw[0], o.threads, bw[1]);
     println!("      FMA peak GFLOP/s: 1 thread {:.1}, {} threads {:.1}", peak[0], o.threads, peak[1]);
+    if let (Some(z1), Some(z2)) = (fma_peak_zmm(&single, o.repeats), fma_peak_zmm(&pool, o.repeats)) {
+        println!("      zmm FMA peak GFLOP/s (not in the roof): 1 thread {z1:.1}, {} threads {z2:.1}", o.threads);
+    }
     println!("(limits: better of before/after medians; before {bw_before:.1?} / {peak_before:.1?})");
     println!();
     println!("| shape | tokens | threads | GB/s of weights | / triad | GFLOP/s | / FMA peak | roof GB/s | / roof |");

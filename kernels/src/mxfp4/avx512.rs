@@ -6,14 +6,15 @@
 //! `j` and lane `2j + 1` the high one (spec §4), and looked up with `vpermps`, which reads only
 //! the low 4 bits of each index, in the group's scale's row of [`super::SCALED`]: the 16
 //! decoded values `(sign * E2M1[mag]) * 2^(s - 127)`, built by the definition's own f32
-//! product (-0.0 for nibble 8 included). 4 operations per 16 weights. `t == 1` streams 4 rows
-//! at once, `t` of 2 to 4 too, each decoded group serving every token from registers; more tokens
-//! go through [`crate::tiled`].
+//! product (-0.0 for nibble 8 included). 4 operations per 16 weights. `t` of 2 to 4 stream 4 rows
+//! at once, each decoded group serving every token from registers; more tokens go through
+//! [`crate::tiled`]. `t == 1` (4 rows at once too) uses a cheaper decode with no widening
+//! shuffle, in a permuted lane order undone once per row ([`rows_dot`]).
 
 use std::arch::x86_64::{
     __m128i, __m512, __m512i, _mm512_cvtepu8_epi32, _mm512_fmadd_ps, _mm512_load_ps, _mm512_permutexvar_ps,
-    _mm512_setr_epi32, _mm512_setzero_ps, _mm512_srlv_epi32, _mm_loadu_si128, _mm_prefetch, _mm_unpackhi_epi8,
-    _mm_unpacklo_epi8, _MM_HINT_T0,
+    _mm512_set1_epi64, _mm512_setr_epi32, _mm512_setr_epi64, _mm512_setzero_ps, _mm512_srlv_epi32, _mm512_srlv_epi64,
+    _mm_loadu_si128, _mm_prefetch, _mm_unpackhi_epi8, _mm_unpacklo_epi8, _MM_HINT_T0,
 };
 
 use super::{GROUP, SCALED};
@@ -88,25 +89,40 @@ fn single_token(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut 
     const R: usize = 4;
     let (pb, groups) = (cols / 2, cols / GROUP);
     let (x_chunks, _) = x.as_chunks::<LANES>();
-    let decoder = Decoder::new();
+    // x in the decoder's lane order, once per call: lane p of chunk c is x[16c + PERM[p]].
+    let xp: Vec<[f32; LANES]> = x_chunks.iter().map(|c| std::array::from_fn(|p| c[PERM[p]])).collect();
     let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
     let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
     out.fill_token0_by_blocks(
-        |r| rows_dot::<R>(decoder, packed_of(r, R), scales_of(r, R), cols, x_chunks),
-        |r| rows_dot::<1>(decoder, packed_of(r, 1), scales_of(r, 1), cols, x_chunks),
+        |r| rows_dot::<R>(packed_of(r, R), scales_of(r, R), cols, &xp),
+        |r| rows_dot::<1>(packed_of(r, 1), scales_of(r, 1), cols, &xp),
     );
 }
 
-/// Canonical dots of `R` consecutive rows with one token.
+/// The one-token decoder's lane order: lane `p` of a decoded 16 holds element `PERM[p]` of its
+/// 16 columns (`p / 2 + 8 * (p % 2)`), and so accumulates canonical lane `PERM[p]`.
+const PERM: [usize; LANES] = {
+    let mut p = [0; LANES];
+    let mut i = 0;
+    while i < LANES {
+        p[i] = i / 2 + 8 * (i % 2);
+        i += 1;
+    }
+    p
+};
+
+/// Canonical dots of `R` consecutive rows with one token, `xp` in [`PERM`] order.
+///
+/// Each 8 packed bytes (16 elements; element `e` is bits `4e..4e + 4` of the little-endian
+/// u64) are broadcast to every qword straight from memory (a load, no shuffle), and qword `m`
+/// is shifted right by `4m`: its low dword then starts with element `m` and its high dword with
+/// element `8 + m`, i.e. lane `p` starts with element `PERM[p]`; `vpermps` reads those 4 bits in
+/// the scale's row of `SCALED`. 3 vector operations per 16 weights (shift, permute, FMA) instead
+/// of 5. Lane `p` receives the columns of canonical lane `PERM[p]` in increasing order, so
+/// un-permuting each accumulator once before the tree gives the canonical bits.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn rows_dot<const R: usize>(
-    decoder: Decoder,
-    packed: &[u8],
-    scales: &[u8],
-    cols: usize,
-    x_chunks: &[[f32; LANES]],
-) -> [f32; R] {
+fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, xp: &[[f32; LANES]]) -> [f32; R] {
     let (pb, groups) = (cols / 2, cols / GROUP);
     let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
     let mut srows: [&[u8]; R] = [&[]; R];
@@ -114,25 +130,35 @@ fn rows_dot<const R: usize>(
         rows[i] = packed[i * pb..][..pb].as_chunks::<GROUP_BYTES>().0;
         srows[i] = &scales[i * groups..][..groups];
     }
+    let shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
     let mut acc = [_mm512_setzero_ps(); R];
     for g in 0..groups {
-        if g % 4 == 0 {
-            // One 64-byte line of each of the next R rows, at this group's offset.
-            for i in 0..R {
-                prefetch(packed.as_ptr().wrapping_add((R + i) * pb + g * GROUP_BYTES));
-            }
+        // The block of R rows after the next one, one line per group in address order (a block
+        // is R * groups / 4 lines: exactly one per group at R = 4, a few lines past the rows at
+        // R = 1, harmless). One block ahead or one line per row every 4 groups was slower, four
+        // blocks ahead too (the lines leave L1 before use); see docs/BENCHMARKS.md.
+        for k in 0..R.div_ceil(4) {
+            prefetch(packed.as_ptr().wrapping_add(2 * R * pb + (g * R.div_ceil(4) + k) * 64));
         }
-        let x0 = load16z(&x_chunks[2 * g]);
-        let x1 = load16z(&x_chunks[2 * g + 1]);
+        let x0 = load16z(&xp[2 * g]);
+        let x1 = load16z(&xp[2 * g + 1]);
         for i in 0..R {
-            let [w0, w1] = decoder.decode32(&rows[i][g], srows[i][g]);
+            let b = &rows[i][g];
+            let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+            let hi = u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
+            // SAFETY: a `SCALED` row is 16 floats, 64-byte aligned (see `decode32`).
+            let values = unsafe { _mm512_load_ps(SCALED[usize::from(srows[i][g])].0.as_ptr()) };
+            let w0 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(lo as i64), shifts), values);
+            let w1 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(hi as i64), shifts), values);
             acc[i] = _mm512_fmadd_ps(w0, x0, acc[i]);
             acc[i] = _mm512_fmadd_ps(w1, x1, acc[i]);
         }
     }
+    // Canonical lane l sits in lane PERM^-1(l): 2l for l < 8, 2(l - 8) + 1 above.
+    let back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     let mut sums = [0.0f32; R];
     for i in 0..R {
-        sums[i] = reduce16z(acc[i]);
+        sums[i] = reduce16z(_mm512_permutexvar_ps(back, acc[i]));
     }
     sums
 }
