@@ -89,13 +89,11 @@ fn single_token(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut 
     const R: usize = 4;
     let (pb, groups) = (cols / 2, cols / GROUP);
     let (x_chunks, _) = x.as_chunks::<LANES>();
-    // x in the decoder's lane order, once per call: lane p of chunk c is x[16c + PERM[p]].
-    let xp: Vec<[f32; LANES]> = x_chunks.iter().map(|c| std::array::from_fn(|p| c[PERM[p]])).collect();
     let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
     let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
     out.fill_token0_by_blocks(
-        |r| rows_dot::<R>(packed_of(r, R), scales_of(r, R), cols, &xp),
-        |r| rows_dot::<1>(packed_of(r, 1), scales_of(r, 1), cols, &xp),
+        |r| rows_dot::<R>(packed_of(r, R), scales_of(r, R), cols, x_chunks),
+        |r| rows_dot::<1>(packed_of(r, 1), scales_of(r, 1), cols, x_chunks),
     );
 }
 
@@ -111,7 +109,7 @@ const PERM: [usize; LANES] = {
     p
 };
 
-/// Canonical dots of `R` consecutive rows with one token, `xp` in [`PERM`] order.
+/// Canonical dots of `R` consecutive rows with one token.
 ///
 /// Each 8 packed bytes (16 elements; element `e` is bits `4e..4e + 4` of the little-endian
 /// u64) are broadcast to every qword straight from memory (a load, no shuffle), and qword `m`
@@ -119,10 +117,12 @@ const PERM: [usize; LANES] = {
 /// element `8 + m`, i.e. lane `p` starts with element `PERM[p]`; `vpermps` reads those 4 bits in
 /// the scale's row of `SCALED`. 3 vector operations per 16 weights (shift, permute, FMA) instead
 /// of 5. Lane `p` receives the columns of canonical lane `PERM[p]` in increasing order, so
-/// un-permuting each accumulator once before the tree gives the canonical bits.
+/// un-permuting each accumulator once before the tree gives the canonical bits. x is put in
+/// the same order in registers, once per group for the `R` rows (no buffer: the product must
+/// not allocate, `tests/alloc`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, xp: &[[f32; LANES]]) -> [f32; R] {
+fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks: &[[f32; LANES]]) -> [f32; R] {
     let (pb, groups) = (cols / 2, cols / GROUP);
     let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
     let mut srows: [&[u8]; R] = [&[]; R];
@@ -131,6 +131,8 @@ fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, xp: &[[f3
         srows[i] = &scales[i * groups..][..groups];
     }
     let shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+    let to_perm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    debug_assert!((0..LANES).all(|p| PERM[p] == [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15][p]));
     let mut acc = [_mm512_setzero_ps(); R];
     for g in 0..groups {
         // The block of R rows after the next one, one line per group in address order (a block
@@ -140,8 +142,10 @@ fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, xp: &[[f3
         for k in 0..R.div_ceil(4) {
             prefetch(packed.as_ptr().wrapping_add(2 * R * pb + (g * R.div_ceil(4) + k) * 64));
         }
-        let x0 = load16z(&xp[2 * g]);
-        let x1 = load16z(&xp[2 * g + 1]);
+        // x in the decoder's lane order (lane p holds column PERM[p]), once per group for all R
+        // rows: no copy of x, and so no allocation, per call.
+        let x0 = _mm512_permutexvar_ps(to_perm, load16z(&x_chunks[2 * g]));
+        let x1 = _mm512_permutexvar_ps(to_perm, load16z(&x_chunks[2 * g + 1]));
         for i in 0..R {
             let b = &rows[i][g];
             let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
