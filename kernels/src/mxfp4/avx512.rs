@@ -177,20 +177,20 @@ fn few_tokens<const T: usize>(packed: &[u8], scales: &[u8], cols: usize, x: &[f3
     const R: usize = 4;
     let (pb, groups) = (cols / 2, cols / GROUP);
     let x_chunks: [&[[f32; LANES]]; T] = std::array::from_fn(|k| x[k * cols..][..cols].as_chunks::<LANES>().0);
-    let decoder = Decoder::new();
     let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
     let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
     out.fill_tokens_by_blocks(
-        |r| rows_dot_tokens::<R, T>(decoder, packed_of(r, R), scales_of(r, R), cols, &x_chunks),
-        |r| rows_dot_tokens::<1, T>(decoder, packed_of(r, 1), scales_of(r, 1), cols, &x_chunks),
+        |r| rows_dot_tokens::<R, T>(packed_of(r, R), scales_of(r, R), cols, &x_chunks),
+        |r| rows_dot_tokens::<1, T>(packed_of(r, 1), scales_of(r, 1), cols, &x_chunks),
     );
 }
 
-/// Canonical dots of `R` consecutive rows with each of `T` tokens: `[token][row]`.
+/// Canonical dots of `R` consecutive rows with each of `T` tokens: `[token][row]`, with the
+/// one-token path's decode and lane order ([`rows_dot`]): every token's x is put in that order in
+/// registers once per group, and every accumulator put back once before its tree.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn rows_dot_tokens<const R: usize, const T: usize>(
-    decoder: Decoder,
     packed: &[u8],
     scales: &[u8],
     cols: usize,
@@ -203,31 +203,39 @@ fn rows_dot_tokens<const R: usize, const T: usize>(
         rows[i] = packed[i * pb..][..pb].as_chunks::<GROUP_BYTES>().0;
         srows[i] = &scales[i * groups..][..groups];
     }
+    let shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+    let to_perm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
     let mut acc = [[_mm512_setzero_ps(); R]; T];
     for g in 0..groups {
-        if g % 4 == 0 {
-            for i in 0..R {
-                prefetch(packed.as_ptr().wrapping_add((R + i) * pb + g * GROUP_BYTES));
-            }
+        // As in `rows_dot`: the block of R rows after the next one, one line per group.
+        for k in 0..R.div_ceil(4) {
+            prefetch(packed.as_ptr().wrapping_add(2 * R * pb + (g * R.div_ceil(4) + k) * 64));
         }
         let mut x0 = [_mm512_setzero_ps(); T];
         let mut x1 = [_mm512_setzero_ps(); T];
         for k in 0..T {
-            x0[k] = load16z(&x_chunks[k][2 * g]);
-            x1[k] = load16z(&x_chunks[k][2 * g + 1]);
+            x0[k] = _mm512_permutexvar_ps(to_perm, load16z(&x_chunks[k][2 * g]));
+            x1[k] = _mm512_permutexvar_ps(to_perm, load16z(&x_chunks[k][2 * g + 1]));
         }
         for i in 0..R {
-            let [w0, w1] = decoder.decode32(&rows[i][g], srows[i][g]);
+            let b = &rows[i][g];
+            let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+            let hi = u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
+            // SAFETY: a `SCALED` row is 16 floats, 64-byte aligned (see `decode32`).
+            let values = unsafe { _mm512_load_ps(SCALED[usize::from(srows[i][g])].0.as_ptr()) };
+            let w0 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(lo as i64), shifts), values);
+            let w1 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(hi as i64), shifts), values);
             for k in 0..T {
                 acc[k][i] = _mm512_fmadd_ps(w0, x0[k], acc[k][i]);
                 acc[k][i] = _mm512_fmadd_ps(w1, x1[k], acc[k][i]);
             }
         }
     }
+    let back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     let mut sums = [[0.0f32; R]; T];
     for k in 0..T {
         for i in 0..R {
-            sums[k][i] = reduce16z(acc[k][i]);
+            sums[k][i] = reduce16z(_mm512_permutexvar_ps(back, acc[k][i]));
         }
     }
     sums
