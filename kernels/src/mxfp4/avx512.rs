@@ -6,10 +6,10 @@
 //! `j` and lane `2j + 1` the high one (spec §4), and looked up with `vpermps`, which reads only
 //! the low 4 bits of each index, in the group's scale's row of [`super::SCALED`]: the 16
 //! decoded values `(sign * E2M1[mag]) * 2^(s - 127)`, built by the definition's own f32
-//! product (-0.0 for nibble 8 included). 4 operations per 16 weights. `t` of 2 to 4 stream 4 rows
-//! at once, each decoded group serving every token from registers; more tokens go through
-//! [`crate::tiled`]. `t == 1` (4 rows at once too) uses a cheaper decode with no widening
-//! shuffle, in a permuted lane order undone once per row ([`rows_dot`]).
+//! product (-0.0 for nibble 8 included). 4 operations per 16 weights. More than 4 tokens go
+//! through [`crate::tiled`] with that decode. 1 to 4 tokens stream 4 rows at once with a cheaper
+//! one, no widening shuffle, in a permuted lane order undone once per accumulator
+//! ([`rows_dot`], [`rows_dot_tokens`]), each decoded group serving every token from registers.
 
 use std::arch::x86_64::{
     __m128i, __m512, __m512i, _mm512_cvtepu8_epi32, _mm512_fmadd_ps, _mm512_load_ps, _mm512_permutexvar_ps,

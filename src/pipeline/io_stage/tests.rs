@@ -123,12 +123,16 @@ fn needed_busy_time_counts_demand_and_read_ahead_not_guesses() {
     let (io, gate, arena) = stage();
     let (_, before) = io.needed_busy();
     let demand = send(&io, &arena, Priority::Demand, 0, 1);
+    // From the moment the read reached the device: on a loaded machine the I/O thread may take
+    // a while to pick it up, and only then does the needed-busy period start.
+    gate.offsets_after(1);
     std::thread::sleep(Duration::from_millis(30));
     gate.release(1);
     wait_done(&io, demand);
     let after_demand = needed_busy_once_closed(&io);
     assert!(after_demand - before >= 30_000_000, "the demand read was outstanding 30 ms or more");
     let guess = send(&io, &arena, Priority::Guess, 64 << 10, 1);
+    gate.offsets_after(2);
     std::thread::sleep(Duration::from_millis(30));
     gate.release(1);
     wait_done(&io, guess);
