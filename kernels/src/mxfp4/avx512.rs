@@ -109,62 +109,12 @@ const PERM: [usize; LANES] = {
     p
 };
 
-/// Canonical dots of `R` consecutive rows with one token.
-///
-/// Each 8 packed bytes (16 elements; element `e` is bits `4e..4e + 4` of the little-endian
-/// u64) are broadcast to every qword straight from memory (a load, no shuffle), and qword `m`
-/// is shifted right by `4m`: its low dword then starts with element `m` and its high dword with
-/// element `8 + m`, i.e. lane `p` starts with element `PERM[p]`; `vpermps` reads those 4 bits in
-/// the scale's row of `SCALED`. 3 vector operations per 16 weights (shift, permute, FMA) instead
-/// of 5. Lane `p` receives the columns of canonical lane `PERM[p]` in increasing order, so
-/// un-permuting each accumulator once before the tree gives the canonical bits. x is put in
-/// the same order in registers, once per group for the `R` rows (no buffer: the product must
-/// not allocate, `tests/alloc`).
+/// Canonical dots of `R` consecutive rows with one token: the few-token walk at one token
+/// (the same decode, prefetch and un-permute; the compiler unrolls its token loops away).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks: &[[f32; LANES]]) -> [f32; R] {
-    let (pb, groups) = (cols / 2, cols / GROUP);
-    let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
-    let mut srows: [&[u8]; R] = [&[]; R];
-    for i in 0..R {
-        rows[i] = packed[i * pb..][..pb].as_chunks::<GROUP_BYTES>().0;
-        srows[i] = &scales[i * groups..][..groups];
-    }
-    let shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
-    let to_perm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    debug_assert!((0..LANES).all(|p| PERM[p] == [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15][p]));
-    let mut acc = [_mm512_setzero_ps(); R];
-    for g in 0..groups {
-        // The block of R rows after the next one, one line per group in address order (a block
-        // is R * groups / 4 lines: exactly one per group at R = 4, a few lines past the rows at
-        // R = 1, harmless). One block ahead or one line per row every 4 groups was slower, four
-        // blocks ahead too (the lines leave L1 before use); see docs/BENCHMARKS.md.
-        for k in 0..R.div_ceil(4) {
-            prefetch(packed.as_ptr().wrapping_add(2 * R * pb + (g * R.div_ceil(4) + k) * 64));
-        }
-        // x in the decoder's lane order (lane p holds column PERM[p]), once per group for all R
-        // rows: no copy of x, and so no allocation, per call.
-        let x0 = _mm512_permutexvar_ps(to_perm, load16z(&x_chunks[2 * g]));
-        let x1 = _mm512_permutexvar_ps(to_perm, load16z(&x_chunks[2 * g + 1]));
-        for i in 0..R {
-            let b = &rows[i][g];
-            let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
-            let hi = u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
-            // SAFETY: a `SCALED` row is 16 floats, 64-byte aligned (see `decode32`).
-            let values = unsafe { _mm512_load_ps(SCALED[usize::from(srows[i][g])].0.as_ptr()) };
-            let w0 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(lo as i64), shifts), values);
-            let w1 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(hi as i64), shifts), values);
-            acc[i] = _mm512_fmadd_ps(w0, x0, acc[i]);
-            acc[i] = _mm512_fmadd_ps(w1, x1, acc[i]);
-        }
-    }
-    // Canonical lane l sits in lane PERM^-1(l): 2l for l < 8, 2(l - 8) + 1 above.
-    let back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    let mut sums = [0.0f32; R];
-    for i in 0..R {
-        sums[i] = reduce16z(_mm512_permutexvar_ps(back, acc[i]));
-    }
-    sums
+    rows_dot_tokens::<R, 1>(packed, scales, cols, &[x_chunks])[0]
 }
 
 /// `t` tokens, `2 <= t <= 4` (the rows a batch step routes to one expert): each group is decoded
@@ -185,9 +135,17 @@ fn few_tokens<const T: usize>(packed: &[u8], scales: &[u8], cols: usize, x: &[f3
     );
 }
 
-/// Canonical dots of `R` consecutive rows with each of `T` tokens: `[token][row]`, with the
-/// one-token path's decode and lane order ([`rows_dot`]): every token's x is put in that order in
-/// registers once per group, and every accumulator put back once before its tree.
+/// Canonical dots of `R` consecutive rows with each of `T` tokens: `[token][row]`.
+///
+/// Each 8 packed bytes (16 elements; element `e` is bits `4e..4e + 4` of the little-endian
+/// u64) are broadcast to every qword straight from memory (a load, no shuffle), and qword `m`
+/// is shifted right by `4m`: its low dword then starts with element `m` and its high dword with
+/// element `8 + m`, i.e. lane `p` starts with element `PERM[p]`; `vpermps` reads those 4 bits in
+/// the scale's row of `SCALED`. 3 vector operations per 16 weights (shift, permute, FMA) instead
+/// of 5. Lane `p` receives the columns of canonical lane `PERM[p]` in increasing order, so
+/// un-permuting each accumulator once before the tree gives the canonical bits. Every token's
+/// x is put in the same order in registers, once per group for the `R` rows (no buffer: the
+/// product must not allocate, `tests/alloc`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn rows_dot_tokens<const R: usize, const T: usize>(
@@ -205,9 +163,13 @@ fn rows_dot_tokens<const R: usize, const T: usize>(
     }
     let shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
     let to_perm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    debug_assert!((0..LANES).all(|p| PERM[p] == [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15][p]));
     let mut acc = [[_mm512_setzero_ps(); R]; T];
     for g in 0..groups {
-        // As in `rows_dot`: the block of R rows after the next one, one line per group.
+        // The block of R rows after the next one, one line per group in address order (a block
+        // is R * groups / 4 lines: exactly one per group at R = 4, a few lines past the rows at
+        // R = 1, harmless). One block ahead or one line per row every 4 groups was slower, four
+        // blocks ahead too (the lines leave L1 before use); see docs/BENCHMARKS.md.
         for k in 0..R.div_ceil(4) {
             prefetch(packed.as_ptr().wrapping_add(2 * R * pb + (g * R.div_ceil(4) + k) * 64));
         }
