@@ -1,0 +1,229 @@
+//! The planner's tests: budgets, sequences, pieces, presets.
+#![allow(clippy::unwrap_used)]
+use super::*;
+use crate::memory::{Available, CgroupLimit};
+
+#[test]
+fn plan_sizes_print_in_gb_to_three_significant_digits() {
+    assert_eq!(fmt_gb(1_380_000), "0.00138 GB");
+    assert_eq!(fmt_gb(1_170_000_000), "1.17 GB");
+    assert_eq!(fmt_gb(123_400_000_000), "123 GB");
+    assert_eq!(fmt_gb(0), "0 GB");
+}
+
+fn input(budget: u64) -> PlanInput {
+    PlanInput {
+        budget,
+        mem_available: None,
+        units: (0..10).map(|l| (PackUnit::Layer(l), 100 + l as u64)).chain([(PackUnit::Head, 300)]).collect(),
+        expert_slot_bytes: 10,
+        experts_total: 1000,
+        top_k: 4,
+        prefetch_window: 4,
+        readahead: 1,
+        states_bytes: 50,
+        sequences: 1,
+        scratch_bytes: 50,
+        trunk_share: None,
+        pieces: None,
+    }
+}
+
+#[test]
+fn sequences_get_slots_before_pinned_trunk_and_fewer_when_the_budget_is_short() {
+    let min = 100 + 80 + 2 * 300;
+    let asked = |budget: u64, n: usize| Plan::make(&PlanInput { sequences: n, ..input(budget) }).unwrap();
+    // The minimum holds one sequence, whatever was asked.
+    let p = asked(min, 16);
+    assert_eq!((p.sequences, p.sequences_asked, p.states_bytes), (1, 16, 50));
+    assert!(p.describe().contains("1 sequences of"), "{}", p.describe());
+    // Each further 50 bytes buy one more slot, before more trunk is pinned than the minimum's.
+    let p = asked(min + 2 * 50, 16);
+    assert_eq!((p.sequences, p.states_bytes), (3, 150));
+    assert_eq!(p.pinned_bytes, asked(min, 16).pinned_bytes);
+    assert!(asked(min + 2 * 50, 1).pinned_bytes > p.pinned_bytes);
+    assert_eq!(asked(min + 2 * 50 + 49, 16).sequences, 3, "49 bytes buy no fourth slot");
+    assert!(p.planned_bytes <= p.budget_bytes);
+    // Enough for all: the rest goes to the trunk as before.
+    let p = asked(min + 15 * 50 + 500, 16);
+    assert_eq!(p.sequences, 16);
+    assert!(p.pinned_bytes > 0);
+    assert!(p.planned_bytes <= p.budget_bytes);
+    let one = asked(min + 15 * 50 + 500, 1);
+    assert!(one.pinned_bytes > p.pinned_bytes, "unused slots go to the trunk");
+}
+
+#[test]
+fn below_minimum_is_refused_with_the_minimum() {
+    let min = 100 + 80 + 2 * 300;
+    assert!(Plan::make(&input(min)).is_ok());
+    let err = Plan::make(&input(min - 1)).unwrap_err().to_string();
+    assert!(err.contains("below this model's minimum"), "{err}");
+}
+
+#[test]
+fn trunk_first_then_experts() {
+    let p = Plan::make(&input(100 + 80 + 300 + 1045 + 2000)).unwrap();
+    assert!(p.streamed.is_empty(), "{p:?}");
+    assert_eq!(p.ring_slots, 0);
+    assert_eq!(p.expert_slots, 8 + 200);
+    // 900 left after states, scratch and the minimum pool: the head (300) and the three
+    // largest layers (324) fit beside a ring of two slots for the next largest (2 x 106).
+    let p = Plan::make(&input(100 + 80 + 2 * 300 + 300)).unwrap();
+    assert_eq!(p.pinned, ["head", "layer.7", "layer.8", "layer.9"], "largest units are pinned first");
+    assert_eq!(p.ring_slot_bytes, 106);
+    assert_eq!(p.trunk_read_bytes_per_token, (100..107).sum::<u64>());
+}
+
+#[test]
+fn more_budget_never_reads_more() {
+    let mut last = u64::MAX;
+    for extra in (0..3000).step_by(37) {
+        let p = Plan::make(&input(780 + extra)).unwrap();
+        assert!(p.trunk_read_bytes_per_token <= last, "budget +{extra} reads more");
+        assert!(p.planned_bytes <= p.budget_bytes);
+        last = p.trunk_read_bytes_per_token;
+    }
+    assert_eq!(last, 0);
+}
+
+#[test]
+fn trunk_share_moves_bytes_from_trunk_to_experts() {
+    let budget = 100 + 80 + 300 + 1045 + 2000;
+    let all = Plan::make(&input(budget)).unwrap();
+    let mut half = input(budget);
+    half.trunk_share = Some(0.1);
+    let half = Plan::make(&half).unwrap();
+    assert!(half.pinned_bytes < all.pinned_bytes);
+    assert!(half.expert_slots > all.expert_slots);
+    let mut none = input(budget);
+    none.trunk_share = Some(0.0);
+    let none = Plan::make(&none).unwrap();
+    assert!(none.pinned_bytes <= half.pinned_bytes && none.expert_slots >= half.expert_slots);
+}
+
+fn pieces(forced: Option<u64>) -> PieceInput {
+    PieceInput {
+        small_bytes: (0..10).map(|l| (PackUnit::Layer(l), 3)).chain([(PackUnit::Head, 2)]).collect(),
+        min_piece_bytes: 20,
+        slack_bytes: 4,
+        forced,
+    }
+}
+
+#[test]
+fn pieces_lower_the_minimum_to_two_pieces_the_small_tensors_and_two_expert_slots() {
+    let whole_min = 100 + 80 + 2 * 300;
+    let with =
+        |budget: u64, forced: Option<u64>| Plan::make(&PlanInput { pieces: Some(pieces(forced)), ..input(budget) });
+    // states 50 + scratch 50 + small tensors of all 11 units (10 x 3 + 2) + 4 slots of
+    // (20 + 4) + 2 expert slots of 10.
+    let min = 100 + 32 + 4 * 24 + 2 * 10;
+    let p = with(min, None).unwrap();
+    assert_eq!(p.minimum_bytes, min);
+    assert_eq!((p.piece_bytes, p.ring_slots, p.ring_slot_bytes, p.expert_slots), (Some(20), 4, 24, 2));
+    // Without read-ahead (serial mode) two slots do.
+    let serial = Plan::make(&PlanInput { pieces: Some(pieces(None)), readahead: 0, ..input(min) }).unwrap();
+    assert_eq!((serial.ring_slots, serial.minimum_bytes), (2, min - 2 * 24));
+    assert_eq!(p.split.len(), 11, "every unit is larger than a piece: {p:?}");
+    assert!(p.pinned.is_empty());
+    assert_eq!(p.planned_bytes, min);
+    assert!(p.describe().contains("11 in pieces of"), "{}", p.describe());
+    let err = with(min - 1, None).unwrap_err().to_string();
+    assert!(err.contains("below this model's minimum") && err.contains("pieces of"), "{err}");
+    // More budget: larger pieces first (up to the default), then expert slots.
+    let p = with(min + 100, None).unwrap();
+    assert!(p.piece_bytes.unwrap() > 20 && p.planned_bytes <= p.budget_bytes, "{p:?}");
+    // A budget that holds whole units plans them as before, with the old floor of the pool.
+    let p = with(whole_min, None).unwrap();
+    assert_eq!((p.piece_bytes, p.minimum_bytes), (None, min));
+    assert!(p.expert_slots >= 8, "the preferred pool floor holds: {p:?}");
+    assert!(p.split.is_empty());
+}
+
+#[test]
+fn a_forced_piece_splits_whatever_is_larger_and_is_refused_below_the_smallest() {
+    let with =
+        |budget: u64, forced: Option<u64>| Plan::make(&PlanInput { pieces: Some(pieces(forced)), ..input(budget) });
+    let p = with(5000, Some(105)).unwrap();
+    assert_eq!(p.piece_bytes, Some(105));
+    // Layers 0..5 (100..105 bytes) fit a piece whole; layers 6..9 and the head are split.
+    assert_eq!(p.split, ["head", "layer.6", "layer.7", "layer.8", "layer.9"]);
+    assert_eq!(p.small_bytes, 4 * 3 + 2);
+    // Slots of 105 + 4 bytes, aligned to 2 as the arena aligns its regions.
+    assert_eq!(p.minimum_bytes, 100 + p.small_bytes + 4 * 110 + 2 * 10);
+    let err = with(5000, Some(19)).unwrap_err();
+    assert!(matches!(err, PlanError::PieceTooSmall { .. }), "{err}");
+}
+
+/// A batch asks for more sequences than the whole-unit plan holds: the extra sequences are
+/// counted against the regime that is planned, never more than the budget.
+#[test]
+fn sequences_with_pieces_never_plan_more_than_the_budget() {
+    let with = |budget: u64, n: usize| {
+        Plan::make(&PlanInput { pieces: Some(pieces(None)), sequences: n, ..input(budget) }).unwrap()
+    };
+    // 780 holds the whole-unit ring and one sequence; 16 sequences need 15 x 50 more.
+    let p = with(780, 16);
+    assert!(p.piece_bytes.is_some(), "pieces make room for more sequences: {p:?}");
+    assert!(p.sequences > 1 && p.planned_bytes <= 780, "{p:?}");
+    let p = with(780 + 15 * 50, 16);
+    assert_eq!((p.piece_bytes, p.sequences), (None, 16), "{p:?}");
+    assert!(p.planned_bytes <= p.budget_bytes);
+    for budget in (248..3000).step_by(7) {
+        for n in [1, 3, 16] {
+            let Ok(p) = Plan::make(&PlanInput { pieces: Some(pieces(None)), sequences: n, ..input(budget) }) else {
+                continue;
+            };
+            assert!(p.planned_bytes <= budget, "budget {budget}, {n} sequences: {p:?}");
+        }
+    }
+}
+
+/// A forced piece larger than every unit splits none, and huge values do not overflow.
+#[test]
+fn a_forced_piece_is_capped_at_the_largest_unit() {
+    for forced in [300, 10_000, u64::MAX] {
+        let p = Plan::make(&PlanInput { pieces: Some(pieces(Some(forced))), ..input(5000) }).unwrap();
+        assert_eq!(p.piece_bytes, Some(300), "{p:?}");
+        assert!(p.split.is_empty() && p.planned_bytes <= 5000);
+    }
+}
+
+#[test]
+fn more_budget_never_reads_more_with_pieces() {
+    let mut last = u64::MAX;
+    for budget in (200..3000).step_by(13) {
+        let Ok(p) = Plan::make(&PlanInput { pieces: Some(pieces(None)), ..input(budget) }) else { continue };
+        assert!(p.trunk_read_bytes_per_token <= last, "budget {budget} reads more");
+        assert!(p.planned_bytes <= p.budget_bytes, "{p:?}");
+        last = p.trunk_read_bytes_per_token;
+    }
+}
+
+fn available(bytes: u64) -> Option<Available> {
+    let limit = CgroupLimit { version: 2, limit_file: "/cg/memory.max".into(), limit: bytes + 5, usage: 5 };
+    crate::memory::combine(Some(u64::MAX), &[limit])
+}
+
+#[test]
+fn above_available_is_refused_naming_the_limit() {
+    let mut i = input(10_000);
+    i.mem_available = available(10_000);
+    let err = Plan::make(&i).unwrap_err();
+    assert!(matches!(err, PlanError::AboveAvailable { .. }));
+    assert!(err.to_string().contains("limited by the cgroup v2 limit /cg/memory.max"), "{err}");
+}
+
+/// `--preset max` is 95% of one reading of available memory, and the check compares against
+/// the same reading, so it never refuses its own preset (it did when memory was read twice).
+#[test]
+fn presets_pass_their_own_check() {
+    for bytes in [1_000_000u64, 1_000_099, 3_999_999_999, 123_456_789_012, 7 << 40] {
+        for preset in ["max", "auto"] {
+            let mut i = input(preset_bytes(preset, bytes).unwrap());
+            i.mem_available = available(bytes);
+            assert!(Plan::make(&i).is_ok(), "--preset {preset} at {bytes} bytes available refused");
+        }
+    }
+}
