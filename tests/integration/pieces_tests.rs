@@ -275,8 +275,13 @@ fn release_k3_minimum_budget_from_the_planner() {
 #[test]
 fn a_damaged_split_unit_is_a_data_error_naming_the_unit() {
     let trunk = pack(&tiny_dir());
-    let plan = plan_for(&tiny_dir(), trunk.path(), Some(20_000), 3);
+    // At the minimum for pieces of 20 kB nothing is pinned: layer.5 is split.
+    let min = plan_for(&tiny_dir(), trunk.path(), Some(20_000), 3).minimum_bytes;
+    let run = run_options(min, Some(20_000), 3);
+    let (_, plan) = open_streaming(&tiny_dir(), trunk.path(), &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {})
+        .unwrap();
     assert!(plan.split.contains(&"layer.5".to_owned()), "{}", plan.describe());
+    let mem_gb = format!("{:.9}", min.div_ceil(1000) as f64 / 1e6);
     let manifest = k3ring::storage::pack::Manifest::load(trunk.path()).unwrap();
     let unit = manifest.units.iter().find(|u| u.unit == "layer.5").unwrap();
     let path = trunk.path().join("trunk.pack");
@@ -290,7 +295,7 @@ fn a_damaged_split_unit_is_a_data_error_naming_the_unit() {
         "--trunk",
         trunk.path().to_str().unwrap(),
         "--mem-gb",
-        "0.01",
+        &mem_gb,
         "--piece-mb",
         "0.02",
         "--ids",

@@ -23,7 +23,9 @@ fn base_run() -> StreamingRun {
         context: prompt().len() + GEN,
         chunk: 6,
         threads: 2,
-        store: StoreOptions::default(),
+        // Units read whole (a piece as large as the largest unit): the planner would split
+        // them at this budget, and a split unit is never predicted.
+        store: StoreOptions { piece_bytes: Some(u64::MAX), ..StoreOptions::default() },
         pipeline: PipelineOptions::default(),
         prefetch_window: None,
         placement: None,

@@ -211,9 +211,12 @@ impl Plan {
             (Some(m), None) => m.min(whole_minimum),
             (None, _) => whole_minimum,
         };
-        // Whole units while the budget holds their ring, the preferred pool and every sequence
-        // asked for; below that, pieces (sequences come before the ring's size, as before
-        // pinned trunk).
+        // Whole units are possible while the budget holds their ring, the preferred pool and
+        // every sequence asked for; then the plan with fewer trunk bytes per token is taken
+        // (below). A split unit's experts are never predicted (its router is never resident
+        // whole), which costs nothing measurable while the trunk streams: the device is busy
+        // with it (docs/BENCHMARKS.md, "Speculation on by default": 1.00x at 6 GB). Below
+        // that, pieces (sequences come before the ring's size, as before pinned trunk).
         let asked = input.sequences.max(1);
         let all_sequences = (asked as u64 - 1).saturating_mul(input.states_bytes);
         let whole = forced.is_none()
@@ -232,7 +235,32 @@ impl Plan {
         let sequences = asked.min(1 + usize::try_from(more).unwrap_or(usize::MAX));
         let states_bytes = sequences as u64 * input.states_bytes;
         let fixed = states_bytes + input.scratch_bytes;
-        let base = Plan {
+        let base = Plan::empty(input, sequences, minimum);
+        let whole_of = |base: Plan| {
+            whole_plan(input, base, &units, ring_slots, pool_min, input.budget - fixed - pool_min_bytes)
+        };
+        let plan = match pieces {
+            Some(p) if !whole => p.plan(input, base, forced, pool_min, input.budget - fixed),
+            // Both fit: the ring of pieces is taken when what it frees of the whole-unit ring
+            // pins more (fewer trunk bytes per token), so more budget never reads more.
+            Some(p) => {
+                let in_pieces = p.plan(input, base.clone(), None, pool_min, input.budget - fixed);
+                let in_units = whole_of(base);
+                if in_pieces.trunk_read_bytes_per_token < in_units.trunk_read_bytes_per_token {
+                    in_pieces
+                } else {
+                    in_units
+                }
+            }
+            None => whole_of(base),
+        };
+        debug_assert!(plan.planned_bytes <= plan.budget_bytes, "{plan:?}");
+        Ok(plan)
+    }
+
+    /// A plan of `sequences` sequence slots with nothing divided yet.
+    fn empty(input: &PlanInput, sequences: usize, minimum: u64) -> Plan {
+        Plan {
             budget_bytes: input.budget,
             pinned: Vec::new(),
             streamed: Vec::new(),
@@ -241,9 +269,9 @@ impl Plan {
             ring_slot_bytes: 0,
             expert_slots: 0,
             expert_slot_bytes: input.expert_slot_bytes,
-            states_bytes,
+            states_bytes: sequences as u64 * input.states_bytes,
             sequences,
-            sequences_asked: asked,
+            sequences_asked: input.sequences.max(1),
             sequence_bytes: input.states_bytes,
             scratch_bytes: input.scratch_bytes,
             planned_bytes: 0,
@@ -256,13 +284,7 @@ impl Plan {
             pinned_units: Vec::new(),
             streamed_units: Vec::new(),
             split_units: Vec::new(),
-        };
-        let plan = match pieces {
-            Some(p) if !whole => p.plan(input, base, forced, input.budget - fixed),
-            _ => whole_plan(input, base, &units, ring_slots, pool_min, input.budget - fixed - pool_min_bytes),
-        };
-        debug_assert!(plan.planned_bytes <= plan.budget_bytes, "{plan:?}");
-        Ok(plan)
+        }
     }
 
     /// One line per part, for the console.
@@ -349,7 +371,7 @@ fn refusal_detail(
                 p.ring_slots,
                 fmt_gb(p.slot(piece)),
                 fmt_gb(piece),
-                fmt_gb(p.small(piece)),
+                fmt_gb(p.small(p.units, piece)),
                 fmt_gb(input.expert_slot_bytes)
             )
         }
@@ -414,8 +436,9 @@ fn whole_plan(
     plan
 }
 
-/// The plan below a ring of whole units: every unit streamed, those larger than a piece in
-/// row blocks through a ring of piece-sized slots, with their small tensors resident.
+/// The plan with a ring of pieces: the largest units that fit are pinned, the others streamed,
+/// those larger than a piece in row blocks through a ring of piece-sized slots, with their
+/// small tensors resident.
 struct Pieces<'a> {
     input: &'a PieceInput,
     /// Largest first.
@@ -435,46 +458,78 @@ impl Pieces<'_> {
         unit.1 > piece
     }
 
-    /// Resident small tensors of the units split at `piece`.
-    fn small(&self, piece: u64) -> u64 {
+    /// Resident small tensors of those of `units` split at `piece`.
+    fn small(&self, units: &[Unit], piece: u64) -> u64 {
         let small_of = |u: PackUnit| self.input.small_bytes.iter().find(|s| s.0 == u).map_or(0, |s| s.1);
-        let small: u64 = self.units.iter().filter(|u| self.is_split(u, piece)).map(|u| small_of(u.0)).sum();
+        let small: u64 = units.iter().filter(|u| self.is_split(u, piece)).map(|u| small_of(u.0)).sum();
         align_to(small, self.align)
     }
 
     /// Everything but states and scratch at `piece`, with the smallest expert pool.
     fn input_fixed(&self, piece: u64, input: &PlanInput) -> u64 {
-        self.small(piece)
+        self.small(self.units, piece)
             + self.ring_slots as u64 * self.slot(piece)
             + MIN_EXPERT_SLOTS as u64 * input.expert_slot_bytes
     }
 
-    /// Divides `avail` (the budget less states and scratch): the default piece, halved until it
-    /// fits beside the smallest pool (but never below the smallest piece), then expert slots.
-    fn plan(&self, input: &PlanInput, mut plan: Plan, forced: Option<u64>, avail: u64) -> Plan {
+    /// The units pinned and streamed with pieces of `piece`: the largest first, each that fits
+    /// in what the ring, the small tensors of every unit and the preferred pool leave of
+    /// `avail`. Pinning a split unit frees its small tensors too; they are not counted back,
+    /// since the arena aligns their sum: the plan stays within `avail`.
+    fn pin(&self, input: &PlanInput, piece: u64, pool_min: usize, avail: u64) -> (Vec<Unit>, Vec<Unit>) {
+        let ring = self.ring_slots as u64 * self.slot(piece);
+        let pool = pool_min.max(MIN_EXPERT_SLOTS) as u64 * input.expert_slot_bytes;
+        let room = avail.saturating_sub(ring + self.small(self.units, piece) + pool);
+        let mut left = match input.trunk_share {
+            Some(share) => (room as f64 * share.clamp(0.0, 1.0)) as u64,
+            None => room,
+        };
+        let (mut pinned, mut streamed) = (Vec::new(), Vec::new());
+        for u in self.units {
+            if u.1 <= left {
+                left -= u.1;
+                pinned.push(*u);
+            } else {
+                streamed.push(*u);
+            }
+        }
+        (pinned, streamed)
+    }
+
+    /// Divides `avail` (the budget less states and scratch). When the preferred pool
+    /// (`pool_min` slots) fits beside the ring, the largest units that fit are pinned (as much
+    /// as `trunk_share` allows); the piece is the largest (from the default, halving, never below
+    /// the smallest) that fits beside the smallest pool and pins as much as the smallest piece
+    /// would, so more budget never reads more; the rest goes to expert slots.
+    fn plan(&self, input: &PlanInput, mut plan: Plan, forced: Option<u64>, pool_min: usize, avail: u64) -> Plan {
         let min = self.input.min_piece_bytes;
         let piece = forced.unwrap_or_else(|| {
+            let most = self.pin(input, min, pool_min, avail).0.iter().map(|u| u.1).sum::<u64>();
             let mut piece = DEFAULT_PIECE_BYTES.max(min);
-            while piece > min && self.input_fixed(piece, input) > avail {
+            while piece > min
+                && (self.input_fixed(piece, input) > avail
+                    || self.pin(input, piece, pool_min, avail).0.iter().map(|u| u.1).sum::<u64>() < most)
+            {
                 piece = (piece / 2).max(min);
             }
             piece
         });
-        let fixed = self.input_fixed(piece, input) - MIN_EXPERT_SLOTS as u64 * input.expert_slot_bytes;
-        let spare = avail.saturating_sub(fixed);
-        let slots = (spare / input.expert_slot_bytes.max(1)) as usize;
-        plan.expert_slots = slots.max(MIN_EXPERT_SLOTS).min(input.experts_total.max(MIN_EXPERT_SLOTS));
-        let mut streamed: Vec<Unit> = self.units.to_vec();
+        let (mut pinned, mut streamed) = self.pin(input, piece, pool_min, avail);
+        pinned.sort_by_key(|u| u.0);
         streamed.sort_by_key(|u| u.0);
+        let pinned_bytes: u64 = pinned.iter().map(|u| u.1).sum();
         plan.ring_slots = if streamed.is_empty() { 0 } else { self.ring_slots };
-        plan.ring_slot_bytes = self.slot(piece);
-        plan.piece_bytes = Some(piece);
-        plan.small_bytes = self.small(piece);
-        plan.planned_bytes = plan.states_bytes
-            + plan.scratch_bytes
-            + plan.small_bytes
-            + plan.ring_slots as u64 * plan.ring_slot_bytes
-            + plan.expert_slots as u64 * input.expert_slot_bytes;
+        plan.ring_slot_bytes = if streamed.is_empty() { 0 } else { self.slot(piece) };
+        plan.piece_bytes = (!streamed.is_empty()).then_some(piece);
+        plan.small_bytes = self.small(&streamed, piece);
+        let used = pinned_bytes + plan.small_bytes + plan.ring_slots as u64 * plan.ring_slot_bytes;
+        let slots = (avail.saturating_sub(used) / input.expert_slot_bytes.max(1)) as usize;
+        plan.expert_slots = slots.max(MIN_EXPERT_SLOTS).min(input.experts_total.max(MIN_EXPERT_SLOTS));
+        plan.planned_bytes =
+            plan.states_bytes + plan.scratch_bytes + used + plan.expert_slots as u64 * input.expert_slot_bytes;
+        plan.pinned = pinned.iter().map(|u| u.0.name()).collect();
+        plan.pinned_bytes = pinned_bytes;
+        plan.pinned_units = pinned.iter().map(|u| u.0).collect();
         plan.streamed = streamed.iter().map(|u| u.0.name()).collect();
         plan.split = streamed.iter().filter(|u| self.is_split(u, piece)).map(|u| u.0.name()).collect();
         plan.split_units = streamed.iter().filter(|u| self.is_split(u, piece)).map(|u| u.0).collect();

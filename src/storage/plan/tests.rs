@@ -134,18 +134,56 @@ fn pieces_lower_the_minimum_to_two_pieces_the_small_tensors_and_two_expert_slots
     // More budget: larger pieces first (up to the default), then expert slots.
     let p = with(min + 100, None).unwrap();
     assert!(p.piece_bytes.unwrap() > 20 && p.planned_bytes <= p.budget_bytes, "{p:?}");
-    // A budget that holds whole units plans them as before, with the old floor of the pool.
+    // A budget that holds whole units: a ring of pieces frees most of the whole-unit ring,
+    // which pins more trunk, so pieces are planned; the preferred pool floor holds.
     let p = with(whole_min, None).unwrap();
-    assert_eq!((p.piece_bytes, p.minimum_bytes), (None, min));
+    let units_only = Plan::make(&input(whole_min)).unwrap();
+    assert_eq!((p.piece_bytes, p.minimum_bytes), (Some(32), min), "{p:?}");
+    assert!(p.pinned_bytes > units_only.pinned_bytes, "{p:?}\n{units_only:?}");
+    assert!(p.trunk_read_bytes_per_token < units_only.trunk_read_bytes_per_token);
     assert!(p.expert_slots >= 8, "the preferred pool floor holds: {p:?}");
-    assert!(p.split.is_empty());
+    assert!(p.planned_bytes <= p.budget_bytes);
+    // Only the split units' small tensors are resident, not the pinned ones'.
+    assert_eq!(p.small_bytes, (3 * p.split.len() as u64).div_ceil(2) * 2, "aligned to 2: {p:?}");
+    // A budget that pins every unit either way plans whole units (no ring at all).
+    let p = with(5000, None).unwrap();
+    assert_eq!((p.piece_bytes, p.ring_slots, p.trunk_read_bytes_per_token), (None, 0, 0), "{p:?}");
+}
+
+/// Batching (issue 18): with whole units, 16 sequences' states leave room for the ring of the
+/// largest unit only beside 3 sequences; a ring of pieces holds all 16 and keeps that unit
+/// pinned, reading no more trunk per step than one sequence did with whole units.
+#[test]
+fn a_ring_of_pieces_keeps_the_largest_unit_pinned_beside_many_sequences() {
+    let input = |sequences: usize, pieces: Option<PieceInput>| PlanInput {
+        units: [(PackUnit::Layer(0), 1000)]
+            .into_iter()
+            .chain((1..5).map(|l| (PackUnit::Layer(l), 400)))
+            .chain([(PackUnit::Head, 50)])
+            .collect(),
+        states_bytes: 20,
+        sequences,
+        pieces,
+        ..self::input(2200)
+    };
+    let one_whole = Plan::make(&input(1, None)).unwrap();
+    assert_eq!(one_whole.pinned, ["head", "layer.0"], "{one_whole:?}");
+    assert_eq!(one_whole.ring_slot_bytes, 400);
+    let batch_whole = Plan::make(&input(16, None)).unwrap();
+    assert_eq!(batch_whole.sequences, 3, "the whole-unit ring leaves room for 3: {batch_whole:?}");
+    let batch = Plan::make(&input(16, Some(pieces(None)))).unwrap();
+    assert_eq!(batch.sequences, 16);
+    assert!(batch.pinned.contains(&"layer.0".to_owned()), "{batch:?}");
+    assert!(batch.trunk_read_bytes_per_token <= one_whole.trunk_read_bytes_per_token, "{batch:?}");
+    assert!(batch.expert_slots >= 8 && batch.planned_bytes <= batch.budget_bytes, "{batch:?}");
 }
 
 #[test]
 fn a_forced_piece_splits_whatever_is_larger_and_is_refused_below_the_smallest() {
     let with =
         |budget: u64, forced: Option<u64>| Plan::make(&PlanInput { pieces: Some(pieces(forced)), ..input(budget) });
-    let p = with(5000, Some(105)).unwrap();
+    // Nothing pinned (trunk share 0), so every unit streams.
+    let p = Plan::make(&PlanInput { pieces: Some(pieces(Some(105))), trunk_share: Some(0.0), ..input(5000) }).unwrap();
     assert_eq!(p.piece_bytes, Some(105));
     // Layers 0..5 (100..105 bytes) fit a piece whole; layers 6..9 and the head are split.
     assert_eq!(p.split, ["head", "layer.6", "layer.7", "layer.8", "layer.9"]);
@@ -168,7 +206,10 @@ fn sequences_with_pieces_never_plan_more_than_the_budget() {
     assert!(p.piece_bytes.is_some(), "pieces make room for more sequences: {p:?}");
     assert!(p.sequences > 1 && p.planned_bytes <= 780, "{p:?}");
     let p = with(780 + 15 * 50, 16);
-    assert_eq!((p.piece_bytes, p.sequences), (None, 16), "{p:?}");
+    let units_only = Plan::make(&PlanInput { sequences: 16, ..input(780 + 15 * 50) }).unwrap();
+    assert_eq!((units_only.piece_bytes, units_only.sequences), (None, 16), "{units_only:?}");
+    assert_eq!(p.sequences, 16, "{p:?}");
+    assert!(p.trunk_read_bytes_per_token <= units_only.trunk_read_bytes_per_token, "{p:?}");
     assert!(p.planned_bytes <= p.budget_bytes);
     for budget in (248..3000).step_by(7) {
         for n in [1, 3, 16] {
@@ -184,7 +225,8 @@ fn sequences_with_pieces_never_plan_more_than_the_budget() {
 #[test]
 fn a_forced_piece_is_capped_at_the_largest_unit() {
     for forced in [300, 10_000, u64::MAX] {
-        let p = Plan::make(&PlanInput { pieces: Some(pieces(Some(forced))), ..input(5000) }).unwrap();
+        let p = Plan::make(&PlanInput { pieces: Some(pieces(Some(forced))), trunk_share: Some(0.0), ..input(5000) })
+            .unwrap();
         assert_eq!(p.piece_bytes, Some(300), "{p:?}");
         assert!(p.split.is_empty() && p.planned_bytes <= 5000);
     }
@@ -192,12 +234,16 @@ fn a_forced_piece_is_capped_at_the_largest_unit() {
 
 #[test]
 fn more_budget_never_reads_more_with_pieces() {
-    let mut last = u64::MAX;
-    for budget in (200..3000).step_by(13) {
-        let Ok(p) = Plan::make(&PlanInput { pieces: Some(pieces(None)), ..input(budget) }) else { continue };
-        assert!(p.trunk_read_bytes_per_token <= last, "budget {budget} reads more");
-        assert!(p.planned_bytes <= p.budget_bytes, "{p:?}");
-        last = p.trunk_read_bytes_per_token;
+    for sequences in [1, 16] {
+        let mut last = u64::MAX;
+        for budget in (200..3000).step_by(13) {
+            let Ok(p) = Plan::make(&PlanInput { pieces: Some(pieces(None)), sequences, ..input(budget) }) else {
+                continue;
+            };
+            assert!(p.trunk_read_bytes_per_token <= last, "budget {budget}, {sequences} sequences reads more");
+            assert!(p.planned_bytes <= p.budget_bytes, "{p:?}");
+            last = p.trunk_read_bytes_per_token;
+        }
     }
 }
 
