@@ -204,9 +204,9 @@ pub struct StorageArgs {
     /// (default: trunk first, as much as fits).
     #[arg(long, value_name = "F", value_parser = parse_share)]
     pub trunk_share: Option<f64>,
-    /// Stream every trunk unit, those larger than this many MB (10^6 bytes) in pieces (row
-    /// blocks of each matrix), whatever the budget: nothing is pinned then (default: whole units
-    /// when the budget holds a ring of the largest, else pieces of 32 MiB halved until they fit).
+    /// Stream trunk units through a ring of pieces of this many MB (10^6 bytes), whatever the
+    /// budget: those larger are read in row blocks of each matrix; the largest units that fit
+    /// are still pinned (default: whole units or pieces of up to 32 MiB, whichever pins more).
     #[arg(long, value_name = "MB", value_parser = parse_gb)]
     pub piece_mb: Option<f64>,
 }
