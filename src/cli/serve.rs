@@ -58,6 +58,9 @@ pub struct ServeArgs {
     /// Request body bytes at most (else 413).
     #[arg(long, value_name = "BYTES", default_value_t = 1 << 20)]
     pub max_body: usize,
+    /// HTTP connections open at once at most; one more is answered 503 and closed.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub max_connections: usize,
     /// Seconds requests in flight may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, value_name = "S", default_value_t = 30.0)]
     pub grace: f64,
@@ -97,6 +100,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     }
     if !(args.grace.is_finite() && args.grace >= 0.0 && Duration::try_from_secs_f64(args.grace).is_ok()) {
         return Err(UsageError(format!("--grace {} is not a number of seconds >= 0", args.grace)).into());
+    }
+    if args.max_connections == 0 {
+        return Err(UsageError("--max-connections 0 would refuse every client".into()).into());
     }
     if args.max_tokens == 0 {
         return Err(UsageError("--max-tokens 0 leaves no room for a reply".into()).into());
@@ -138,6 +144,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         max_tokens: args.max_tokens,
         api_key: args.api_key.clone(),
         body_limit: args.max_body,
+        max_connections: args.max_connections,
         grace: Duration::from_secs_f64(args.grace),
     };
     let open = OpenModel {

@@ -31,6 +31,9 @@ pub struct Shared {
     pub generated_tokens: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub cancelled: AtomicU64,
+    /// Connections open, and those refused at the cap (`--max-connections`).
+    pub connections: AtomicUsize,
+    pub connections_refused: AtomicU64,
     /// Set on SIGINT/SIGTERM: nothing new is admitted.
     pub shutting_down: AtomicBool,
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
@@ -99,6 +102,13 @@ impl Shared {
             "gauge",
             "Requests that may wait beyond the slots (--max-queue).",
             &one(max_queue as f64),
+        );
+        metric("k3ring_open_connections", "gauge", "HTTP connections open.", &one(load(&self.connections)));
+        metric(
+            "k3ring_refused_connections_total",
+            "counter",
+            "Connections answered 503 at the cap (--max-connections).",
+            &one(load64(&self.connections_refused)),
         );
         metric("k3ring_generated_tokens_total", "counter", "Tokens generated.", &one(load64(&self.generated_tokens)));
         metric("k3ring_prompt_tokens_total", "counter", "Prompt tokens admitted.", &one(load64(&self.prompt_tokens)));

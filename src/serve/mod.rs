@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod connections;
 pub mod metrics;
 pub mod routes;
 pub mod worker;
@@ -44,6 +45,8 @@ pub struct ServeOptions {
     pub api_key: Option<String>,
     /// Request body bytes at most.
     pub body_limit: usize,
+    /// Connections open at once at most; one more is answered 503 and closed.
+    pub max_connections: usize,
     /// How long requests in flight may go on after SIGINT/SIGTERM.
     pub grace: Duration,
 }
@@ -109,7 +112,10 @@ pub fn serve<S: WeightSource + LayerHook>(
     let (up_tx, up_rx) = std::sync::mpsc::channel();
     let network = std::thread::Builder::new()
         .name("k3ring-http".into())
-        .spawn(move || network_thread(listener, app, net_shared, up_tx))
+        .spawn({
+            let max_connections = opts.max_connections;
+            move || network_thread(listener, max_connections, app, net_shared, up_tx)
+        })
         .map_err(ServeError::Network)?;
     // Ready once the signal handlers are in place (a SIGTERM right after the address is printed
     // must shut down cleanly, not kill the process) and the listener is on the runtime.
@@ -145,6 +151,7 @@ pub fn serve<S: WeightSource + LayerHook>(
 /// `up` once it serves.
 fn network_thread(
     listener: std::net::TcpListener,
+    max_connections: usize,
     app: Arc<routes::App>,
     shared: Arc<Shared>,
     up: std::sync::mpsc::Sender<()>,
@@ -154,6 +161,7 @@ fn network_thread(
     let signal_shared = Arc::clone(&shared);
     let r = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
+        let listener = connections::CappedListener::new(listener, max_connections, Arc::clone(&signal_shared));
         let int = signal(SignalKind::interrupt())?;
         let term = signal(SignalKind::terminate())?;
         let _ = up.send(());

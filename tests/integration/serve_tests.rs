@@ -521,6 +521,7 @@ fn serve_refuses_trace_flags_and_bad_limits_at_start() {
         (&["--dump-trace", "/tmp/k3ring-serve.routing"][..], "--dump-trace"),
         (&["--grace", "-1"][..], "--grace"),
         (&["--max-tokens", "0"][..], "--max-tokens"),
+        (&["--max-connections", "0"][..], "--max-connections"),
     ] {
         let all = [&["serve", "--model", model, "--trunk", trunk, "--mem-gb", "1", "--port", "0"][..], args].concat();
         let (code, _, err) = k3ring_stdin(&all, "");
@@ -593,6 +594,46 @@ fn serve_full_queue_gets_429_and_a_disconnect_frees_the_slot() {
     assert_eq!(metric(addr, "k3ring_active_sequences"), 0.0);
     let r = post(addr, "/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}));
     assert_eq!(r.status, 200, "{}", r.body);
+    let (code, err) = server.stop_with(libc::SIGTERM);
+    assert_eq!(code, 0, "{err}");
+}
+
+/// `--max-connections 2`: with two connections open (idle), a third is answered 503 in the
+/// API's error shape and closed; once one closes, requests are served again, and the metrics
+/// count the refusal.
+#[test]
+fn serve_connections_beyond_the_cap_get_503_and_a_close_frees_one() {
+    let server = Server::start(&["--max-connections", "2"]);
+    let addr = &server.addr;
+    let idle_a = connect(addr);
+    let idle_b = connect(addr);
+    // The server accepts connections in order: the third is past the cap once both are in.
+    let mut raw = Vec::new();
+    wait_until("a 503 for a third connection", || {
+        let mut third = connect(addr);
+        send_request(&mut third, "GET", "/health", &[], b"");
+        raw.clear();
+        let _ = third.read_to_end(&mut raw);
+        raw.starts_with(b"HTTP/1.1 503")
+    });
+    let r = parse_reply(&raw);
+    let v = assert_error(&r, 503, "too many connections");
+    assert_eq!(v["error"]["code"], "too_many_connections");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--max-connections"), "{v}");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    drop(idle_a);
+    // A closed connection's permit returns: a request gets through again.
+    wait_until("a served request", || request(addr, "GET", "/health", &[], b"").status == 200);
+    let r = post(addr, "/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Served connections close with their reply; then idle_b and the metrics request are open.
+    wait_until("the metrics", || {
+        let m = request(addr, "GET", "/metrics", &[], b"");
+        m.status == 200
+            && m.body.lines().any(|l| l == "k3ring_open_connections 2")
+            && m.body.lines().any(|l| l.starts_with("k3ring_refused_connections_total ") && !l.ends_with(" 0"))
+    });
+    drop(idle_b);
     let (code, err) = server.stop_with(libc::SIGTERM);
     assert_eq!(code, 0, "{err}");
 }
