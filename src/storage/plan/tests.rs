@@ -102,6 +102,24 @@ fn trunk_share_moves_bytes_from_trunk_to_experts() {
     assert!(none.pinned_bytes <= half.pinned_bytes && none.expert_slots >= half.expert_slots);
 }
 
+/// `tune`'s trunk share caps pinning beside a ring of pieces too (a budget below the whole-unit
+/// ring, so pieces are planned at every share).
+#[test]
+fn trunk_share_moves_bytes_from_trunk_to_experts_with_pieces() {
+    let at = |share: Option<f64>| {
+        Plan::make(&PlanInput { pieces: Some(pieces(None)), trunk_share: share, ..input(700) }).unwrap()
+    };
+    let all = at(None);
+    assert!(all.piece_bytes.is_some() && all.pinned_bytes > 0, "{all:?}");
+    assert_eq!(at(Some(1.0)).pinned_bytes, all.pinned_bytes);
+    let half = at(Some(0.5));
+    assert!(half.pinned_bytes < all.pinned_bytes && half.expert_slots > all.expert_slots, "{half:?}");
+    let none = at(Some(0.0));
+    assert_eq!(none.pinned_bytes, 0, "{none:?}");
+    // Nothing to pin: the budget buys larger pieces first (as at the smallest budget).
+    assert!(none.piece_bytes > half.piece_bytes && none.planned_bytes <= 700, "{none:?}");
+}
+
 fn pieces(forced: Option<u64>) -> PieceInput {
     PieceInput {
         small_bytes: (0..10).map(|l| (PackUnit::Layer(l), 3)).chain([(PackUnit::Head, 2)]).collect(),
