@@ -68,6 +68,14 @@ impl ApiError {
         ApiError { retry_after: Some(5), ..ApiError::new(503, "server_error", Some("shutting_down"), message.into()) }
     }
 
+    /// 503 for a connection beyond `--max-connections`, answered on accept.
+    pub fn too_many_connections(message: impl Into<String>) -> ApiError {
+        ApiError {
+            retry_after: Some(1),
+            ..ApiError::new(503, "server_error", Some("too_many_connections"), message.into())
+        }
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(500, "server_error", None, message.into())
     }

@@ -16,6 +16,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::api::ApiError;
 use super::metrics::Shared;
 
 /// How long a refused client gets to take its 503 before the socket is dropped.
@@ -65,12 +66,15 @@ impl axum::serve::Listener for CappedListener {
 /// Writes the 503 and closes; reads what the client sent meanwhile, so that closing does not
 /// reset the connection before the client has read the reply.
 async fn refuse(mut stream: TcpStream, max: usize) {
-    let body = format!(
-        "{{\"error\":{{\"message\":\"the server has {max} connections open (--max-connections); retry later\",\"type\":\"server_error\",\"param\":null,\"code\":\"too_many_connections\"}}}}"
-    );
+    let err = ApiError::too_many_connections(format!(
+        "the server has {max} connections open (--max-connections); retry later"
+    ));
+    let body = err.body().to_string();
+    let status = axum::http::StatusCode::from_u16(err.status).unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE);
     let reply = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
-        body.len()
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len(),
+        err.retry_after.unwrap_or(1),
     );
     let linger = async {
         stream.write_all(reply.as_bytes()).await?;

@@ -503,13 +503,11 @@ impl Pieces<'_> {
     /// would, so more budget never reads more; the rest goes to expert slots.
     fn plan(&self, input: &PlanInput, mut plan: Plan, forced: Option<u64>, pool_min: usize, avail: u64) -> Plan {
         let min = self.input.min_piece_bytes;
+        let pinned_at = |piece: u64| self.pin(input, piece, pool_min, avail).0.iter().map(|u| u.1).sum::<u64>();
         let piece = forced.unwrap_or_else(|| {
-            let most = self.pin(input, min, pool_min, avail).0.iter().map(|u| u.1).sum::<u64>();
+            let most = pinned_at(min);
             let mut piece = DEFAULT_PIECE_BYTES.max(min);
-            while piece > min
-                && (self.input_fixed(piece, input) > avail
-                    || self.pin(input, piece, pool_min, avail).0.iter().map(|u| u.1).sum::<u64>() < most)
-            {
+            while piece > min && (self.input_fixed(piece, input) > avail || pinned_at(piece) < most) {
                 piece = (piece / 2).max(min);
             }
             piece
