@@ -525,10 +525,6 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         "recall",
         "wasted/tok"
     );
-    let or_dash = |v: Option<f64>, width: usize, prec: usize| match v {
-        Some(v) => format!("{v:>width$.prec$}"),
-        None => format!("{:>width$}", "-"),
-    };
     for c in &r.cells {
         println!(
             "{:>6}G {:>10} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {} {} {:>6.0}% {:>9.2}G",
@@ -565,4 +561,12 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         bench_batch::print(batch);
     }
     let _ = args;
+}
+
+/// `v` right-aligned in `width` with `prec` decimals, or a dash when it was not measured.
+pub(super) fn or_dash(v: Option<f64>, width: usize, prec: usize) -> String {
+    match v {
+        Some(v) => format!("{v:>width$.prec$}"),
+        None => format!("{:>width$}", "-"),
+    }
 }

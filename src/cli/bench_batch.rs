@@ -4,13 +4,14 @@
 //! after `--warmup`, in the default mode. Per cell: aggregate tokens/s, trunk and expert bytes
 //! per step and per token, distinct experts per MoE layer per step against the union B uniform
 //! routings would give, the bound `max(bytes read per step / device rate, resident compute per
-//! step of B rows)`, efficiency = bound / measured, and whether every sequence's ids equal its
-//! solo run's.
+//! step of B rows)`, efficiency = bound / measured, the bound without routing prediction
+//! (`bound*`: a layer's expert reads overlap only the expert compute after its router, as the
+//! mode cells' `floor*`), and whether every sequence's ids equal its solo run's.
 
 use anyhow::Context;
 use serde::Serialize;
 
-use super::bench::BenchArgs;
+use super::bench::{or_dash, BenchArgs};
 use crate::config::Config;
 use crate::engine::measure::MeasureSpec;
 use crate::engine::measure_batch::{
@@ -101,6 +102,9 @@ impl BatchWork {
 /// ids, and whether the resident batches reproduced them.
 pub(super) struct Resident {
     seconds_per_step: Vec<(usize, f64)>,
+    /// Per batch size: the part of a step's resident compute that expert reads can overlap
+    /// without prediction (median over the repeats), when the trace measured it.
+    overlappable_seconds_per_step: Vec<(usize, Option<f64>)>,
     solo: Vec<Vec<u32>>,
     ids_match: bool,
 }
@@ -114,26 +118,24 @@ pub(super) fn measure_resident(
 ) -> anyhow::Result<Resident> {
     let solo = solo_ids(&args.model, kernels, args.threads, &work.prompts, work.solo_tokens(), work.prefill_chunk)
         .context("solo runs of the batch cells' prompts")?;
-    let mut samples: Vec<(usize, f64)> = Vec::new();
+    let mut samples: Vec<(usize, f64, Option<f64>)> = Vec::new();
     let mut ids_match = true;
     for _ in 0..args.repeats.max(1) {
         for &b in &work.sizes {
             let m = measure_resident_batch(&args.model, kernels, args.threads, &work.spec(b))
                 .with_context(|| format!("resident batch of {b}"))?;
             ids_match &= ids_match_solo(&m.ids, &solo);
-            samples.push((b, m.seconds_per_step));
+            samples.push((b, m.seconds_per_step, m.overlappable_seconds_per_step));
         }
     }
-    let seconds_per_step = work
-        .sizes
-        .iter()
-        .map(|&b| {
-            let mut v: Vec<f64> = samples.iter().filter(|s| s.0 == b).map(|s| s.1).collect();
-            v.sort_by(f64::total_cmp);
-            (b, v.get(v.len() / 2).copied().unwrap_or(0.0))
-        })
-        .collect();
-    Ok(Resident { seconds_per_step, solo, ids_match })
+    let median_of = |b: usize, value: &dyn Fn(&(usize, f64, Option<f64>)) -> Option<f64>| {
+        let mut v: Vec<f64> = samples.iter().filter(|s| s.0 == b).filter_map(value).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    };
+    let seconds_per_step = work.sizes.iter().map(|&b| (b, median_of(b, &|s| Some(s.1)).unwrap_or(0.0))).collect();
+    let overlappable_seconds_per_step = work.sizes.iter().map(|&b| (b, median_of(b, &|s| s.2))).collect();
+    Ok(Resident { seconds_per_step, overlappable_seconds_per_step, solo, ids_match })
 }
 
 /// One batch cell streaming at `budget`.
@@ -165,11 +167,19 @@ pub(super) struct BatchCell {
     device_read_rate_during: f64,
     /// The resident compute of one step of B decode rows (median of the resident runs).
     resident_seconds_per_step: f64,
+    /// The part of it that expert reads can overlap without prediction (median).
+    resident_overlappable_seconds_per_step: Option<f64>,
     /// `max(bytes read per step / device rate, resident compute per step)`.
     bound_seconds_per_step: f64,
     /// "device" or "compute": the larger part of the bound.
     bound_by: &'static str,
     efficiency: f64,
+    /// The bound without routing prediction: a layer's expert reads start at its router, so
+    /// they overlap only the compute that follows it (the resident run's shared and routed
+    /// expert spans); the rest of the step's compute and the expert reads add up. The mode
+    /// cells' `floor*`, per step of B rows.
+    bound_no_prediction_seconds_per_step: Option<f64>,
+    efficiency_no_prediction: Option<f64>,
     /// Every sequence's ids, in every repeat of this cell, equal its solo run's.
     ids_match_solo: bool,
 }
@@ -212,7 +222,8 @@ pub(super) fn report(
             sorted.sort_by(|x, y| x.seconds_per_step.total_cmp(&y.seconds_per_step));
             let Some(m) = sorted.get(sorted.len() / 2) else { continue };
             let compute = resident.seconds_per_step.iter().find(|r| r.0 == b).map_or(0.0, |r| r.1);
-            cells.push(cell(budget, (*m).clone(), device_rate, compute, ids_match, cfg));
+            let overlappable = resident.overlappable_seconds_per_step.iter().find(|r| r.0 == b).and_then(|r| r.1);
+            cells.push(cell(budget, (*m).clone(), device_rate, (compute, overlappable), ids_match, cfg));
         }
     }
     let ratios = ratios(&cells);
@@ -220,17 +231,20 @@ pub(super) fn report(
     BatchReport { resident_seconds_per_step: resident.seconds_per_step, cells, ratios, ids_match_solo }
 }
 
+/// A cell from its median sample; `compute` is the resident compute of a step of B rows and
+/// the part of it that expert reads can overlap without prediction.
 fn cell(
     budget_gb: f64,
     m: BatchMeasurement,
     device_rate: f64,
-    compute: f64,
+    (compute, overlappable): (f64, Option<f64>),
     ids_match: bool,
     cfg: &Config,
 ) -> BatchCell {
     let b = m.batch.max(1) as f64;
     let io = (m.trunk_bytes_per_step + m.expert_bytes_per_step) / device_rate;
     let bound = io.max(compute);
+    let bound_no_prediction = overlappable.map(|o| bound.max(compute - o + m.expert_bytes_per_step / device_rate));
     BatchCell {
         budget_gb,
         mode: BATCH_MODE,
@@ -240,9 +254,12 @@ fn cell(
         expected_distinct_experts_per_layer_step: expected_distinct_experts(cfg.moe.n_experts, cfg.moe.top_k, m.batch),
         device_read_rate_during: device_rate,
         resident_seconds_per_step: compute,
+        resident_overlappable_seconds_per_step: overlappable,
         bound_seconds_per_step: bound,
         bound_by: if io >= compute { "device" } else { "compute" },
         efficiency: bound / m.seconds_per_step,
+        bound_no_prediction_seconds_per_step: bound_no_prediction,
+        efficiency_no_prediction: bound_no_prediction.map(|f| f / m.seconds_per_step),
         ids_match_solo: ids_match,
         m,
     }
@@ -269,7 +286,7 @@ pub(super) fn print(r: &BatchReport) {
         "batch cells ({BATCH_MODE}; B sequences, distinct prompts, greedy; a step is one token of every sequence):"
     );
     println!(
-        "{:>7} {:>8} {:>5} {:>8} {:>7} {:>10} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>4}",
+        "{:>7} {:>8} {:>5} {:>8} {:>7} {:>10} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>4}",
         "budget",
         "trunk",
         "batch",
@@ -286,11 +303,13 @@ pub(super) fn print(r: &BatchReport) {
         "bound",
         "by",
         "effic.",
+        "bound*",
+        "effic*",
         "ids"
     );
     for c in &r.cells {
         println!(
-            "{:>6}G {:>8} {:>5} {:>8.3} {:>7.2} {:>9.2}G {:>8.3}G {:>7.3}G {:>9.1} {:>8.1} {:>9.1} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>7.2} {:>4}",
+            "{:>6}G {:>8} {:>5} {:>8.3} {:>7.2} {:>9.2}G {:>8.3}G {:>7.3}G {:>9.1} {:>8.1} {:>9.1} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>7.2} {} {} {:>4}",
             c.budget_gb,
             if c.trunk_pinned { "pinned" } else { "streamed" },
             c.m.batch,
@@ -307,6 +326,8 @@ pub(super) fn print(r: &BatchReport) {
             c.bound_seconds_per_step,
             c.bound_by,
             c.efficiency,
+            or_dash(c.bound_no_prediction_seconds_per_step, 8, 3),
+            or_dash(c.efficiency_no_prediction, 7, 2),
             if c.ids_match_solo { "ok" } else { "DIFF" }
         );
     }
@@ -328,6 +349,10 @@ pub(super) fn print(r: &BatchReport) {
     println!(
         "compute: the resident compute of one step of B rows; bound = max((trunk + expert bytes per step) / dev GB/s, \
          compute); effic. = bound / s/step"
+    );
+    println!(
+        "bound*: the bound without routing prediction (a layer's expert reads overlap only the expert compute after \
+         its router: the rest of the resident step plus the expert reads); effic* = bound* / s/step"
     );
     println!(
         "ids of every batch cell (every repeat) and of the resident batches equal their solo runs: {}",

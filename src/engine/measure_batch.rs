@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -15,8 +16,10 @@ use super::measure::{stream_window, MeasureError};
 use super::{Engine, GenerateOptions, Sampling};
 use crate::config::FfnKind;
 use crate::model::weights::WeightSource;
+use crate::model::moe::SPANS_READS_CAN_OVERLAP;
 use crate::model::LayerHook;
 use crate::storage::plan::Plan;
+use crate::trace::Tracer;
 
 /// What a batch cell runs.
 #[derive(Clone, Debug)]
@@ -77,6 +80,10 @@ pub struct BatchMeasurement {
     /// Bytes read per second of I/O busy time.
     pub read_rate_busy: f64,
     pub plan: Option<Plan>,
+    /// Resident runs only: seconds per step of the compute that a layer's expert reads can
+    /// overlap without prediction (the shared experts and the routed experts' own compute,
+    /// [`SPANS_READS_CAN_OVERLAP`]), from the run's trace spans.
+    pub overlappable_seconds_per_step: Option<f64>,
 }
 
 /// Records each sequence's ids by ticket (tickets count from 0 in submission order).
@@ -167,6 +174,7 @@ pub fn measure_streaming_batch(
         expert_reads_per_layer_step: (after.expert_reads - before.expert_reads) as f64 / steps / moe_layers,
         read_rate_busy: window.read_rate_busy(),
         plan: Some(plan),
+        overlappable_seconds_per_step: None,
     })
 }
 
@@ -178,14 +186,19 @@ pub fn measure_resident_batch(
     threads: usize,
     spec: &BatchSpec,
 ) -> Result<BatchMeasurement, MeasureError> {
-    let opened = open_resident(model, threads, kernels)?;
-    let (ids, seconds) = decode_batch(&opened.engine, spec, || {})?;
+    let mut opened = open_resident(model, threads, kernels)?;
+    // As in `measure::measure_resident`: a few hundred kept spans per step, far below the
+    // resolution of a step over gigabytes of weights.
+    let tracer = Arc::new(Tracer::new(true));
+    opened.engine.model.tracer = Some(Arc::clone(&tracer));
+    let (ids, seconds) = decode_batch(&opened.engine, spec, || tracer.reset_metrics())?;
     let steps = spec.steps.max(1) as f64;
     Ok(BatchMeasurement {
         batch: spec.batch(),
         ids,
         seconds_per_step: seconds / steps,
         tokens_per_second: (spec.batch() * spec.steps) as f64 / seconds.max(1e-9),
+        overlappable_seconds_per_step: tracer.span_seconds(&SPANS_READS_CAN_OVERLAP).map(|s| s / steps),
         ..BatchMeasurement::default()
     })
 }

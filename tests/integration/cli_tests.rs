@@ -320,6 +320,16 @@ fn bench_batch_cells_have_their_fields_and_match_solo_runs() {
         assert!((per_step("bound_seconds_per_step") - bound).abs() <= 1e-12 * bound.max(1.0), "{c}");
         assert!((per_step("efficiency") - bound / per_step("seconds_per_step")).abs() <= 1e-9, "{c}");
         assert_eq!(c["bound_by"], if io >= per_step("resident_seconds_per_step") { "device" } else { "compute" });
+        // Without prediction, a layer's expert reads overlap only the expert compute after its
+        // router: the rest of the resident step and the expert reads add up.
+        let overlappable = per_step("resident_overlappable_seconds_per_step");
+        assert!(overlappable > 0.0 && overlappable < per_step("resident_seconds_per_step"), "{c}");
+        let serial = per_step("resident_seconds_per_step") - overlappable
+            + per_step("expert_bytes_per_step") / per_step("device_read_rate_during");
+        let bound_star = bound.max(serial);
+        assert!((per_step("bound_no_prediction_seconds_per_step") - bound_star).abs() <= 1e-12 * bound_star, "{c}");
+        let eff_star = per_step("efficiency_no_prediction");
+        assert!((eff_star - bound_star / per_step("seconds_per_step")).abs() <= 1e-9, "{c}");
     }
     let ratios = batch["ratios"].as_array().unwrap();
     assert_eq!(ratios.len(), 1, "{batch}");
