@@ -97,8 +97,9 @@ struct Cell {
     mode: String,
     #[serde(flatten)]
     m: Measurement,
-    /// The device's random-read rate at the engine's queue depth while this budget's cells ran:
-    /// the better of the probes taken before each repeat and after the last one.
+    /// The device's rate at the engine's queue depth while this budget's cells ran: the better
+    /// of the probes taken before each repeat and after the last one and of the cells' own busy
+    /// read rates ([`DeviceRate`]).
     device_read_rate_during: f64,
     floor_seconds_per_token: f64,
     efficiency: f64,
@@ -118,7 +119,10 @@ struct Report {
     device_read_rate: Vec<(u32, f64)>,
     device_read_rate_before: Vec<(u32, f64)>,
     device_read_rate_after: Vec<(u32, f64)>,
+    /// The better of the triads measured right before and right after the resident cell.
     memory_bandwidth: f64,
+    memory_bandwidth_before: f64,
+    memory_bandwidth_after: f64,
     resident_seconds_per_token: f64,
     /// The part of the resident compute that expert reads can overlap without routing
     /// prediction: the shared and routed experts, after each router.
@@ -127,6 +131,9 @@ struct Report {
     /// GB/s against `memory_bandwidth`; the rows sum to `resident_seconds_per_token`.
     resident_attribution: Option<AttributionTable>,
     page_cache_dropped: bool,
+    /// Per budget: the device probe, the cells' own busy read rate and the better of the two,
+    /// which that budget's floors and bounds use.
+    device_rates_by_budget: Vec<DeviceRate>,
     cells: Vec<Cell>,
     /// Per budget: serial s/token over pipelined (the default).
     speedups: Vec<(f64, f64)>,
@@ -179,11 +186,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let device_before = probe_device(0)?;
     bar.inc(1);
     bar.set_message("memory bandwidth");
-    let membw = triad_bandwidth(threads);
+    let membw_before = triad_bandwidth(threads);
     bar.inc(1);
     bar.set_message("resident compute (every weight in RAM)");
     warm_page_cache(&files).context("reading the model into the page cache")?;
     let (resident, residents_agree) = resident_median(args, kernels, &spec)?;
+    // The VM's memory bandwidth moves by 20% or more over minutes: the resident cell's floor
+    // takes the better of the triads on either side of it, so that its fraction of the floor
+    // is not flattered by a slow moment of the triad.
+    let membw_after = triad_bandwidth(threads);
+    let membw = membw_before.max(membw_after);
     bar.inc(1);
     let resident_batch = match &batch {
         Some(work) => {
@@ -226,10 +238,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         device_read_rate_before: device_before,
         device_read_rate_after: device_after,
         memory_bandwidth: membw,
+        memory_bandwidth_before: membw_before,
+        memory_bandwidth_after: membw_after,
         resident_seconds_per_token: resident.seconds_per_token,
         resident_overlappable_seconds_per_token: resident.overlappable_seconds_per_token,
         resident_attribution: resident.attribution.as_ref().map(|w| w.table(Some(membw))),
         page_cache_dropped: measured.dropped,
+        device_rates_by_budget: measured.device_rate_sources.clone(),
         cells,
         speedups,
         speculation_gains,
@@ -344,7 +359,7 @@ fn cell((budget_gb, mode, m, device_rate): CellResult, resident: &Measurement) -
 /// Budget (GB), mode, and what was measured.
 type CellSample = (f64, String, Measurement);
 
-/// A cell's median sample and the device rate (bytes/s) probed around its budget's runs.
+/// A cell's median sample and its budget's device rate (bytes/s, [`DeviceRate::used`]).
 type CellResult = (f64, String, Measurement, f64);
 
 /// What [`measure_cells`] measured.
@@ -352,17 +367,37 @@ struct Measured {
     cells: Vec<CellResult>,
     /// Every batch cell's every repeat, by budget (the ids check looks at each).
     batch_samples: Vec<(f64, BatchMeasurement)>,
-    /// Per budget: the device rate (bytes/s) probed around its cells.
+    /// Per budget: the device rate (bytes/s) its floors and bounds use.
     device_rates: Vec<(f64, f64)>,
+    /// Per budget: where that rate came from.
+    device_rate_sources: Vec<DeviceRate>,
     /// The page cache could be dropped before every run.
     dropped: bool,
+}
+
+/// One budget's device rate. The probe (random reads of one expert's size at the engine's
+/// queue depth, before each repeat and after the last) is short and this VM's disk moves by 2x
+/// within minutes; a cell's own reads (bytes over the time some read was in flight, sequential
+/// trunk pieces among them) have run at up to 1.9x the probes around them. A floor built on a
+/// rate the engine beat would flatter its efficiency, so the rate used is the better of the
+/// two.
+#[derive(Clone, Copy, Serialize)]
+struct DeviceRate {
+    budget_gb: f64,
+    /// The best probe around this budget's cells.
+    probed: f64,
+    /// The best busy read rate of this budget's cells (every mode, batch cell and repeat).
+    engine_busy: f64,
+    /// `max(probed, engine_busy)`: what the floors and bounds of this budget divide by.
+    used: f64,
 }
 
 /// Every (budget, mode) cell, `repeats` times with the modes alternating, reduced to the
 /// median sample per cell (slow phases of the VM's disk then hit every mode alike); the batch
 /// cells (`--batch`) run after the modes in each repeat, and are reduced by the caller.
 /// `probe_device` (bytes/s at the engine's queue depth) runs before each repeat of a budget and
-/// after its last; the better probe is that budget's device rate.
+/// after its last; that budget's device rate is the better of those probes and of its cells'
+/// busy read rates ([`DeviceRate`]).
 fn measure_cells(
     args: &BenchArgs,
     kernels: kernels::Kernels,
@@ -374,6 +409,7 @@ fn measure_cells(
     let mut samples: Vec<CellSample> = Vec::new();
     let mut batch_samples = Vec::new();
     let mut device_rates: Vec<(f64, f64)> = Vec::new();
+    let mut device_rate_sources = Vec::new();
     let mut dropped = true;
     let repeats = args.repeats.max(1);
     for &budget in &args.budgets {
@@ -404,7 +440,15 @@ fn measure_cells(
         }
         bar.set_message(format!("{budget} GB: device after"));
         best = best.max(probe_device()?);
-        device_rates.push((budget, best));
+        let engine_busy = samples
+            .iter()
+            .filter(|s| s.0 == budget)
+            .map(|s| s.2.read_rate_busy)
+            .chain(batch_samples.iter().filter(|s| s.0 == budget).map(|s| s.1.read_rate_busy))
+            .fold(0.0f64, f64::max);
+        let used = best.max(engine_busy);
+        device_rate_sources.push(DeviceRate { budget_gb: budget, probed: best, engine_busy, used });
+        device_rates.push((budget, used));
     }
     let mut cells = Vec::new();
     for &(budget, device_rate) in &device_rates {
@@ -417,7 +461,7 @@ fn measure_cells(
             }
         }
     }
-    Ok(Measured { cells, batch_samples, device_rates, dropped })
+    Ok(Measured { cells, batch_samples, device_rates, device_rate_sources, dropped })
 }
 
 /// The streaming run of one cell: serial is the C engine's order (no read-ahead, no overlap of
@@ -482,7 +526,12 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         rates(&r.device_read_rate_before),
         rates(&r.device_read_rate_after)
     );
-    println!("memory bandwidth (triad): {:.1} GB/s", r.memory_bandwidth / 1e9);
+    println!(
+        "memory bandwidth (triad): {:.1} GB/s (the better of {:.1} before the resident cell and {:.1} after it)",
+        r.memory_bandwidth / 1e9,
+        r.memory_bandwidth_before / 1e9,
+        r.memory_bandwidth_after / 1e9
+    );
     match r.resident_overlappable_seconds_per_token {
         Some(o) => println!(
             "resident compute: {:.3} s/token ({o:.3} of it shared and routed experts, which expert reads can overlap)",
@@ -550,7 +599,19 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
     for (b, s) in &r.speculation_gains {
         println!("speculation at {b} GB: pipelined is {s:.2}x no-spec");
     }
-    println!("dev GB/s: the device at the engine's queue depth, probed around each budget's cells (the floor uses it)");
+    println!(
+        "dev GB/s: the device at the engine's queue depth, the better of the probes around each budget's cells and the \
+         cells' own busy read rates (the floor uses it)"
+    );
+    for d in &r.device_rates_by_budget {
+        println!(
+            "  {} GB: probed {:.2} GB/s, cells read up to {:.2} GB/s while busy: {:.2} GB/s used",
+            d.budget_gb,
+            d.probed / 1e9,
+            d.engine_busy / 1e9,
+            d.used / 1e9
+        );
+    }
     println!(
         "floor*: the floor without routing prediction: a layer's expert reads start at its router, so they overlap \
          only the experts' compute (cells that predict routing can beat it)"

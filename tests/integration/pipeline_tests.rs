@@ -388,6 +388,23 @@ fn bench_reports_every_cell_with_identical_ids() {
     }
     assert_eq!(v["speedups"].as_array().unwrap().len(), 2);
     assert_eq!(v["speculation_gains"].as_array().unwrap().len(), 2);
+    // Each budget's device rate is the better of its probes and of its cells' busy read rates,
+    // so no cell read faster than the rate its floor divides by.
+    let rates = v["device_rates_by_budget"].as_array().unwrap();
+    assert_eq!(rates.len(), 2, "{v}");
+    for d in rates {
+        let f = |k: &str| d[k].as_f64().unwrap();
+        assert!(f("probed") > 0.0 && f("engine_busy") > 0.0, "{d}");
+        assert_eq!(f("used"), f("probed").max(f("engine_busy")), "{d}");
+        for c in v["cells"].as_array().unwrap().iter().filter(|c| c["budget_gb"] == d["budget_gb"]) {
+            assert_eq!(c["device_read_rate_during"].as_f64().unwrap(), f("used"), "{c}");
+            assert!(c["read_rate_busy"].as_f64().unwrap() <= f("engine_busy"), "{c}");
+        }
+    }
+    // The resident floor's triad is the better of the two measured around the resident cell.
+    let triad = |k: &str| v[k].as_f64().unwrap();
+    assert!(triad("memory_bandwidth_before") > 0.0 && triad("memory_bandwidth_after") > 0.0, "{v}");
+    assert_eq!(triad("memory_bandwidth"), triad("memory_bandwidth_before").max(triad("memory_bandwidth_after")));
     assert!(out.contains("pipelined is") && out.contains("x no-spec"), "{out}");
     assert!(v.get("batch").is_none() && !out.contains("batch cells"), "no batch cells without --batch");
 }
