@@ -110,6 +110,9 @@ struct Cell {
     /// `max(floor, the rest of the resident compute + expert bytes / device rate)`.
     floor_no_prediction_seconds_per_token: Option<f64>,
     efficiency_no_prediction: Option<f64>,
+    /// The cell's busy read rate over the best probe around its budget's cells (not over the
+    /// rate its floor uses, which is at least every cell's busy rate): above 1, the cell read
+    /// faster than random expert-sized reads did.
     read_rate_vs_device: f64,
 }
 
@@ -209,8 +212,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 
     // This VM's disk varies by 30% or more over minutes, and up to 2x within a run, so each
     // budget's floor uses the device as probed around its own cells (at the engine's queue
-    // depth, before each repeat and after the last), taking the better probe so that
-    // efficiencies are not flattered.
+    // depth, before each repeat and after the last) or as its cells read it, whichever was
+    // faster, so that efficiencies are not flattered ([`DeviceRate`]).
     let qd_probe = [1u32, 4, 16, 32].into_iter().rev().find(|q| *q <= args.queue_depth).unwrap_or(1);
     let mut probes = 0u64;
     let mut probe_during = || -> anyhow::Result<f64> {
@@ -227,7 +230,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let cells: Vec<Cell> = measured.cells.into_iter().map(|raw| cell(raw, &resident)).collect();
     let batch_report = match (&batch, resident_batch) {
         (Some(work), Some(r)) => {
-            Some(bench_batch::report(&measured.batch_samples, &measured.device_rates, r, work, &cfg))
+            let rates: Vec<(f64, f64)> = measured.device_rate_sources.iter().map(|d| (d.budget_gb, d.used)).collect();
+            Some(bench_batch::report(&measured.batch_samples, &rates, r, work, &cfg))
         }
         _ => None,
     };
@@ -336,7 +340,8 @@ fn write_outputs(
 }
 
 /// One cell's floors and ratios from its median sample and the resident measurement.
-fn cell((budget_gb, mode, m, device_rate): CellResult, resident: &Measurement) -> Cell {
+fn cell((budget_gb, mode, m, rate): CellResult, resident: &Measurement) -> Cell {
+    let device_rate = rate.used;
     let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
     let floor = (bytes / device_rate).max(resident.seconds_per_token);
     let floor_no_prediction = resident.overlappable_seconds_per_token.map(|o| {
@@ -349,7 +354,7 @@ fn cell((budget_gb, mode, m, device_rate): CellResult, resident: &Measurement) -
         efficiency_no_prediction: floor_no_prediction.map(|f| f / m.seconds_per_token),
         floor_no_prediction_seconds_per_token: floor_no_prediction,
         mode,
-        read_rate_vs_device: m.read_rate_busy / device_rate,
+        read_rate_vs_device: m.read_rate_busy / rate.probed,
         device_read_rate_during: device_rate,
         floor_seconds_per_token: floor,
         m,
@@ -360,16 +365,14 @@ fn cell((budget_gb, mode, m, device_rate): CellResult, resident: &Measurement) -
 type CellSample = (f64, String, Measurement);
 
 /// A cell's median sample and its budget's device rate (bytes/s, [`DeviceRate::used`]).
-type CellResult = (f64, String, Measurement, f64);
+type CellResult = (f64, String, Measurement, DeviceRate);
 
 /// What [`measure_cells`] measured.
 struct Measured {
     cells: Vec<CellResult>,
     /// Every batch cell's every repeat, by budget (the ids check looks at each).
     batch_samples: Vec<(f64, BatchMeasurement)>,
-    /// Per budget: the device rate (bytes/s) its floors and bounds use.
-    device_rates: Vec<(f64, f64)>,
-    /// Per budget: where that rate came from.
+    /// Per budget: the device rate its floors and bounds use, and where it came from.
     device_rate_sources: Vec<DeviceRate>,
     /// The page cache could be dropped before every run.
     dropped: bool,
@@ -380,7 +383,9 @@ struct Measured {
 /// within minutes; a cell's own reads (bytes over the time some read was in flight, sequential
 /// trunk pieces among them) have run at up to 1.9x the probes around them. A floor built on a
 /// rate the engine beat would flatter its efficiency, so the rate used is the better of the
-/// two.
+/// two. The busy rate leans high, if anything (a read in flight when a cell's window opens
+/// counts all its bytes and only its time inside the window), which can only lower the
+/// efficiencies, never raise them.
 #[derive(Clone, Copy, Serialize)]
 struct DeviceRate {
     budget_gb: f64,
@@ -408,7 +413,6 @@ fn measure_cells(
 ) -> anyhow::Result<Measured> {
     let mut samples: Vec<CellSample> = Vec::new();
     let mut batch_samples = Vec::new();
-    let mut device_rates: Vec<(f64, f64)> = Vec::new();
     let mut device_rate_sources = Vec::new();
     let mut dropped = true;
     let repeats = args.repeats.max(1);
@@ -448,20 +452,20 @@ fn measure_cells(
             .fold(0.0f64, f64::max);
         let used = best.max(engine_busy);
         device_rate_sources.push(DeviceRate { budget_gb: budget, probed: best, engine_busy, used });
-        device_rates.push((budget, used));
     }
     let mut cells = Vec::new();
-    for &(budget, device_rate) in &device_rates {
+    for &rate in &device_rate_sources {
+        let budget = rate.budget_gb;
         for mode in &args.modes {
             let mut runs: Vec<Measurement> =
                 samples.iter().filter(|s| s.0 == budget && &s.1 == mode).map(|s| s.2.clone()).collect();
             runs.sort_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token));
             if let Some(m) = runs.get(runs.len() / 2).cloned() {
-                cells.push((budget, mode.clone(), m, device_rate));
+                cells.push((budget, mode.clone(), m, rate));
             }
         }
     }
-    Ok(Measured { cells, batch_samples, device_rates, device_rate_sources, dropped })
+    Ok(Measured { cells, batch_samples, device_rate_sources, dropped })
 }
 
 /// The streaming run of one cell: serial is the C engine's order (no read-ahead, no overlap of

@@ -102,8 +102,8 @@ impl BatchWork {
 /// ids, and whether the resident batches reproduced them.
 pub(super) struct Resident {
     seconds_per_step: Vec<(usize, f64)>,
-    /// Per batch size: the part of a step's resident compute that expert reads can overlap
-    /// without prediction (median over the repeats), when the trace measured it.
+    /// Per batch size: the part of that median run's step that expert reads can overlap without
+    /// prediction, when the trace measured it.
     overlappable_seconds_per_step: Vec<(usize, Option<f64>)>,
     solo: Vec<Vec<u32>>,
     ids_match: bool,
@@ -118,7 +118,7 @@ pub(super) fn measure_resident(
 ) -> anyhow::Result<Resident> {
     let solo = solo_ids(&args.model, kernels, args.threads, &work.prompts, work.solo_tokens(), work.prefill_chunk)
         .context("solo runs of the batch cells' prompts")?;
-    let mut samples: Vec<(usize, f64, Option<f64>)> = Vec::new();
+    let mut samples: Vec<ResidentSample> = Vec::new();
     let mut ids_match = true;
     for _ in 0..args.repeats.max(1) {
         for &b in &work.sizes {
@@ -128,14 +128,26 @@ pub(super) fn measure_resident(
             samples.push((b, m.seconds_per_step, m.overlappable_seconds_per_step));
         }
     }
-    let median_of = |b: usize, value: &dyn Fn(&(usize, f64, Option<f64>)) -> Option<f64>| {
-        let mut v: Vec<f64> = samples.iter().filter(|s| s.0 == b).filter_map(value).collect();
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied()
-    };
-    let seconds_per_step = work.sizes.iter().map(|&b| (b, median_of(b, &|s| Some(s.1)).unwrap_or(0.0))).collect();
-    let overlappable_seconds_per_step = work.sizes.iter().map(|&b| (b, median_of(b, &|s| s.2))).collect();
+    let median = median_runs(&samples, &work.sizes);
+    let seconds_per_step = median.iter().map(|m| (m.0, m.1)).collect();
+    let overlappable_seconds_per_step = median.iter().map(|m| (m.0, m.2)).collect();
     Ok(Resident { seconds_per_step, overlappable_seconds_per_step, solo, ids_match })
+}
+
+/// A resident batch run: (batch size, s/step, overlappable s/step).
+type ResidentSample = (usize, f64, Option<f64>);
+
+/// Per size, the median run by s/step, with its own overlappable part (not the median of
+/// those, which could come from another run).
+fn median_runs(samples: &[ResidentSample], sizes: &[usize]) -> Vec<ResidentSample> {
+    sizes
+        .iter()
+        .map(|&b| {
+            let mut runs: Vec<&ResidentSample> = samples.iter().filter(|s| s.0 == b).collect();
+            runs.sort_by(|x, y| x.1.total_cmp(&y.1));
+            runs.get(runs.len() / 2).map_or((b, 0.0, None), |r| **r)
+        })
+        .collect()
 }
 
 /// One batch cell streaming at `budget`.
@@ -167,7 +179,7 @@ pub(super) struct BatchCell {
     device_read_rate_during: f64,
     /// The resident compute of one step of B decode rows (median of the resident runs).
     resident_seconds_per_step: f64,
-    /// The part of it that expert reads can overlap without prediction (median).
+    /// The part of it that expert reads can overlap without prediction (from the same run).
     resident_overlappable_seconds_per_step: Option<f64>,
     /// `max(bytes read per step / device rate, resident compute per step)`.
     bound_seconds_per_step: f64,
@@ -204,7 +216,8 @@ pub(super) struct BatchReport {
 }
 
 /// Reduces the samples (budget, measurement) to one cell per (budget, size): the median by
-/// s/step, with the device rate probed around that budget's cells (`device_rates`).
+/// s/step, with that budget's device rate (`device_rates`: the better of the probes around its
+/// cells and their own busy read rates).
 pub(super) fn report(
     samples: &[(f64, BatchMeasurement)],
     device_rates: &[(f64, f64)],
@@ -242,9 +255,7 @@ fn cell(
     cfg: &Config,
 ) -> BatchCell {
     let b = m.batch.max(1) as f64;
-    let io = (m.trunk_bytes_per_step + m.expert_bytes_per_step) / device_rate;
-    let bound = io.max(compute);
-    let bound_no_prediction = overlappable.map(|o| bound.max(compute - o + m.expert_bytes_per_step / device_rate));
+    let Bounds { bound, by, no_prediction } = bounds(&m, device_rate, (compute, overlappable));
     BatchCell {
         budget_gb,
         mode: BATCH_MODE,
@@ -256,12 +267,34 @@ fn cell(
         resident_seconds_per_step: compute,
         resident_overlappable_seconds_per_step: overlappable,
         bound_seconds_per_step: bound,
-        bound_by: if io >= compute { "device" } else { "compute" },
+        bound_by: by,
         efficiency: bound / m.seconds_per_step,
-        bound_no_prediction_seconds_per_step: bound_no_prediction,
-        efficiency_no_prediction: bound_no_prediction.map(|f| f / m.seconds_per_step),
+        bound_no_prediction_seconds_per_step: no_prediction,
+        efficiency_no_prediction: no_prediction.map(|f| f / m.seconds_per_step),
         ids_match_solo: ids_match,
         m,
+    }
+}
+
+/// A cell's bounds, seconds per step.
+#[derive(Debug, PartialEq)]
+struct Bounds {
+    /// `max((trunk + expert bytes) / device rate, compute)`.
+    bound: f64,
+    /// "device" or "compute": the larger part of `bound`.
+    by: &'static str,
+    /// `max(bound, compute - overlappable + expert bytes / device rate)`: a layer's expert
+    /// reads start at its router, so they overlap only the expert compute after it.
+    no_prediction: Option<f64>,
+}
+
+fn bounds(m: &BatchMeasurement, device_rate: f64, (compute, overlappable): (f64, Option<f64>)) -> Bounds {
+    let io = (m.trunk_bytes_per_step + m.expert_bytes_per_step) / device_rate;
+    let bound = io.max(compute);
+    Bounds {
+        bound,
+        by: if io >= compute { "device" } else { "compute" },
+        no_prediction: overlappable.map(|o| bound.max(compute - o + m.expert_bytes_per_step / device_rate)),
     }
 }
 
@@ -358,4 +391,33 @@ pub(super) fn print(r: &BatchReport) {
         "ids of every batch cell (every repeat) and of the resident batches equal their solo runs: {}",
         if r.ids_match_solo { "yes" } else { "NO" }
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{bounds, median_runs, BatchMeasurement, Bounds};
+
+    fn step(trunk_bytes: f64, expert_bytes: f64) -> BatchMeasurement {
+        BatchMeasurement { trunk_bytes_per_step: trunk_bytes, expert_bytes_per_step: expert_bytes, ..Default::default() }
+    }
+
+    #[test]
+    fn the_bound_without_prediction_puts_expert_reads_after_the_compute_they_cannot_overlap() {
+        // Trunk streamed: 5 GB per step at 2 GB/s bounds the step; the expert reads fit in it.
+        let streamed = bounds(&step(4e9, 1e9), 2e9, (1.0, Some(0.4)));
+        assert_eq!(streamed, Bounds { bound: 2.5, by: "device", no_prediction: Some(2.5) });
+        // Trunk pinned: compute bounds the step, but without prediction 0.6 s of it runs
+        // before any expert read may start, and the 0.5 s of reads add to it.
+        let pinned = bounds(&step(0.0, 1e9), 2e9, (1.0, Some(0.4)));
+        assert_eq!(pinned, Bounds { bound: 1.0, by: "compute", no_prediction: Some(1.1) });
+        assert_eq!(bounds(&step(0.0, 1e9), 2e9, (1.0, None)).no_prediction, None, "no spans, no bound*");
+    }
+
+    #[test]
+    fn each_size_keeps_its_median_run_whole() {
+        let samples = [(1, 3.0, Some(0.3)), (4, 5.0, Some(2.0)), (1, 1.0, Some(0.9)), (1, 2.0, Some(0.1))];
+        // The median run of size 1 is the 2.0 s one, with its own 0.1 s (the median of the
+        // overlappable parts alone would be 0.3, from another run).
+        assert_eq!(median_runs(&samples, &[1, 4, 16]), [(1, 2.0, Some(0.1)), (4, 5.0, Some(2.0)), (16, 0.0, None)]);
+    }
 }

@@ -331,6 +331,17 @@ fn bench_batch_cells_have_their_fields_and_match_solo_runs() {
         let eff_star = per_step("efficiency_no_prediction");
         assert!((eff_star - bound_star / per_step("seconds_per_step")).abs() <= 1e-9, "{c}");
     }
+    // One repeat: the budget's busy read rate is the fastest of its mode and batch cells'.
+    let rates = v["device_rates_by_budget"].as_array().unwrap();
+    assert_eq!(rates.len(), 1, "{v}");
+    let fastest = v["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(cells)
+        .map(|c| c["read_rate_busy"].as_f64().unwrap())
+        .fold(0.0f64, f64::max);
+    assert_eq!(rates[0]["engine_busy"].as_f64().unwrap(), fastest, "{v}");
     let ratios = batch["ratios"].as_array().unwrap();
     assert_eq!(ratios.len(), 1, "{batch}");
     assert_eq!(ratios[0]["batch"], 2);
