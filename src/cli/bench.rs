@@ -166,26 +166,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let threads =
         if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
     let cells_total = args.budgets.len() * (args.modes.len() + args.batch.len()) * args.repeats.max(1);
-    let bar = ProgressBar::new((cells_total + 3 + usize::from(batch.is_some())) as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = progress_bar(cells_total + 3 + usize::from(batch.is_some()));
 
     bar.set_message("device: random reads of one expert");
     let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
     let ranges: Vec<(usize, u64, u64)> =
         index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
-    let probe_device = |pass: u64| -> anyhow::Result<Vec<(u32, f64)>> {
-        let mut rates = Vec::new();
-        for qd in [1u32, 4, 16, 32] {
-            let seed = 0x5eed + u64::from(qd) + 1000 * pass;
-            let rate = random_read_rate(&files, &ranges, cfg.expert_bytes() as usize, qd, args.device_reads, seed)
-                .context("measuring the device")?;
-            rates.push((qd, rate));
-        }
-        Ok(rates)
-    };
+    let probe_device = |pass| probe_queue_depths(&files, &ranges, cfg.expert_bytes() as usize, args.device_reads, pass);
     let device_before = probe_device(0)?;
     bar.inc(1);
     bar.set_message("memory bandwidth");
@@ -265,6 +252,33 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+fn progress_bar(steps: usize) -> ProgressBar {
+    let bar = ProgressBar::new(steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// The device's random read rate of `read_bytes` blocks at queue depths 1, 4, 16 and 32; `pass`
+/// picks the offsets' seed, so the probes before and after the cells read different blocks.
+fn probe_queue_depths(
+    files: &[PathBuf],
+    ranges: &[(usize, u64, u64)],
+    read_bytes: usize,
+    reads: usize,
+    pass: u64,
+) -> anyhow::Result<Vec<(u32, f64)>> {
+    let mut rates = Vec::new();
+    for qd in [1u32, 4, 16, 32] {
+        let seed = 0x5eed + u64::from(qd) + 1000 * pass;
+        let rate = random_read_rate(files, ranges, read_bytes, qd, reads, seed).context("measuring the device")?;
+        rates.push((qd, rate));
+    }
+    Ok(rates)
 }
 
 /// The resident compute, the median of `--repeats` runs like each cell (both floors use it), and
@@ -521,6 +535,17 @@ fn verify_cost_line(cells: &[Cell]) -> String {
 }
 
 fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
+    print_conditions(r, cfg, args);
+    print_cells(r);
+    println!("{}", verify_cost_line(&r.cells));
+    println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
+    if let Some(batch) = &r.batch {
+        bench_batch::print(batch);
+    }
+}
+
+/// The device, the memory, the resident compute and the page cache the cells ran against.
+fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
     let rates =
         |v: &[(u32, f64)]| v.iter().map(|(q, v)| format!("QD{q} {:.2}", v / 1e9)).collect::<Vec<_>>().join(", ");
     println!(
@@ -561,6 +586,10 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
             "not dropped (not root); reads are O_DIRECT"
         }
     );
+}
+
+/// The mode cells' table, the ratios between modes and what the floor columns mean.
+fn print_cells(r: &Report) {
     println!(
         "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7} {:>7} {:>10}",
         "budget",
@@ -620,12 +649,6 @@ fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
         "floor*: the floor without routing prediction: a layer's expert reads start at its router, so they overlap \
          only the experts' compute (cells that predict routing can beat it)"
     );
-    println!("{}", verify_cost_line(&r.cells));
-    println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
-    if let Some(batch) = &r.batch {
-        bench_batch::print(batch);
-    }
-    let _ = args;
 }
 
 /// `v` right-aligned in `width` with `prec` decimals, or a dash when it was not measured.

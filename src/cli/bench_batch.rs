@@ -398,7 +398,11 @@ mod tests {
     use super::{bounds, median_runs, BatchMeasurement, Bounds};
 
     fn step(trunk_bytes: f64, expert_bytes: f64) -> BatchMeasurement {
-        BatchMeasurement { trunk_bytes_per_step: trunk_bytes, expert_bytes_per_step: expert_bytes, ..Default::default() }
+        BatchMeasurement {
+            trunk_bytes_per_step: trunk_bytes,
+            expert_bytes_per_step: expert_bytes,
+            ..Default::default()
+        }
     }
 
     #[test]

@@ -278,8 +278,8 @@ fn a_damaged_split_unit_is_a_data_error_naming_the_unit() {
     // At the minimum for pieces of 20 kB nothing is pinned: layer.5 is split.
     let min = plan_for(&tiny_dir(), trunk.path(), Some(20_000), 3).minimum_bytes;
     let run = run_options(min, Some(20_000), 3);
-    let (_, plan) = open_streaming(&tiny_dir(), trunk.path(), &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {})
-        .unwrap();
+    let (_, plan) =
+        open_streaming(&tiny_dir(), trunk.path(), &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {}).unwrap();
     assert!(plan.split.contains(&"layer.5".to_owned()), "{}", plan.describe());
     let mem_gb = format!("{:.9}", min.div_ceil(1000) as f64 / 1e6);
     let manifest = k3ring::storage::pack::Manifest::load(trunk.path()).unwrap();

@@ -236,9 +236,8 @@ impl Plan {
         let states_bytes = sequences as u64 * input.states_bytes;
         let fixed = states_bytes + input.scratch_bytes;
         let base = Plan::empty(input, sequences, minimum);
-        let whole_of = |base: Plan| {
-            whole_plan(input, base, &units, ring_slots, pool_min, input.budget - fixed - pool_min_bytes)
-        };
+        let whole_of =
+            |base: Plan| whole_plan(input, base, &units, ring_slots, pool_min, input.budget - fixed - pool_min_bytes);
         let plan = match pieces {
             Some(p) if !whole => p.plan(input, base, forced, pool_min, input.budget - fixed),
             // Both fit: the ring of pieces is taken when what it frees of the whole-unit ring
