@@ -89,6 +89,10 @@ pub struct BenchArgs {
     /// mode cells, with each sequence's ids checked against its solo run.
     #[arg(long, value_name = "B,...", value_delimiter = ',', value_parser = bench_batch::parse_batch)]
     pub batch: Vec<usize>,
+    /// Do not check experts read from the shards against their checksums (as `run
+    /// --no-verify-experts`), to see what the check costs.
+    #[arg(long)]
+    pub no_verify_experts: bool,
 }
 
 #[derive(Serialize)]
@@ -498,7 +502,7 @@ fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> St
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
         chunk: spec.prefill_chunk,
         threads: args.threads,
-        store: StoreOptions { readahead: 1, ..StoreOptions::default() },
+        store: StoreOptions { readahead: 1, verify_experts: !args.no_verify_experts, ..StoreOptions::default() },
         pipeline: PipelineOptions {
             io: IoOptions { kind: IoKind::Uring, queue_depth: args.queue_depth, ..IoOptions::default() },
             mode: if serial { Mode::Serial } else { Mode::Pipelined },
@@ -537,7 +541,11 @@ fn verify_cost_line(cells: &[Cell]) -> String {
 fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
     print_conditions(r, cfg, args);
     print_cells(r);
-    println!("{}", verify_cost_line(&r.cells));
+    if args.no_verify_experts {
+        println!("expert checksums: not checked (--no-verify-experts)");
+    } else {
+        println!("{}", verify_cost_line(&r.cells));
+    }
     println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
     if let Some(batch) = &r.batch {
         bench_batch::print(batch);

@@ -319,11 +319,12 @@ pub(super) fn print(r: &BatchReport) {
         "batch cells ({BATCH_MODE}; B sequences, distinct prompts, greedy; a step is one token of every sequence):"
     );
     println!(
-        "{:>7} {:>8} {:>5} {:>8} {:>7} {:>10} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>4}",
+        "{:>7} {:>8} {:>5} {:>8} {:>7} {:>7} {:>10} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>4}",
         "budget",
         "trunk",
         "batch",
         "s/step",
+        "check",
         "tok/s",
         "trunk/step",
         "trunk/tok",
@@ -342,11 +343,12 @@ pub(super) fn print(r: &BatchReport) {
     );
     for c in &r.cells {
         println!(
-            "{:>6}G {:>8} {:>5} {:>8.3} {:>7.2} {:>9.2}G {:>8.3}G {:>7.3}G {:>9.1} {:>8.1} {:>9.1} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>7.2} {} {} {:>4}",
+            "{:>6}G {:>8} {:>5} {:>8.3} {:>7.3} {:>7.2} {:>9.2}G {:>8.3}G {:>7.3}G {:>9.1} {:>8.1} {:>9.1} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>7.2} {} {} {:>4}",
             c.budget_gb,
             if c.trunk_pinned { "pinned" } else { "streamed" },
             c.m.batch,
             c.m.seconds_per_step,
+            c.m.expert_verify_seconds_per_step,
             c.m.tokens_per_second,
             c.m.trunk_bytes_per_step / 1e9,
             c.trunk_bytes_per_token / 1e9,
@@ -378,6 +380,10 @@ pub(super) fn print(r: &BatchReport) {
     println!(
         "experts/L: distinct experts per MoE layer per step as the expert pool counted them (resident, in flight or \
          read); expected: E(1-(1-k/E)^B) for uniform routing; reads/L: those read"
+    );
+    println!(
+        "check: seconds per step the compute threads spent checking experts against their checksums (on by \
+         default, --no-verify-experts turns it off; not in the bounds)"
     );
     println!(
         "compute: the resident compute of one step of B rows; bound = max((trunk + expert bytes per step) / dev GB/s, \

@@ -79,6 +79,9 @@ pub struct BatchMeasurement {
     pub expert_reads_per_layer_step: f64,
     /// Bytes read per second of I/O busy time.
     pub read_rate_busy: f64,
+    /// Seconds per step the compute threads spent checking experts against their checksums
+    /// (`--no-verify-experts`: 0); the bounds leave it out, like the resident compute.
+    pub expert_verify_seconds_per_step: f64,
     pub plan: Option<Plan>,
     /// Resident runs only: seconds per step of the compute that a layer's expert reads can
     /// overlap without prediction (the shared experts and the routed experts' own compute,
@@ -173,6 +176,7 @@ pub fn measure_streaming_batch(
         distinct_experts_per_layer_step: (after.routed_experts - before.routed_experts) as f64 / steps / moe_layers,
         expert_reads_per_layer_step: (after.expert_reads - before.expert_reads) as f64 / steps / moe_layers,
         read_rate_busy: window.read_rate_busy(),
+        expert_verify_seconds_per_step: (after.expert_verify_seconds - before.expert_verify_seconds) / steps,
         plan: Some(plan),
         overlappable_seconds_per_step: None,
     })

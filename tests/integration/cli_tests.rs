@@ -242,6 +242,50 @@ fn a_resident_run_keeps_the_flags_it_honours() {
     assert_eq!(out, "placement: NUMA node 0 | compute 1 threads on CPUs 0 | I/O on CPU 1\n");
 }
 
+/// `bench --no-verify-experts` reads experts without checking them, as `run` does with the
+/// flag, so that the check's cost shows; its cells still match the resident ids.
+#[test]
+fn bench_without_the_expert_check_spends_nothing_on_it() {
+    let model = tiny_dir();
+    let trunk = pack(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("b.json");
+    let (m, t, j) = (model.to_str().unwrap(), trunk.path().to_str().unwrap(), json.to_str().unwrap());
+    let (code, out, err) = k3ring(&[
+        "bench",
+        "--model",
+        m,
+        "--trunk",
+        t,
+        "--budgets",
+        "0.004",
+        "--modes",
+        "no-spec",
+        "--batch",
+        "2",
+        "--tokens",
+        "2",
+        "--warmup",
+        "1",
+        "--device-reads",
+        "8",
+        "--no-verify-experts",
+        "--json",
+        j,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("expert checksums: not checked (--no-verify-experts)"), "{out}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["ids_identical"], true, "{v}");
+    let cell = &v["cells"][0];
+    assert!(cell["expert_bytes_per_token"].as_f64().unwrap() > 0.0, "{cell}");
+    assert_eq!(cell["expert_verify_seconds_per_token"].as_f64(), Some(0.0), "{cell}");
+    let batch = &v["batch"]["cells"][0];
+    assert!(batch["expert_bytes_per_step"].as_f64().unwrap() > 0.0, "{batch}");
+    assert_eq!(batch["expert_verify_seconds_per_step"].as_f64(), Some(0.0), "{batch}");
+    assert_eq!(v["batch"]["ids_match_solo"], true, "{v}");
+}
+
 /// `bench --batch` (issue 18): a cell per budget and batch size with its counters, bound and
 /// ids check against solo runs. Nothing here is timed: only fields and the relations between
 /// them are checked.
@@ -303,6 +347,9 @@ fn bench_batch_cells_have_their_fields_and_match_solo_runs() {
         assert_eq!(c["ids_match_solo"], true, "{c}");
         let b = c["batch"].as_f64().unwrap();
         let per_step = |k: &str| c[k].as_f64().unwrap();
+        // Experts read from the shards are checked by default, and the check is timed.
+        assert!(per_step("expert_bytes_per_step") > 0.0, "{c}");
+        assert!(per_step("expert_verify_seconds_per_step") > 0.0, "{c}");
         assert_eq!(per_step("trunk_bytes_per_token") * b, per_step("trunk_bytes_per_step"), "{c}");
         assert_eq!(per_step("expert_bytes_per_token") * b, per_step("expert_bytes_per_step"), "{c}");
         // Each MoE layer asks once per step for its rows' union: k experts for one row, at
