@@ -242,16 +242,15 @@ fn a_resident_run_keeps_the_flags_it_honours() {
     assert_eq!(out, "placement: NUMA node 0 | compute 1 threads on CPUs 0 | I/O on CPU 1\n");
 }
 
-/// `bench --no-verify-experts` reads experts without checking them, as `run` does with the
-/// flag, so that the check's cost shows; its cells still match the resident ids.
-#[test]
-fn bench_without_the_expert_check_spends_nothing_on_it() {
+/// `bench` on the tiny model at a 4 MB budget, 2 tokens after 1, with `args` added: exit code,
+/// stdout, stderr and the `--json` report (`Null` when it failed).
+fn bench_tiny(args: &[&str]) -> (i32, String, String, serde_json::Value) {
     let model = tiny_dir();
     let trunk = pack(&model);
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("b.json");
     let (m, t, j) = (model.to_str().unwrap(), trunk.path().to_str().unwrap(), json.to_str().unwrap());
-    let (code, out, err) = k3ring(&[
+    let common = [
         "bench",
         "--model",
         m,
@@ -259,23 +258,27 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
         t,
         "--budgets",
         "0.004",
-        "--modes",
-        "no-spec",
-        "--batch",
-        "2",
         "--tokens",
         "2",
         "--warmup",
         "1",
         "--device-reads",
         "8",
-        "--no-verify-experts",
         "--json",
         j,
-    ]);
+    ];
+    let (code, out, err) = k3ring(&[&common[..], args].concat());
+    let v = std::fs::read(&json).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+    (code, out, err, v)
+}
+
+/// `bench --no-verify-experts` reads experts without checking them, as `run` does with the
+/// flag, so that the check's cost shows; its cells still match the resident ids.
+#[test]
+fn bench_without_the_expert_check_spends_nothing_on_it() {
+    let (code, out, err, v) = bench_tiny(&["--modes", "no-spec", "--batch", "2", "--no-verify-experts"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("expert checksums: not checked (--no-verify-experts)"), "{out}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(v["ids_identical"], true, "{v}");
     let cell = &v["cells"][0];
     assert!(cell["expert_bytes_per_token"].as_f64().unwrap() > 0.0, "{cell}");
@@ -292,33 +295,9 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
 #[test]
 fn bench_batch_cells_have_their_fields_and_match_solo_runs() {
     let model = tiny_dir();
-    let trunk = pack(&model);
-    let tmp = tempfile::tempdir().unwrap();
-    let json = tmp.path().join("b.json");
-    let (code, out, err) = k3ring(&[
-        "bench",
-        "--model",
-        model.to_str().unwrap(),
-        "--trunk",
-        trunk.path().to_str().unwrap(),
-        "--budgets",
-        "0.004",
-        "--modes",
-        "pipelined",
-        "--batch",
-        "1,2",
-        "--tokens",
-        "2",
-        "--warmup",
-        "1",
-        "--device-reads",
-        "8",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
+    let (code, out, err, v) = bench_tiny(&["--modes", "pipelined", "--batch", "1,2"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("equal their solo runs: yes"), "{out}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(v["cells"].as_array().unwrap().len(), 1, "the mode cell is still there");
     let batch = &v["batch"];
     assert_eq!(batch["ids_match_solo"], true, "{batch}");
