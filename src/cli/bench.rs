@@ -138,6 +138,9 @@ struct Report {
     /// GB/s against `memory_bandwidth`; the rows sum to `resident_seconds_per_token`.
     resident_attribution: Option<AttributionTable>,
     page_cache_dropped: bool,
+    /// Experts read from the shards were checked against their checksums (the default; false
+    /// with `--no-verify-experts`).
+    experts_checked: bool,
     /// Per budget: the device probe, the cells' own busy read rate and the better of the two,
     /// which that budget's floors and bounds use.
     device_rates_by_budget: Vec<DeviceRate>,
@@ -239,6 +242,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         resident_overlappable_seconds_per_token: resident.overlappable_seconds_per_token,
         resident_attribution: resident.attribution.as_ref().map(|w| w.table(Some(membw))),
         page_cache_dropped: measured.dropped,
+        experts_checked: !args.no_verify_experts,
         device_rates_by_budget: measured.device_rate_sources.clone(),
         cells,
         speedups,

@@ -279,6 +279,7 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
     let (code, out, err, v) = bench_tiny(&["--modes", "no-spec", "--batch", "2", "--no-verify-experts"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("expert checksums: not checked (--no-verify-experts)"), "{out}");
+    assert_eq!(v["experts_checked"], false, "{v}");
     assert_eq!(v["ids_identical"], true, "{v}");
     let cell = &v["cells"][0];
     assert!(cell["expert_bytes_per_token"].as_f64().unwrap() > 0.0, "{cell}");
@@ -298,6 +299,7 @@ fn bench_batch_cells_have_their_fields_and_match_solo_runs() {
     let (code, out, err, v) = bench_tiny(&["--modes", "pipelined", "--batch", "1,2"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("equal their solo runs: yes"), "{out}");
+    assert_eq!(v["experts_checked"], true, "{v}");
     assert_eq!(v["cells"].as_array().unwrap().len(), 1, "the mode cell is still there");
     let batch = &v["batch"];
     assert_eq!(batch["ids_match_solo"], true, "{batch}");
