@@ -545,10 +545,10 @@ fn verify_cost_line(cells: &[Cell]) -> String {
 fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
     print_conditions(r, cfg, args);
     print_cells(r);
-    if args.no_verify_experts {
-        println!("expert checksums: not checked (--no-verify-experts)");
-    } else {
+    if r.experts_checked {
         println!("{}", verify_cost_line(&r.cells));
+    } else {
+        println!("expert checksums: not checked (--no-verify-experts)");
     }
     println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
     if let Some(batch) = &r.batch {
