@@ -3,9 +3,10 @@
 //! as GFLOP/s over the FMA peak (independent `vfmadd` chains on every thread).
 //!
 //! `cargo bench -p k3ring-kernels --bench roofline [-- --threads N --repeats N --isa NAME
-//! --only bf16|mxfp4 --tokens 1,2,... --hot]` (`--only` and `--tokens` restrict the kernel rows;
-//! the limits are always measured; `--hot` adds MXFP4 rows of a 256x3584 matrix that stays in L2,
-//! 100 products per timing: the kernel's rate when memory is not the limit).
+//! --only bf16|mxfp4 --tokens 1,2,... --hot --avx2-mxfp4 ymm|xmm]` (`--only` and `--tokens`
+//! restrict the kernel rows; the limits are always measured; `--hot` adds MXFP4 rows of a
+//! 256x3584 matrix that stays in L2, 100 products per timing: the kernel's rate when memory is not
+//! the limit; `--avx2-mxfp4` runs that AVX2 one-token MXFP4 kernel instead of this CPU's choice).
 //!
 //! Every number is the median of `--repeats` timings (default 9); the triad and the FMA peak are
 //! measured before and after the kernels and the better of the two medians is the limit, so a
@@ -18,7 +19,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use kernels::{Isa, Kernels};
+use kernels::{Avx2Mxfp4, Isa, Kernels};
 
 mod common;
 use common::Lcg;
@@ -33,11 +34,20 @@ struct Options {
     tokens: Vec<usize>,
     /// Also measure an L2-resident MXFP4 matrix.
     hot: bool,
+    /// `--avx2-mxfp4 ymm|xmm`: the AVX2 one-token MXFP4 kernel instead of this CPU's choice.
+    avx2_mxfp4: Option<Avx2Mxfp4>,
 }
 
 fn options() -> Options {
-    let mut o =
-        Options { threads: 2, repeats: 9, isa: Isa::best(), only: None, tokens: vec![1, 2, 3, 4, 16], hot: false };
+    let mut o = Options {
+        threads: 2,
+        repeats: 9,
+        isa: Isa::best(),
+        only: None,
+        tokens: vec![1, 2, 3, 4, 16],
+        hot: false,
+        avx2_mxfp4: None,
+    };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
@@ -46,6 +56,14 @@ fn options() -> Options {
             "--threads" => o.threads = value.and_then(|v| v.parse().ok()).expect("--threads N"),
             "--repeats" => o.repeats = value.and_then(|v| v.parse().ok()).expect("--repeats N"),
             "--isa" => o.isa = value.and_then(|v| Isa::from_name(v)).expect("--isa scalar|avx2|avx512"),
+            "--avx2-mxfp4" => {
+                o.avx2_mxfp4 = Some(
+                    [Avx2Mxfp4::Ymm, Avx2Mxfp4::Xmm]
+                        .into_iter()
+                        .find(|v| value.is_some_and(|s| s == v.name()))
+                        .expect("--avx2-mxfp4 ymm|xmm"),
+                )
+            }
             "--only" => {
                 o.only = Some(value.filter(|v| *v == "bf16" || *v == "mxfp4").expect("--only bf16|mxfp4").clone())
             }
@@ -259,7 +277,10 @@ fn mxfp4_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) 
 
 fn main() {
     let o = options();
-    let k = Kernels::with_isa(o.isa).expect("ISA not available on this host");
+    let mut k = Kernels::with_isa(o.isa).expect("ISA not available on this host");
+    if let Some(v) = o.avx2_mxfp4 {
+        k = k.with_avx2_mxfp4(v);
+    }
     let pool = rayon::ThreadPoolBuilder::new().num_threads(o.threads).build().unwrap();
     let single = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     eprintln!("measuring limits, then kernels ({} repeats, isa {}, {} threads)...", o.repeats, k.isa(), o.threads);
@@ -277,6 +298,9 @@ fn main() {
     let peak_after = [fma_peak(&single, o.repeats), fma_peak(&pool, o.repeats)];
     let bw = [bw_before[0].max(bw_after[0]), bw_before[1].max(bw_after[1])];
     let peak = [peak_before[0].max(peak_after[0]), peak_before[1].max(peak_after[1])];
+    if let Some(v) = k.avx2_mxfp4() {
+        println!("avx2 one-token mxfp4 kernel: {}", v.name());
+    }
     println!("isa {}  triad GB/s: 1 thread {:.1}, {} threads {:.1}", k.isa(), bw[0], o.threads, bw[1]);
     println!("      FMA peak GFLOP/s: 1 thread {:.1}, {} threads {:.1}", peak[0], o.threads, peak[1]);
     if let (Some(z1), Some(z2)) = (fma_peak_zmm(&single, o.repeats), fma_peak_zmm(&pool, o.repeats)) {

@@ -96,6 +96,43 @@ fn avx512_f_bw_vl_detected() -> bool {
     false
 }
 
+/// Whether this CPU executes every 256-bit vector operation as two 128-bit halves: AMD family
+/// 17h models below 30h (Zen 1 and Zen+; Zen 2 starts at 30h) and Hygon family 18h (Dhyana, a
+/// Zen 1). Only a speed choice ([`crate::mxfp4::Avx2Mxfp4`]): every kernel gives the same bits.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn splits_256_bit_operations() -> bool {
+    use std::arch::x86_64::__cpuid;
+    let vendor = __cpuid(0);
+    let mut name = [0u8; 12];
+    for (i, r) in [vendor.ebx, vendor.edx, vendor.ecx].into_iter().enumerate() {
+        name[4 * i..4 * i + 4].copy_from_slice(&r.to_le_bytes());
+    }
+    if vendor.eax < 1 {
+        return false;
+    }
+    let (family, model) = family_model(__cpuid(1).eax);
+    match &name {
+        b"AuthenticAMD" => family == 0x17 && model < 0x30,
+        b"HygonGenuine" => family == 0x18,
+        _ => false,
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn splits_256_bit_operations() -> bool {
+    false
+}
+
+/// (display family, display model) from CPUID leaf 1's EAX, as the vendors define them.
+fn family_model(eax: u32) -> (u32, u32) {
+    let base_family = (eax >> 8) & 0xF;
+    let base_model = (eax >> 4) & 0xF;
+    let family = if base_family == 0xF { base_family + ((eax >> 20) & 0xFF) } else { base_family };
+    let model =
+        if base_family == 0xF || base_family == 0x6 { base_model | (((eax >> 16) & 0xF) << 4) } else { base_model };
+    (family, model)
+}
+
 /// Names of the available ISAs, comma separated, for error messages.
 pub(crate) fn available_names() -> String {
     let names: Vec<&str> = Isa::available().iter().map(|isa| isa.name()).collect();
@@ -115,6 +152,15 @@ mod tests {
         assert_eq!(Isa::from_name("AVX2"), None);
         assert_eq!(Isa::from_name("avx512"), Some(Isa::Avx512));
         assert_eq!(Isa::from_name("avx512f"), None);
+    }
+
+    #[test]
+    fn family_and_model_from_cpuid() {
+        // Zen 1 EPYC 7551 (this VM some days), Zen 2 EPYC 7742, Zen 3 EPYC 7763, Skylake-SP.
+        assert_eq!(family_model(0x0080_0F12), (0x17, 0x01));
+        assert_eq!(family_model(0x0083_0F10), (0x17, 0x31));
+        assert_eq!(family_model(0x00A0_0F11), (0x19, 0x01));
+        assert_eq!(family_model(0x0005_0654), (0x6, 0x55));
     }
 
     #[test]

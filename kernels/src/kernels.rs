@@ -6,6 +6,7 @@ use std::sync::atomic::AtomicU64;
 
 use crate::error::KernelError;
 use crate::isa::Isa;
+use crate::mxfp4::Avx2Mxfp4;
 use crate::{bf16, dot, kda, math, mxfp4, softmax, vector};
 
 /// The kernels of one ISA, as a table of function pointers filled once by [`Kernels::detect`]
@@ -16,6 +17,7 @@ use crate::{bf16, dot, kda, math, mxfp4, softmax, vector};
 #[derive(Clone, Copy)]
 pub struct Kernels {
     isa: Isa,
+    avx2_mxfp4: Avx2Mxfp4,
     dot: dot::Fns,
     bf16: bf16::Fns,
     mxfp4: mxfp4::Fns,
@@ -27,7 +29,7 @@ pub struct Kernels {
 
 impl fmt::Debug for Kernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Kernels").field("isa", &self.isa).finish_non_exhaustive()
+        f.debug_struct("Kernels").field("isa", &self.isa).field("avx2_mxfp4", &self.avx2_mxfp4).finish_non_exhaustive()
     }
 }
 
@@ -54,11 +56,13 @@ impl Kernels {
         // SAFETY: forwarded from this function's contract; each `for_isa` only needs the ISA
         // to be available.
         unsafe {
+            let avx2_mxfp4 = Avx2Mxfp4::for_this_cpu();
             Kernels {
                 isa,
+                avx2_mxfp4,
                 dot: dot::Fns::for_isa(isa),
                 bf16: bf16::Fns::for_isa(isa),
-                mxfp4: mxfp4::Fns::for_isa(isa),
+                mxfp4: mxfp4::Fns::for_isa(isa, avx2_mxfp4),
                 math: math::Fns::for_isa(isa),
                 vector: vector::Fns::for_isa(isa),
                 softmax: softmax::Fns::for_isa(isa),
@@ -70,6 +74,21 @@ impl Kernels {
     /// The ISA these kernels run on.
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    /// These kernels with `v` as the one-token MXFP4 kernel of [`Isa::Avx2`] (built with
+    /// [`Avx2Mxfp4::for_this_cpu`]); the same bits, only the speed differs. Other ISAs do not
+    /// use it.
+    #[must_use]
+    pub fn with_avx2_mxfp4(self, v: Avx2Mxfp4) -> Kernels {
+        // SAFETY: `self` was built for `self.isa`, so that ISA is available.
+        let mxfp4 = unsafe { mxfp4::Fns::for_isa(self.isa, v) };
+        Kernels { avx2_mxfp4: v, mxfp4, ..self }
+    }
+
+    /// The one-token MXFP4 kernel in use: `Some` on [`Isa::Avx2`], `None` on ISAs that have one.
+    pub fn avx2_mxfp4(&self) -> Option<Avx2Mxfp4> {
+        (self.isa == Isa::Avx2).then_some(self.avx2_mxfp4)
     }
 
     /// `y[tok, r] = canonical_dot(W[r, :] as f32, x[tok, :])` for every token and row

@@ -21,17 +21,17 @@ use crate::out::RowsOut;
 use crate::tiled::{self, Source, Tile};
 
 /// Bytes of packed data per group of 32 elements.
-const GROUP_BYTES: usize = GROUP / 2;
+pub(super) const GROUP_BYTES: usize = GROUP / 2;
 
 /// The two `vpshufb` tables of one scale byte `s`: bytes 0-15 are byte 2 and bytes 16-31 byte 3
 /// of `SCALED[s][n]` (n = 0..16), the f32 value's top half; its low half is zero (test
 /// `scaled_table_is_the_products`), so the two bytes are the whole value.
 #[derive(Clone, Copy)]
 #[repr(C, align(32))]
-struct ByteTables([u8; 32]);
+pub(super) struct ByteTables(pub(super) [u8; 32]);
 
 /// [`ByteTables`] for every scale byte.
-static SCALED_BYTES: [ByteTables; 256] = scaled_bytes();
+pub(super) static SCALED_BYTES: [ByteTables; 256] = scaled_bytes();
 
 const fn scaled_bytes() -> [ByteTables; 256] {
     let mut out = [ByteTables([0; 32]); 256];
@@ -102,7 +102,7 @@ fn decode32(b: &[u8; GROUP_BYTES], scale: u8) -> [__m256; 4] {
 /// and reads nothing architecturally).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn prefetch(p: *const u8) {
+pub(super) fn prefetch(p: *const u8) {
     _mm_prefetch::<_MM_HINT_T0>(p.cast());
 }
 

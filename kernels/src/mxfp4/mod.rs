@@ -17,6 +17,8 @@
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_xmm;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 pub(crate) mod scalar;
 
@@ -97,6 +99,38 @@ pub fn mxfp4_value(nibble: u8, scale: u8) -> Option<f32> {
     Some(e2m1_signed(nibble) * e8m0_pow2(scale))
 }
 
+/// Which one-token MXFP4 kernel the AVX2 kernels use; both give the same bits (the twin tests
+/// run both on every AVX2 host).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Avx2Mxfp4 {
+    /// 256-bit decode straight into canonical lanes: for cores with 256-bit execution units.
+    Ymm,
+    /// 128-bit decode into transposed lanes: for cores that split every 256-bit operation in
+    /// two (AMD Zen 1 and Zen+, Hygon Dhyana), where it ran 1.3x the 256-bit kernel.
+    Xmm,
+}
+
+impl Avx2Mxfp4 {
+    /// The kernel for this CPU: [`Avx2Mxfp4::Xmm`] where
+    /// [`splits_256_bit_operations`](crate::isa::splits_256_bit_operations), else
+    /// [`Avx2Mxfp4::Ymm`].
+    pub fn for_this_cpu() -> Avx2Mxfp4 {
+        if crate::isa::splits_256_bit_operations() {
+            Avx2Mxfp4::Xmm
+        } else {
+            Avx2Mxfp4::Ymm
+        }
+    }
+
+    /// `"ymm"` or `"xmm"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Avx2Mxfp4::Ymm => "ymm",
+            Avx2Mxfp4::Xmm => "xmm",
+        }
+    }
+}
+
 /// `(packed rows of this block, scales rows of this block, cols, x [t, cols], t, out)`.
 /// Scales are already validated (no 0xFF).
 pub(crate) type MatmulFn = unsafe fn(&[u8], &[u8], usize, &[f32], usize, &mut RowsOut<'_>);
@@ -147,14 +181,18 @@ pub(crate) fn check_scales(scales: &[u8], groups: usize, row_begin: usize) -> Re
 }
 
 impl Fns {
+    /// `avx2` chooses the one-token kernel of [`Isa::Avx2`]; other ISAs ignore it.
+    ///
     /// # Safety
     /// `isa` must be available on this host ([`Isa::is_available`]).
-    pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
-        match isa {
+    pub(crate) unsafe fn for_isa(isa: Isa, avx2: Avx2Mxfp4) -> Fns {
+        match (isa, avx2) {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns { matmul: avx2::matmul },
+            (Isa::Avx2, Avx2Mxfp4::Ymm) => Fns { matmul: avx2::matmul },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => Fns { matmul: avx512::matmul },
+            (Isa::Avx2, Avx2Mxfp4::Xmm) => Fns { matmul: avx2_xmm::matmul },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, _) => Fns { matmul: avx512::matmul },
             _ => Fns { matmul: scalar::matmul },
         }
     }

@@ -15,7 +15,7 @@ mod norm;
 mod softmax;
 
 use common::{all_kernels, assert_bits, assert_bits_strict, pool, scalar, unaligned, Rng};
-use kernels::{mxfp4_value, KernelError, Kernels};
+use kernels::{mxfp4_value, Avx2Mxfp4, KernelError, Kernels};
 
 /// Lengths 0..=70 (every residue mod 8 and 16) plus a few long ones.
 fn lengths() -> Vec<usize> {

@@ -2,6 +2,19 @@
 
 use super::*;
 
+/// Every ISA's kernels, and on AVX2 also with the one-token kernel this CPU did not choose: the
+/// twins cover both [`Avx2Mxfp4`] kernels on any AVX2 host.
+fn mxfp4_kernels() -> Vec<Kernels> {
+    let mut ks = all_kernels();
+    for k in ks.clone() {
+        if let Some(v) = k.avx2_mxfp4() {
+            let other = if v == Avx2Mxfp4::Xmm { Avx2Mxfp4::Ymm } else { Avx2Mxfp4::Xmm };
+            ks.push(k.with_avx2_mxfp4(other));
+        }
+    }
+    ks
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_mxfp4(
     k: &Kernels,
@@ -42,7 +55,7 @@ fn mxfp4_data(rng: &mut Rng, rows: usize, cols: usize, edge_scales: bool) -> (Ve
 fn matmul_mxfp4_twins_unaligned() {
     let mut rng = Rng::new(6);
     let s = scalar();
-    for k in all_kernels() {
+    for k in mxfp4_kernels() {
         for cols in [32usize, 64, 96, 256, 288, 512, 544] {
             for rows in [1usize, 2, 3, 4, 5, 9, 65] {
                 for t in [1usize, 2, 3, 4, 5, 17] {
@@ -55,7 +68,7 @@ fn matmul_mxfp4_twins_unaligned() {
                         let s_odd = &sbuf[soff..soff + scales.len()];
                         let want = run_mxfp4(&s, false, &packed, &scales, rows, cols, &x, t).unwrap();
                         let got = run_mxfp4(&k, false, p_odd, s_odd, rows, cols, &x, t).unwrap();
-                        assert_bits(&format!("{:?} {rows}x{cols} t={t} edge={edge}", k.isa()), &want, &got);
+                        assert_bits(&format!("{:?} {rows}x{cols} t={t} edge={edge}", k), &want, &got);
                     }
                 }
             }
@@ -67,7 +80,25 @@ fn matmul_mxfp4_twins_unaligned() {
         for t in [1, 2, 3, 4] {
             let want = run_mxfp4(&s, false, &packed, &scales, rows, cols, &x[..t * cols], t).unwrap();
             let got = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x[..t * cols], t).unwrap();
-            assert_bits(&format!("{:?} K3 block t={t}", k.isa()), &want, &got);
+            assert_bits(&format!("{:?} K3 block t={t}", k), &want, &got);
+        }
+    }
+}
+
+#[test]
+fn matmul_mxfp4_one_token_at_every_width() {
+    // The 128-bit one-token kernel copies x to the stack in buckets of 64, 128, 256 and 512
+    // chunks of 16 columns and hands wider rows to the 256-bit kernel: both sides of each edge.
+    let mut rng = Rng::new(61);
+    let s = scalar();
+    for k in mxfp4_kernels() {
+        for cols in [1024usize, 1056, 2048, 2080, 4096, 4128, 8192, 8224] {
+            let rows = 3;
+            let (packed, scales) = mxfp4_data(&mut rng, rows, cols, true);
+            let x = rng.adversarials(cols);
+            let want = run_mxfp4(&s, false, &packed, &scales, rows, cols, &x, 1).unwrap();
+            let got = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x, 1).unwrap();
+            assert_bits(&format!("{k:?} 3x{cols} t=1"), &want, &got);
         }
     }
 }
@@ -76,7 +107,7 @@ fn matmul_mxfp4_twins_unaligned() {
 fn matmul_mxfp4_batch_and_thread_invariance() {
     let mut rng = Rng::new(7);
     let pools = [pool(1), pool(2), pool(3)];
-    for k in all_kernels() {
+    for k in mxfp4_kernels() {
         for (rows, cols) in [(5usize, 32usize), (9, 288), (130, 64), (3, 544)] {
             for t in [2usize, 3, 4, 5, 16, 17] {
                 let (packed, scales) = mxfp4_data(&mut rng, rows, cols, true);
@@ -85,12 +116,12 @@ fn matmul_mxfp4_batch_and_thread_invariance() {
                 for tok in 0..t {
                     let xt = &x[tok * cols..][..cols];
                     let single = run_mxfp4(&k, false, &packed, &scales, rows, cols, xt, 1).unwrap();
-                    let ctx = format!("{:?} {rows}x{cols} t={t} tok={tok}", k.isa());
+                    let ctx = format!("{:?} {rows}x{cols} t={t} tok={tok}", k);
                     assert_bits_strict(&ctx, &single, &batched[tok * rows..][..rows]);
                 }
                 for p in &pools {
                     let par = p.install(|| run_mxfp4(&k, true, &packed, &scales, rows, cols, &x, t)).unwrap();
-                    let ctx = format!("{:?} {rows}x{cols} t={t} threads={}", k.isa(), p.current_num_threads());
+                    let ctx = format!("{:?} {rows}x{cols} t={t} threads={}", k, p.current_num_threads());
                     assert_bits_strict(&ctx, &batched, &par);
                 }
             }
@@ -110,7 +141,7 @@ fn mxfp4_every_nibble_at_every_position() {
     // y = W e_pos extracts element `pos` exactly: for a nonzero weight w, fma(w, 1, 0) = w and
     // the other lanes and elements add zeros. Zero magnitudes give +0.
     let cols = 64;
-    for k in all_kernels() {
+    for k in mxfp4_kernels() {
         for scale in [0u8, 1, 127, 254] {
             for pos in 0..cols {
                 for nibble in 0..16u8 {
@@ -121,7 +152,7 @@ fn mxfp4_every_nibble_at_every_position() {
                     }
                     let value = mxfp4_value(nibble, scale).unwrap();
                     let want = if value == 0.0 { 0.0 } else { value };
-                    let ctx = format!("{:?} scale={scale} pos={pos} nibble={nibble:#x}", k.isa());
+                    let ctx = format!("{:?} scale={scale} pos={pos} nibble={nibble:#x}", k);
                     for t in [1usize, 2, 3, 4] {
                         let y = run_mxfp4(&k, false, &packed, &scales, 1, cols, &x[..t * cols], t).unwrap();
                         assert_bits_strict(&ctx, &vec![want; t], &y);
@@ -144,9 +175,9 @@ fn mxfp4_nibble_order_low_first() {
     let mut x = vec![0.0f32; cols];
     x[0] = 1.0;
     x[1] = 1000.0;
-    for k in all_kernels() {
+    for k in mxfp4_kernels() {
         let y = run_mxfp4(&k, false, &packed, &scales, 1, cols, &x, 1).unwrap();
-        assert_eq!(y, [1000.5], "{:?}", k.isa());
+        assert_eq!(y, [1000.5], "{:?}", k);
     }
     assert_eq!(mxfp4_value(0x21 & 0xF, 127), Some(0.5));
     assert_eq!(mxfp4_value(0x21 >> 4, 127), Some(1.0));
@@ -160,9 +191,9 @@ fn mxfp4_scale_applies_per_group_of_32() {
     let packed = vec![0x22u8; cols / 2];
     let scales = vec![127u8, 130];
     let x = vec![1.0f32; cols];
-    for k in all_kernels() {
+    for k in mxfp4_kernels() {
         let y = run_mxfp4(&k, false, &packed, &scales, 1, cols, &x, 1).unwrap();
-        assert_eq!(y, [288.0], "{:?}", k.isa());
+        assert_eq!(y, [288.0], "{:?}", k);
     }
 }
 
@@ -179,7 +210,7 @@ fn mxfp4_bad_scale_reports_first_in_row_major_order() {
         (&[(199, 1), (199, 0)], (199, 0)),
         (&[(0, 0), (64, 0), (128, 1)], (0, 0)),
     ];
-    for k in all_kernels() {
+    for k in mxfp4_kernels() {
         for (bad, (row, group)) in cases {
             let (packed, mut scales) = mxfp4_data(&mut rng, rows, cols, false);
             for &(r, g) in bad {
@@ -189,10 +220,10 @@ fn mxfp4_bad_scale_reports_first_in_row_major_order() {
             for t in [1, 3] {
                 let x = rng.normals(t * cols, 1.0);
                 let err = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x, t).unwrap_err();
-                assert_eq!(err, want, "{:?} serial t={t}", k.isa());
+                assert_eq!(err, want, "{:?} serial t={t}", k);
                 for p in &pools {
                     let err = p.install(|| run_mxfp4(&k, true, &packed, &scales, rows, cols, &x, t)).unwrap_err();
-                    assert_eq!(err, want, "{:?} par threads={} t={t}", k.isa(), p.current_num_threads());
+                    assert_eq!(err, want, "{:?} par threads={} t={t}", k, p.current_num_threads());
                 }
             }
         }
@@ -214,7 +245,7 @@ fn busy_variants_give_the_same_bits_and_count_time() {
     use std::sync::atomic::{AtomicU64, Ordering};
     let mut rng = Rng::new(19);
     let pools = [pool(1), pool(2), pool(3)];
-    for k in all_kernels() {
+    for k in mxfp4_kernels() {
         for p in &pools {
             let (rows, cols, t) = (130usize, 288usize, 2usize);
             let (packed, scales) = mxfp4_data(&mut rng, rows, cols, false);
@@ -222,7 +253,7 @@ fn busy_variants_give_the_same_bits_and_count_time() {
             let want = p.install(|| run_mxfp4(&k, true, &packed, &scales, rows, cols, &x, t)).unwrap();
             let (busy, mut got) = (AtomicU64::new(0), vec![f32::NAN; t * rows]);
             p.install(|| k.par_matmul_mxfp4_busy(&packed, &scales, rows, cols, &x, t, &mut got, &busy)).unwrap();
-            let ctx = format!("{:?} mxfp4 threads={}", k.isa(), p.current_num_threads());
+            let ctx = format!("{:?} mxfp4 threads={}", k, p.current_num_threads());
             assert_bits_strict(&ctx, &want, &got);
             assert!(busy.load(Ordering::Relaxed) > 0, "{ctx}: no busy time counted");
             let w = rng.bf16_bytes(rows * cols, false);
