@@ -218,10 +218,96 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
     }
     let value: Value =
         serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
-    if !value.is_object() {
+    let Some(fields) = value.as_object() else {
         return Err(ApiError::invalid("the body must be a JSON object"));
+    };
+    refuse_output_changing_extensions(fields)?;
+    serde_json::from_value(value.clone()).map_err(|e| {
+        // serde's message has no path through the flattened fields: find the field whose value
+        // alone fails (every field is optional, so a one-field body fails only on a bad value).
+        let culprit = fields.iter().find_map(|(name, v)| {
+            let alone = Value::Object(std::iter::once((name.clone(), v.clone())).collect());
+            serde_json::from_value::<T>(alone).is_err().then(|| FIELD_NAMES.iter().find(|n| **n == name)).flatten()
+        });
+        match culprit {
+            Some(&name) => ApiError::param(name, format!("bad request field `{name}`: {e}")),
+            None => ApiError::invalid(format!("bad request field: {e}")),
+        }
+    })
+}
+
+/// Every field the two bodies read, for naming the one a type error is in.
+const FIELD_NAMES: [&str; 29] = [
+    "prompt",
+    "messages",
+    "thinking",
+    "reasoning_effort",
+    "chat_template_kwargs",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "best_of",
+    "echo",
+    "suffix",
+    "tools",
+    "functions",
+    "response_format",
+    "ignore_eos",
+    "return_token_ids",
+];
+
+/// Fields other servers (vLLM, llama.cpp) take that would change the output here, each with
+/// the value that changes nothing (absent and `null` change nothing either): refused with 400
+/// at any other value rather than ignored.
+const OUTPUT_CHANGING_EXTENSIONS: [(&str, &str); 16] = [
+    ("stop_token_ids", "[]"),
+    ("min_tokens", "0"),
+    ("repetition_penalty", "1"),
+    ("min_p", "0"),
+    ("skip_special_tokens", "false"),
+    ("include_stop_str_in_output", "false"),
+    ("tool_choice", "\"none\""),
+    ("allowed_token_ids", "[]"),
+    ("bad_words", "[]"),
+    ("prompt_logprobs", "0"),
+    ("use_beam_search", "false"),
+    ("guided_json", "null"),
+    ("guided_regex", "null"),
+    ("guided_choice", "null"),
+    ("guided_grammar", "null"),
+    ("grammar", "null"),
+];
+
+fn refuse_output_changing_extensions(fields: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    for (name, neutral) in OUTPUT_CHANGING_EXTENSIONS {
+        let Some(v) = fields.get(name).filter(|v| !v.is_null()) else { continue };
+        let neutral: Value = serde_json::from_str(neutral).unwrap_or(Value::Null);
+        // 1 and 1.0 are the same number.
+        let same = match (v.as_f64(), neutral.as_f64()) {
+            (Some(a), Some(b)) => a == b,
+            _ => *v == neutral,
+        };
+        if !same {
+            return Err(ApiError::param(
+                name,
+                format!("{name} = {v} is not supported by this server (only {neutral}, or leave it out)"),
+            ));
+        }
     }
-    serde_json::from_value(value).map_err(|e| ApiError::invalid(format!("bad request field: {e}")))
+    Ok(())
 }
 
 /// Checks a `/v1/completions` body.
@@ -369,14 +455,18 @@ fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiErro
             format!("n = {n} is refused: this server returns exactly one choice (n = 1)"),
         ));
     }
-    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+    let given = match (c.max_completion_tokens, c.max_tokens) {
+        (Some(m), _) => Some(("max_completion_tokens", m)),
+        (None, m) => m.map(|m| ("max_tokens", m)),
+    };
+    let max_tokens = match given {
         None => None,
-        Some(m) => {
+        Some((name, m)) => {
             let m = usize::try_from(m).unwrap_or(usize::MAX);
             if m > limits.max_tokens {
                 return Err(ApiError::param(
-                    "max_tokens",
-                    format!("max_tokens {m} is above this server's cap of {} (--max-tokens)", limits.max_tokens),
+                    name,
+                    format!("{name} {m} is above this server's cap of {} (--max-tokens)", limits.max_tokens),
                 ));
             }
             Some(m)
@@ -394,7 +484,7 @@ fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiErro
     }
     for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
         if v.is_some_and(|v| v != 0.0) {
-            return Err(ApiError::invalid(format!("{name} is not supported (only 0)")));
+            return Err(ApiError::param(name, format!("{name} is not supported (only 0)")));
         }
     }
     if c.logit_bias.is_some_and(|m| !m.is_empty()) {
@@ -500,6 +590,58 @@ mod tests {
         assert_eq!(err(r#"{"prompt":"a","stop":[""]}"#).param, Some("stop"));
         assert_eq!(err(r#"{"prompt":"a","logprobs":2}"#).param, Some("logprobs"));
         assert_eq!(err(r#"{"prompt":"a","max_tokens":"x"}"#).status, 400);
+        // Type errors name their field.
+        for (body, field) in [
+            (r#"{"prompt":"a","max_tokens":"x"}"#, "max_tokens"),
+            (r#"{"prompt":"a","temperature":"hot"}"#, "temperature"),
+            (r#"{"prompt":"a","top_k":-1}"#, "top_k"),
+            (r#"{"prompt":"a","stream":"yes"}"#, "stream"),
+            (r#"{"prompt":"a","stop":5}"#, "stop"),
+        ] {
+            let e = err(body);
+            assert_eq!((e.status, e.param), (400, Some(field)), "{body}: {}", e.message);
+            assert!(e.message.contains(&format!("`{field}`")), "{}", e.message);
+        }
+        let e = chat_job(br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":"x"}"#, &limits()).unwrap_err();
+        assert_eq!(e.param, Some("max_tokens"));
+        assert_eq!(err(r#"{"prompt":"a","max_completion_tokens":101}"#).param, Some("max_completion_tokens"));
+        assert!(err(r#"{"prompt":"a","max_completion_tokens":101}"#).message.starts_with("max_completion_tokens 101"));
+        assert_eq!(err(r#"{"prompt":"a","presence_penalty":1}"#).param, Some("presence_penalty"));
+        assert_eq!(err(r#"{"prompt":"a","frequency_penalty":-1}"#).param, Some("frequency_penalty"));
+    }
+
+    #[test]
+    fn output_changing_extensions_are_refused_unless_neutral() {
+        let err = |b: &str| completion_job(b.as_bytes(), &limits()).unwrap_err();
+        for (field, value) in [
+            ("stop_token_ids", "[364]"),
+            ("min_tokens", "30"),
+            ("repetition_penalty", "1.2"),
+            ("min_p", "0.1"),
+            ("skip_special_tokens", "true"),
+            ("include_stop_str_in_output", "true"),
+            ("tool_choice", "\"auto\""),
+            ("guided_json", "{}"),
+        ] {
+            let e = err(&format!(r#"{{"prompt":"a","{field}":{value}}}"#));
+            assert_eq!((e.status, e.param), (400, Some(field)), "{field}: {}", e.message);
+            assert!(e.message.contains(field), "{}", e.message);
+        }
+        for neutral in [
+            r#""stop_token_ids":[]"#,
+            r#""min_tokens":0"#,
+            r#""repetition_penalty":1.0"#,
+            r#""repetition_penalty":1"#,
+            r#""skip_special_tokens":false"#,
+            r#""tool_choice":"none""#,
+            r#""guided_json":null"#,
+            r#""min_p":null"#,
+        ] {
+            completion_job(format!(r#"{{"prompt":"a",{neutral}}}"#).as_bytes(), &limits()).unwrap();
+        }
+        // The chat endpoint shares the check.
+        let e = chat_job(br#"{"messages":[{"role":"user","content":"hi"}],"min_tokens":5}"#, &limits()).unwrap_err();
+        assert_eq!(e.param, Some("min_tokens"));
     }
 
     #[test]

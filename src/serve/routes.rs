@@ -75,7 +75,11 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(given) = given else {
         return Err(ApiError::unauthorized("no API key: send the header `Authorization: Bearer KEY`"));
     };
-    let token = given.strip_prefix("Bearer ").unwrap_or("").trim().as_bytes();
+    // The scheme is case-insensitive (RFC 9110 §11.1): `bearer KEY` is the same header.
+    let token = match given.trim_start().split_once(' ') {
+        Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => key.trim().as_bytes(),
+        _ => b"",
+    };
     let want = key.as_bytes();
     let mut diff = u8::from(token.len() != want.len());
     for (i, &b) in want.iter().enumerate() {
@@ -169,7 +173,15 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, 
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    axum::body::to_bytes(body, limit).await.map_err(|_| too_large())
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        // Only the limit is 413; a malformed chunk or an upload the client broke off is 400.
+        let over_limit = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+        if over_limit {
+            too_large()
+        } else {
+            ApiError::invalid(format!("the request body could not be read: {e}"))
+        }
+    })
 }
 
 async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Result<Response, ApiError> {

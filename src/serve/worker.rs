@@ -94,6 +94,9 @@ struct Sequence<'t> {
     events: UnboundedSender<Event>,
     prompt_tokens: usize,
     stop: Vec<String>,
+    /// The ids that end this sequence (end-of-sequence, and a chat's end of message): counted
+    /// and in `token_ids`, never in the text, as OpenAI's and vLLM's servers do.
+    end_ids: Vec<u32>,
     /// The chat parser (chat completions); completions put every id in the content.
     parser: Option<CompletionParser<'t>>,
     reasoning: Text,
@@ -157,6 +160,7 @@ impl BatchSink for Outputs<'_> {
                 }
             },
         };
+        let channel = channel.filter(|_| !seq.end_ids.contains(&id));
         match channel {
             Some(Channel::Reasoning) => seq.reasoning.push(self.tok, id),
             Some(Channel::Content) => {
@@ -321,6 +325,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
             }
             Ok((request, chat)) => {
                 let prompt_tokens = request.prompt.len();
+                let end_ids = request.stop_ids.clone();
                 let prompt_ids = if s.job.return_token_ids { request.prompt.clone() } else { Vec::new() };
                 match self.batcher.submit(request) {
                     Err(e) => {
@@ -335,6 +340,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                             events: s.events,
                             prompt_tokens,
                             stop: s.job.stop,
+                            end_ids,
                             parser,
                             reasoning: Text::default(),
                             content: Text::default(),

@@ -343,6 +343,28 @@ fn serve_completions_equal_solo_runs_greedy_and_seeded() {
 }
 
 /// The rendered chat prompt, as the server renders it.
+#[test]
+fn serve_text_leaves_out_the_token_that_ended_the_sequence() {
+    let server = Server::start(&[]);
+    let addr = &server.addr;
+    let tok = k3ring::tokenizer::Tokenizer::from_model_dir(&tiny_dir()).unwrap();
+    let eos = tok.added_id("[EOS]").unwrap();
+    // This prompt ends on [EOS] within 40 greedy tokens on the tiny model.
+    let body = json!({"prompt": "p38", "max_tokens": 40, "temperature": 0});
+    let (ids, text, finish) = completion_both_ways(addr, body.clone());
+    assert_eq!((finish.as_str(), ids.last()), ("stop", Some(&eos)), "{ids:?}");
+    assert!(!text.contains("[EOS]"), "{text:?}");
+    assert_eq!(text, tok.decode(&ids[..ids.len() - 1]).unwrap(), "every other id's text");
+    // With ignore_eos the end-of-sequence id is an ordinary token, its text included.
+    let mut through = body;
+    through["ignore_eos"] = json!(true);
+    let (ids, text, _) = completion_both_ways(addr, through);
+    if ids.contains(&eos) {
+        assert!(text.contains("[EOS]"), "{text:?}");
+    }
+    drop(server);
+}
+
 fn chat_prompt(messages: &[Message], thinking: Thinking) -> Vec<u32> {
     let opened = open(&tiny_dir(), 1, Isa::Scalar);
     let sp = Specials::of(&opened.tokenizer).unwrap();
@@ -421,6 +443,22 @@ fn serve_limits_and_errors_have_their_status_and_the_openai_shape() {
     let big = json!({"prompt": "x".repeat(5000)});
     assert_error(&request(addr, "POST", "/v1/completions", &[], big.to_string().as_bytes()), 413, "oversized body");
     assert_error(&request(addr, "POST", "/v1/completions", &[], b"{\"prompt\": "), 400, "bad JSON");
+    // A chunked body declares no length: the limit is found while reading it (413); a malformed
+    // chunk is the client's error (400), not a body too large.
+    let chunked = |body: &[u8]| {
+        let mut s = connect(addr);
+        let head = "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+                    Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n";
+        s.write_all(head.as_bytes()).unwrap();
+        let _ = s.write_all(body);
+        let mut raw = Vec::new();
+        let _ = s.read_to_end(&mut raw);
+        parse_reply(&raw)
+    };
+    let big_chunk = format!("{:x}\r\n{}\r\n0\r\n\r\n", 5000, "x".repeat(5000));
+    assert_error(&chunked(big_chunk.as_bytes()), 413, "oversized chunked body");
+    let v = assert_error(&chunked(b"ZZ\r\n{}\r\n0\r\n\r\n"), 400, "malformed chunk");
+    assert!(v["error"]["message"].as_str().unwrap().contains("could not be read"), "{v}");
     assert_error(&request(addr, "POST", "/v1/chat/completions", &[], b"[1, 2]"), 400, "not an object");
     let v =
         assert_error(&post(addr, "/v1/completions", &json!({"model": "gpt-4", "prompt": "hi"})), 404, "unknown model");
@@ -495,8 +533,12 @@ fn serve_api_key_is_required_on_every_endpoint() {
         assert_eq!(v["error"]["code"], "invalid_api_key");
         assert_error(&request(addr, method, path, &[("Authorization", "Bearer wrong")], body), 401, path);
         assert_error(&request(addr, method, path, &[("Authorization", "Bearer sekri")], body), 401, path);
-        let ok = request(addr, method, path, &[("Authorization", "Bearer sekrit")], body);
-        assert_eq!(ok.status, 200, "{path}: {}", ok.body);
+        assert_error(&request(addr, method, path, &[("Authorization", "Basic sekrit")], body), 401, path);
+        // The scheme is case-insensitive.
+        for scheme in ["Bearer", "bearer", "BEARER"] {
+            let ok = request(addr, method, path, &[("Authorization", &format!("{scheme} sekrit"))], body);
+            assert_eq!(ok.status, 200, "{path} {scheme}: {}", ok.body);
+        }
     }
     assert!(!server.stderr().contains("warning"), "no warning on loopback: {}", server.stderr());
     drop(server);
