@@ -101,12 +101,40 @@ impl Tokenizer {
     pub fn from_model_dir_or_ids(dir: &Path, vocab: usize) -> Result<Tokenizer, TokenizerError> {
         let vocab_path = dir.join(VOCAB_FILE);
         if vocab_path.exists() {
-            return Tokenizer::from_model_dir(dir);
+            let tok = Tokenizer::from_model_dir(dir)?;
+            tok.check_fits(dir, vocab)?;
+            return Ok(tok);
         }
         let decoder = (0..vocab).map(|id| format!("<{id}>").into_bytes()).collect();
         let mut tok = Tokenizer::new(decoder, Vec::new())?;
         tok.missing = Some(vocab_path);
         Ok(tok)
+    }
+
+    /// Refuses a tokenizer with ids the model has no embedding row for (a tokenizer from another
+    /// model): its text would encode to ids the model cannot take.
+    fn check_fits(&self, dir: &Path, vocab: usize) -> Result<(), TokenizerError> {
+        if self.decoder.len() > vocab {
+            return Err(TokenizerError::Vocab {
+                path: dir.join(VOCAB_FILE),
+                line: vocab + 1,
+                message: format!(
+                    "{} ranks, more than the model's vocabulary of {vocab} (config.json vocab_size)",
+                    self.decoder.len()
+                ),
+            });
+        }
+        if let Some((text, id)) =
+            self.added_sorted.iter().filter(|(_, id)| *id as usize >= vocab).min_by_key(|(_, id)| *id)
+        {
+            return Err(TokenizerError::Config {
+                path: dir.join(TOKENIZER_CONFIG_FILE),
+                message: format!(
+                    "added token {text:?} has id {id}, outside the model's vocabulary of {vocab} (config.json vocab_size)"
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The vocabulary file this stand-in tokenizer lacks (`None` for a real tokenizer).
@@ -217,6 +245,19 @@ impl Tokenizer {
     /// Decodes to text, replacing invalid UTF-8 with U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned())
+    }
+
+    /// [`Tokenizer::decode`] that writes an id with no text (inside the model's vocabulary, absent
+    /// from this tokenizer) as `<id>`, as the streamed output does, instead of failing.
+    pub fn decode_or_mark(&self, ids: &[u32]) -> String {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            match self.token_bytes(id) {
+                Ok(b) => bytes.extend_from_slice(b),
+                Err(_) => bytes.extend_from_slice(format!("<{id}>").as_bytes()),
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
     }
 }
 

@@ -105,7 +105,7 @@ pub struct RunArgs {
     /// Prompt as comma-separated token ids.
     #[arg(long, value_name = "ID,ID,...", value_delimiter = ',')]
     pub ids: Option<Vec<u32>>,
-    /// Prepend the [BOS] token.
+    /// Prepend the model's BOS token (config.json `bos_token_id`).
     #[arg(long)]
     pub bos: bool,
     /// Tokens to generate at most.
@@ -187,8 +187,8 @@ pub struct StorageArgs {
     /// Reads in flight at most (io_uring SQEs, or pread calls).
     #[arg(long, value_name = "Q", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub queue_depth: u32,
-    /// Streamed trunk layers read ahead of the one computing.
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    /// Streamed trunk layers read ahead of the one computing (0 to 128).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_readahead)]
     pub readahead: usize,
     /// Do not mlock the buffers.
     #[arg(long)]
@@ -218,10 +218,21 @@ fn parse_share(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Above this many GB a size is a typo, not a machine (and its bytes would not fit a u64).
+const GB_MAX: f64 = 1e6;
+
 fn parse_gb(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(format!("{s:?} is not a size in GB (a positive number)")),
+        Ok(x) if x.is_finite() && x > 0.0 && x <= GB_MAX => Ok(x),
+        _ => Err(format!("{s:?} is not a size in GB (a positive number up to {GB_MAX})")),
+    }
+}
+
+/// Trunk layers read ahead: K3 has 93 layers, so more than 128 is never meant.
+fn parse_readahead(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n <= 128 => Ok(n),
+        _ => Err(format!("{s:?} is not a number of layers to read ahead (0 to 128)")),
     }
 }
 

@@ -73,7 +73,7 @@ pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> an
     let Some(trunk) = &args.storage.trunk else {
         let opened = open_resident(&model_dir, args.threads, kernels)
             .with_context(|| format!("opening model {}", model_dir.display()))?;
-        let prompt = prompt_ids(args, &opened.tokenizer)?;
+        let prompt = prompt_ids(args, &opened.tokenizer, opened.engine.model.cfg.bos_token_id)?;
         return generate(args, &outputs, &model_dir, &opened, &prompt, None, |_| None);
     };
     if let Some(p) = &placement {
@@ -82,7 +82,7 @@ pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> an
     // The plan depends on the context length, so the prompt is tokenized first.
     let cfg = crate::config::Config::from_model_dir(&model_dir)?;
     let tokenizer = Tokenizer::from_model_dir_or_ids(&model_dir, cfg.vocab_size)?;
-    let prompt = prompt_ids(args, &tokenizer)?;
+    let prompt = prompt_ids(args, &tokenizer, cfg.bos_token_id)?;
     let flag = budget_flag.map_or_else(|| typed_budget_flag(&args.storage), str::to_owned);
     let saved = match &args.load_state {
         Some(path) => crate::engine::state_file::peek(path)?.ids.len(),
@@ -318,7 +318,7 @@ fn generate<S: WeightSource + LayerHook>(
             threads: engine.threads(),
             prompt_ids: &generation.prompt_ids,
             generated_ids: &generation.generated_ids,
-            text: tok.decode(&generation.generated_ids)?,
+            text: tok.decode_or_mark(&generation.generated_ids),
             prefill_seconds: generation.prefill_seconds,
             seconds_per_token: generation.seconds_per_token,
             peak_rss_bytes: peak,
@@ -452,10 +452,12 @@ fn prefill_bar(prompt: usize, chunk: usize, terminal: bool) -> Option<ProgressBa
     Some(bar)
 }
 
-fn prompt_ids(args: &RunArgs, tok: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+/// The prompt's ids; `bos` is the model's `bos_token_id` (config.json), which `--bos` prepends
+/// whether or not the tokenizer names it.
+fn prompt_ids(args: &RunArgs, tok: &Tokenizer, bos: u32) -> anyhow::Result<Vec<u32>> {
     let mut ids = Vec::new();
     if args.bos {
-        ids.extend(tok.added_id("[BOS]"));
+        ids.push(bos);
     }
     if let Some(list) = &args.ids {
         ids.extend_from_slice(list);

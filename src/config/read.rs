@@ -106,10 +106,11 @@ impl<'a> Collector<'a> {
 
     fn f32(&mut self, key: &str) -> f32 {
         let Some(v) = self.value(key) else { return 0.0 };
-        match v.as_f64() {
-            Some(x) if x.is_finite() => x as f32,
+        // Finite as the f32 the model computes with: 1e100 is a finite f64 but an infinite f32.
+        match v.as_f64().map(|x| x as f32) {
+            Some(x) if x.is_finite() => x,
             _ => {
-                self.ill_typed(key, "a finite number", v);
+                self.ill_typed(key, "a finite number (within f32 range)", v);
                 0.0
             }
         }
@@ -121,10 +122,10 @@ impl<'a> Collector<'a> {
         if v.is_null() {
             return None;
         }
-        match v.as_f64() {
-            Some(x) if x.is_finite() => Some(x as f32),
+        match v.as_f64().map(|x| x as f32) {
+            Some(x) if x.is_finite() => Some(x),
             _ => {
-                self.ill_typed(key, "a finite number or null", v);
+                self.ill_typed(key, "a finite number (within f32 range) or null", v);
                 None
             }
         }
@@ -454,6 +455,9 @@ pub(super) fn check_dims(raw: &RawConfig) -> Result<(), String> {
     }
     if raw.rms_norm_eps <= 0.0 || raw.activation_situ_beta <= 0.0 {
         return Err("rms_norm_eps and activation_situ_beta must be positive".to_owned());
+    }
+    if raw.routed_scaling_factor <= 0.0 {
+        return Err(format!("routed_scaling_factor {} must be positive", raw.routed_scaling_factor));
     }
     if raw.activation_situ_linear_beta.is_some_and(|b| b <= 0.0) {
         return Err("activation_situ_linear_beta must be positive or null".to_owned());

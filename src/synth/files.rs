@@ -164,7 +164,8 @@ pub fn vocab_ranks(n_ranks: usize, seed: u64) -> Result<Vec<Vec<u8>>, SynthError
     // At most half of all printable pairs, so a new pair is drawn with probability >= 1/2, and a
     // new 3-byte extension (from 95 x 4512 = 428,640 candidates for at most 257,120 needed, at
     // VOCAB_MAX) with probability > 0.4 even at the last draw.
-    let n_pairs = (n_extra / 2).min(alphabet.len() * alphabet.len() / 2);
+    // At least one pair when any extra token is wanted: the 3-byte tokens extend pairs.
+    let n_pairs = (n_extra / 2).clamp(n_extra.min(1), alphabet.len() * alphabet.len() / 2);
     let mut seen: HashSet<Vec<u8>> = HashSet::with_capacity(n_extra);
     let mut pairs: Vec<Vec<u8>> = Vec::with_capacity(n_pairs);
     // With every draw succeeding at > 0.4, 64 attempts per token are never needed by a correct
@@ -243,4 +244,22 @@ fn tokenizer_config(n_ranks: usize) -> Value {
         "pad_token": format!("<|reserved_token_{}|>", n_ranks + ADDED_TOKENS - 1),
         "tokenizer_class": "TikTokenTokenizer"
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::vocab_ranks;
+
+    #[test]
+    fn every_extra_token_count_gives_distinct_ranks() {
+        // One extra token once panicked: it wanted a 3-byte token but had no pair to extend.
+        for n in [256, 257, 258, 259, 300, 1024, 1025] {
+            let ranks = vocab_ranks(n, 7).unwrap();
+            assert_eq!(ranks.len(), n);
+            assert_eq!(ranks.iter().collect::<HashSet<_>>().len(), n, "{n} ranks");
+        }
+    }
 }

@@ -91,6 +91,8 @@ fn refused_flags_exit_2_naming_the_flag() {
         (vec!["run", "--model", d], "--prompt"),
         (vec!["run", "--model", d, "--prompt", "x", "--gen", "4000000000"], "beyond the model's context of 4096"),
         (vec!["inspect"], "--model"),
+        (vec!["run", "--model", d, "--prompt", "x", "--mem-gb", "1e12"], "--mem-gb"),
+        (vec!["run", "--model", d, "--prompt", "x", "--readahead", "1000000"], "--readahead"),
     ] {
         let (code, _, err) = k3ring(&args);
         assert_eq!(code, 2, "{args:?}: {err}");
@@ -662,6 +664,66 @@ fn run_ids_works_on_a_model_without_tokenizer_files() {
     let (code, _, err) = k3ring(&["run", "--model", d, "--prompt", "hello", "--gen", "1"]);
     assert_eq!(code, 4, "{err}");
     assert!(err.contains("tiktoken.model") && err.contains("give token ids (--ids)"), "{err}");
+}
+
+#[test]
+fn bos_comes_from_the_config_with_or_without_a_tokenizer() {
+    let (_tmp, dir) = crate::checkpoint_tests::copy_tiny();
+    let d = dir.to_str().unwrap();
+    let prompt_ids = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", d, "--ids", "1,2,3", "--gen", "0", "--json", "-"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = k3ring(&args);
+        assert_eq!(code, 0, "{err}");
+        ids(&json_value(&out)["prompt_ids"])
+    };
+    // The tiny config's bos_token_id is 512, the tokenizer's [BOS].
+    assert_eq!(prompt_ids(&["--bos"]), [512, 1, 2, 3]);
+    assert_eq!(prompt_ids(&[]), [1, 2, 3]);
+    // Without tokenizer files --bos was silently dropped.
+    for name in ["tiktoken.model", "tokenizer_config.json"] {
+        std::fs::remove_file(dir.join(name)).unwrap();
+    }
+    assert_eq!(prompt_ids(&["--bos"]), [512, 1, 2, 3]);
+}
+
+#[test]
+fn a_tokenizer_with_ids_beyond_the_vocabulary_is_refused_naming_its_file() {
+    let (_tmp, dir) = crate::checkpoint_tests::copy_tiny();
+    let path = dir.join("tokenizer_config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let added = v["added_tokens_decoder"].as_object_mut().unwrap();
+    let open = added.remove("512").unwrap();
+    added.insert("900".into(), open);
+    std::fs::write(&path, v.to_string()).unwrap();
+    let (code, _, err) = k3ring(&["run", "--model", dir.to_str().unwrap(), "--prompt", "hi", "--gen", "1"]);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("id 900") && err.contains("vocabulary of 768"),
+        "{err}"
+    );
+}
+
+#[test]
+fn json_text_marks_ids_the_tokenizer_has_no_text_for_as_the_stream_does() {
+    let (_tmp, dir) = crate::checkpoint_tests::copy_tiny();
+    let path = dir.join("tokenizer_config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    // The added tokens from 540 up gone: the model can still emit those ids (they are inside its
+    // vocabulary), the tokenizer has no text for them.
+    v["added_tokens_decoder"].as_object_mut().unwrap().retain(|id, _| id.parse::<u32>().unwrap() < 540);
+    std::fs::write(&path, v.to_string()).unwrap();
+    let args = ["run", "--model", dir.to_str().unwrap(), "--prompt", "Once upon a time", "--gen", "16", "--json", "-"];
+    let (code, out, err) = k3ring(&args);
+    assert_eq!(code, 0, "the report once failed here after the tokens were printed: {err}");
+    let report = json_value(&out);
+    let generated = ids(&report["generated_ids"]);
+    let text = report["text"].as_str().unwrap();
+    let unnamed: Vec<u32> = generated.iter().copied().filter(|&id| id >= 540).collect();
+    assert!(!unnamed.is_empty(), "this prompt generates an id without text: {generated:?}");
+    for id in unnamed {
+        assert!(text.contains(&format!("<{id}>")), "id {id} is marked in {text:?}");
+    }
 }
 
 #[test]

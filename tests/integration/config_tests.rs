@@ -97,7 +97,7 @@ fn ill_typed_keys_are_named_with_the_value() {
     text_mut(&mut v).insert("rms_norm_eps".into(), json!(null));
     let msg = refusal(&v);
     assert!(msg.contains("text_config.num_experts must be a non-negative integer, found \"896\""), "{msg}");
-    assert!(msg.contains("text_config.rms_norm_eps must be a finite number, found null"), "{msg}");
+    assert!(msg.contains("text_config.rms_norm_eps must be a finite number (within f32 range), found null"), "{msg}");
 }
 
 #[test]
@@ -173,6 +173,24 @@ fn bos_outside_vocab_is_refused() {
     let mut v = k3_config();
     v["bos_token_id"] = json!(200000);
     assert!(refusal(&v).contains("bos_token_id 200000 is outside the vocabulary"));
+}
+
+#[test]
+fn numbers_beyond_f32_and_non_positive_scaling_are_refused() {
+    // 1e100 is a finite f64 but an infinite f32: once a panic in the SiTU kernel, or all-zero
+    // tokens from an infinite epsilon.
+    for key in ["activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"] {
+        let mut v = k3_config();
+        text_mut(&mut v).insert(key.into(), json!(1e100));
+        let msg = refusal(&v);
+        assert!(msg.contains(&format!("text_config.{key} must be a finite number (within f32 range)")), "{msg}");
+    }
+    for factor in [0.0, -2.5] {
+        let mut v = k3_config();
+        text_mut(&mut v).insert("routed_scaling_factor".into(), json!(factor));
+        let msg = refusal(&v);
+        assert!(msg.contains("routed_scaling_factor") && msg.contains("must be positive"), "{msg}");
+    }
 }
 
 #[test]
