@@ -12,7 +12,7 @@
 //! four accumulators are transposed back to canonical lanes before the fixed tree. Every lane
 //! still sums its columns from zero in increasing order with FMA, so the bits are the
 //! canonical dot's. 19 operations per 32 weights (the 256-bit decoder: 12, each of which costs
-//! two on such a core) plus 8 FMAs; measured 1.3x the 256-bit kernel on a Zen 1 EPYC
+//! two on such a core) plus 8 FMAs; measured 1.2-1.3x the 256-bit kernel on a Zen 1 EPYC
 //! (`docs/BENCHMARKS.md`).
 //!
 //! [`Avx2Mxfp4::Xmm`]: crate::mxfp4::Avx2Mxfp4::Xmm

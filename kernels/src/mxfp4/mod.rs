@@ -106,7 +106,7 @@ pub enum Avx2Mxfp4 {
     /// 256-bit decode straight into canonical lanes: for cores with 256-bit execution units.
     Ymm,
     /// 128-bit decode into transposed lanes: for cores that split every 256-bit operation in
-    /// two (AMD Zen 1 and Zen+, Hygon Dhyana), where it ran 1.3x the 256-bit kernel.
+    /// two (AMD Zen 1 and Zen+, Hygon Dhyana), where it ran 1.2-1.3x the 256-bit kernel.
     Xmm,
 }
 
