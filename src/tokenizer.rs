@@ -247,6 +247,11 @@ impl Tokenizer {
         Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned())
     }
 
+    /// Whether `id` is an added (special) token: `[BOS]`, `[EOS]`, the chat markup and the like.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.added_by_id.contains_key(&id)
+    }
+
     /// [`Tokenizer::decode`] that writes an id with no text (inside the model's vocabulary, absent
     /// from this tokenizer) as `<id>`, as the streamed output does, instead of failing.
     pub fn decode_or_mark(&self, ids: &[u32]) -> String {

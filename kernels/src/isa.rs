@@ -101,8 +101,12 @@ fn avx512_f_bw_vl_detected() -> bool {
 /// Zen 1). Only a speed choice ([`crate::mxfp4::Avx2Mxfp4`]): every kernel gives the same bits.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn splits_256_bit_operations() -> bool {
-    use std::arch::x86_64::__cpuid;
-    let vendor = __cpuid(0);
+    use std::arch::x86_64::{__cpuid, CpuidResult};
+    // `__cpuid` is a safe function from Rust 1.94; the workspace's rust-version is older.
+    #[allow(unused_unsafe)]
+    // SAFETY: every x86-64 CPU has CPUID (leaf 0, and leaf 1 whenever leaf 0 reports it).
+    let cpuid = |leaf: u32| -> CpuidResult { unsafe { __cpuid(leaf) } };
+    let vendor = cpuid(0);
     let mut name = [0u8; 12];
     for (i, r) in [vendor.ebx, vendor.edx, vendor.ecx].into_iter().enumerate() {
         name[4 * i..4 * i + 4].copy_from_slice(&r.to_le_bytes());
@@ -110,7 +114,7 @@ pub(crate) fn splits_256_bit_operations() -> bool {
     if vendor.eax < 1 {
         return false;
     }
-    let (family, model) = family_model(__cpuid(1).eax);
+    let (family, model) = family_model(cpuid(1).eax);
     match &name {
         b"AuthenticAMD" => family == 0x17 && model < 0x30,
         b"HygonGenuine" => family == 0x18,
@@ -124,6 +128,7 @@ pub(crate) fn splits_256_bit_operations() -> bool {
 }
 
 /// (display family, display model) from CPUID leaf 1's EAX, as the vendors define them.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn family_model(eax: u32) -> (u32, u32) {
     let base_family = (eax >> 8) & 0xF;
     let base_model = (eax >> 4) & 0xF;

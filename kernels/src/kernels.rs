@@ -86,7 +86,8 @@ impl Kernels {
         Kernels { avx2_mxfp4: v, mxfp4, ..self }
     }
 
-    /// The one-token MXFP4 kernel in use: `Some` on [`Isa::Avx2`], `None` on ISAs that have one.
+    /// The one-token MXFP4 kernel in use: `Some` on [`Isa::Avx2`], `None` on other ISAs (each has
+    /// a single one).
     pub fn avx2_mxfp4(&self) -> Option<Avx2Mxfp4> {
         (self.isa == Isa::Avx2).then_some(self.avx2_mxfp4)
     }

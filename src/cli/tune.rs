@@ -37,8 +37,8 @@ pub struct TuneArgs {
     /// Shares of the budget for pinned trunk, each in (0, 1] (1 = trunk first).
     #[arg(long, value_name = "F,...", value_delimiter = ',', default_value = "0.25,0.5,1", value_parser = parse_split)]
     pub splits: Vec<f64>,
-    /// Trunk read-ahead depths.
-    #[arg(long, value_name = "N,...", value_delimiter = ',', default_value = "0,1,2")]
+    /// Trunk read-ahead depths (each 0 to 128).
+    #[arg(long, value_name = "N,...", value_delimiter = ',', default_value = "0,1,2", value_parser = super::parse_readahead)]
     pub readahead: Vec<usize>,
     /// Speculation margins (experts beyond top-k), each measured adaptive (the default) and
     /// fixed (every prediction read).

@@ -119,6 +119,9 @@ pub struct Job {
     pub ignore_eos: bool,
     /// Put the prompt's ids in the (non-streamed) response as `prompt_token_ids`.
     pub return_token_ids: bool,
+    /// Leave special (added) tokens' text out of the reply (vLLM's field); their ids stay in
+    /// `token_ids` and the usage.
+    pub skip_special_tokens: bool,
 }
 
 /// `stop`: one string or a list.
@@ -169,6 +172,9 @@ struct Common {
     ignore_eos: bool,
     #[serde(default)]
     return_token_ids: bool,
+    /// vLLM's: leave the text of special (added) tokens out of the reply.
+    #[serde(default)]
+    skip_special_tokens: bool,
 }
 
 #[derive(Deserialize)]
@@ -225,19 +231,22 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
     serde_json::from_value(value.clone()).map_err(|e| {
         // serde's message has no path through the flattened fields: find the field whose value
         // alone fails (every field is optional, so a one-field body fails only on a bad value).
+        // The culprit's own error is reported: with two bad fields, serde's `e` may be about
+        // the other one.
         let culprit = fields.iter().find_map(|(name, v)| {
             let alone = Value::Object(std::iter::once((name.clone(), v.clone())).collect());
-            serde_json::from_value::<T>(alone).is_err().then(|| FIELD_NAMES.iter().find(|n| **n == name)).flatten()
+            let err = serde_json::from_value::<T>(alone).err()?;
+            FIELD_NAMES.iter().find(|n| **n == name).map(|&n| (n, err))
         });
         match culprit {
-            Some(&name) => ApiError::param(name, format!("bad request field `{name}`: {e}")),
+            Some((name, err)) => ApiError::param(name, format!("bad request field `{name}`: {err}")),
             None => ApiError::invalid(format!("bad request field: {e}")),
         }
     })
 }
 
 /// Every field the two bodies read, for naming the one a type error is in.
-const FIELD_NAMES: [&str; 29] = [
+const FIELD_NAMES: [&str; 30] = [
     "prompt",
     "messages",
     "thinking",
@@ -267,43 +276,48 @@ const FIELD_NAMES: [&str; 29] = [
     "response_format",
     "ignore_eos",
     "return_token_ids",
+    "skip_special_tokens",
 ];
 
 /// Fields other servers (vLLM, llama.cpp) take that would change the output here, each with
-/// the value that changes nothing (absent and `null` change nothing either): refused with 400
-/// at any other value rather than ignored.
-const OUTPUT_CHANGING_EXTENSIONS: [(&str, &str); 16] = [
-    ("stop_token_ids", "[]"),
-    ("min_tokens", "0"),
-    ("repetition_penalty", "1"),
-    ("min_p", "0"),
-    ("skip_special_tokens", "false"),
-    ("include_stop_str_in_output", "false"),
-    ("tool_choice", "\"none\""),
-    ("allowed_token_ids", "[]"),
-    ("bad_words", "[]"),
-    ("prompt_logprobs", "0"),
-    ("use_beam_search", "false"),
-    ("guided_json", "null"),
-    ("guided_regex", "null"),
-    ("guided_choice", "null"),
-    ("guided_grammar", "null"),
-    ("grammar", "null"),
+/// the values that change nothing (absent and `null` change nothing either): refused with 400
+/// at any other value rather than ignored. (`skip_special_tokens` is honoured: [`Common`].)
+const OUTPUT_CHANGING_EXTENSIONS: [(&str, &[&str]); 15] = [
+    ("stop_token_ids", &["[]"]),
+    ("min_tokens", &["0"]),
+    ("repetition_penalty", &["1"]),
+    ("min_p", &["0"]),
+    ("include_stop_str_in_output", &["false"]),
+    // No tools are taken (`tools` is refused), so letting the model choose calls none.
+    ("tool_choice", &["\"none\"", "\"auto\""]),
+    // vLLM refuses an empty allow-list and returns prompt log-probabilities even for 0.
+    ("allowed_token_ids", &[]),
+    ("prompt_logprobs", &[]),
+    ("bad_words", &["[]"]),
+    ("use_beam_search", &["false"]),
+    ("guided_json", &[]),
+    ("guided_regex", &[]),
+    ("guided_choice", &[]),
+    ("guided_grammar", &[]),
+    ("grammar", &[]),
 ];
 
 fn refuse_output_changing_extensions(fields: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
-    for (name, neutral) in OUTPUT_CHANGING_EXTENSIONS {
+    for (name, neutrals) in OUTPUT_CHANGING_EXTENSIONS {
         let Some(v) = fields.get(name).filter(|v| !v.is_null()) else { continue };
-        let neutral: Value = serde_json::from_str(neutral).unwrap_or(Value::Null);
-        // 1 and 1.0 are the same number.
-        let same = match (v.as_f64(), neutral.as_f64()) {
-            (Some(a), Some(b)) => a == b,
-            _ => *v == neutral,
+        let same = |neutral: &&str| {
+            let neutral: Value = serde_json::from_str(neutral).unwrap_or(Value::Null);
+            // 1 and 1.0 are the same number.
+            match (v.as_f64(), neutral.as_f64()) {
+                (Some(a), Some(b)) => a == b,
+                _ => *v == neutral,
+            }
         };
-        if !same {
+        if !neutrals.iter().any(same) {
+            let allowed = if neutrals.is_empty() { String::new() } else { format!("{}, or ", neutrals.join(" or ")) };
             return Err(ApiError::param(
                 name,
-                format!("{name} = {v} is not supported by this server (only {neutral}, or leave it out)"),
+                format!("{name} = {v} is not supported by this server (only {allowed}leave it out)"),
             ));
         }
     }
@@ -530,6 +544,7 @@ fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiErro
         include_usage,
         ignore_eos: c.ignore_eos,
         return_token_ids: c.return_token_ids,
+        skip_special_tokens: c.skip_special_tokens,
     })
 }
 
@@ -604,6 +619,12 @@ mod tests {
         }
         let e = chat_job(br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":"x"}"#, &limits()).unwrap_err();
         assert_eq!(e.param, Some("max_tokens"));
+        // Two bad fields: the one named is the one the message is about.
+        let e = chat_job(br#"{"messages":5,"max_tokens":"x"}"#, &limits()).unwrap_err();
+        let about_max_tokens = e.message.contains("expected u64");
+        let about_messages = e.message.contains("expected a sequence");
+        assert!(about_max_tokens != about_messages, "{}", e.message);
+        assert_eq!(e.param, Some(if about_max_tokens { "max_tokens" } else { "messages" }), "{}", e.message);
         assert_eq!(err(r#"{"prompt":"a","max_completion_tokens":101}"#).param, Some("max_completion_tokens"));
         assert!(err(r#"{"prompt":"a","max_completion_tokens":101}"#).message.starts_with("max_completion_tokens 101"));
         assert_eq!(err(r#"{"prompt":"a","presence_penalty":1}"#).param, Some("presence_penalty"));
@@ -618,9 +639,10 @@ mod tests {
             ("min_tokens", "30"),
             ("repetition_penalty", "1.2"),
             ("min_p", "0.1"),
-            ("skip_special_tokens", "true"),
             ("include_stop_str_in_output", "true"),
-            ("tool_choice", "\"auto\""),
+            ("tool_choice", "\"required\""),
+            ("prompt_logprobs", "0"),
+            ("allowed_token_ids", "[]"),
             ("guided_json", "{}"),
         ] {
             let e = err(&format!(r#"{{"prompt":"a","{field}":{value}}}"#));
@@ -632,8 +654,9 @@ mod tests {
             r#""min_tokens":0"#,
             r#""repetition_penalty":1.0"#,
             r#""repetition_penalty":1"#,
-            r#""skip_special_tokens":false"#,
+            r#""skip_special_tokens":true"#,
             r#""tool_choice":"none""#,
+            r#""tool_choice":"auto""#,
             r#""guided_json":null"#,
             r#""min_p":null"#,
         ] {

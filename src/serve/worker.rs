@@ -97,6 +97,8 @@ struct Sequence<'t> {
     /// The ids that end this sequence (end-of-sequence, and a chat's end of message): counted
     /// and in `token_ids`, never in the text, as OpenAI's and vLLM's servers do.
     end_ids: Vec<u32>,
+    /// `skip_special_tokens`: special (added) tokens' text is left out too.
+    skip_special: bool,
     /// The chat parser (chat completions); completions put every id in the content.
     parser: Option<CompletionParser<'t>>,
     reasoning: Text,
@@ -160,7 +162,8 @@ impl BatchSink for Outputs<'_> {
                 }
             },
         };
-        let channel = channel.filter(|_| !seq.end_ids.contains(&id));
+        let silent = seq.end_ids.contains(&id) || (seq.skip_special && self.tok.is_special(id));
+        let channel = channel.filter(|_| !silent);
         match channel {
             Some(Channel::Reasoning) => seq.reasoning.push(self.tok, id),
             Some(Channel::Content) => {
@@ -326,6 +329,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
             Ok((request, chat)) => {
                 let prompt_tokens = request.prompt.len();
                 let end_ids = request.stop_ids.clone();
+                let skip_special = s.job.skip_special_tokens;
                 let prompt_ids = if s.job.return_token_ids { request.prompt.clone() } else { Vec::new() };
                 match self.batcher.submit(request) {
                     Err(e) => {
@@ -341,6 +345,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                             prompt_tokens,
                             stop: s.job.stop,
                             end_ids,
+                            skip_special,
                             parser,
                             reasoning: Text::default(),
                             content: Text::default(),

@@ -342,7 +342,6 @@ fn serve_completions_equal_solo_runs_greedy_and_seeded() {
     assert_eq!(code, 0, "{err}");
 }
 
-/// The rendered chat prompt, as the server renders it.
 #[test]
 fn serve_text_leaves_out_the_token_that_ended_the_sequence() {
     let server = Server::start(&[]);
@@ -355,16 +354,26 @@ fn serve_text_leaves_out_the_token_that_ended_the_sequence() {
     assert_eq!((finish.as_str(), ids.last()), ("stop", Some(&eos)), "{ids:?}");
     assert!(!text.contains("[EOS]"), "{text:?}");
     assert_eq!(text, tok.decode(&ids[..ids.len() - 1]).unwrap(), "every other id's text");
-    // With ignore_eos the end-of-sequence id is an ordinary token, its text included.
-    let mut through = body;
+    let ended_at = ids.len();
+    // With ignore_eos the end-of-sequence id is an ordinary token, its text included: greedy
+    // decoding repeats the same ids up to it, so it is there at the same place.
+    let mut through = body.clone();
     through["ignore_eos"] = json!(true);
     let (ids, text, _) = completion_both_ways(addr, through);
-    if ids.contains(&eos) {
-        assert!(text.contains("[EOS]"), "{text:?}");
-    }
+    assert_eq!(ids.get(ended_at - 1), Some(&eos), "{ids:?}");
+    assert!(text.contains("[EOS]"), "{text:?}");
+    // skip_special_tokens leaves every special token's text out, the ids stay.
+    let mut skipping = body;
+    skipping["ignore_eos"] = json!(true);
+    skipping["skip_special_tokens"] = json!(true);
+    let (skipped_ids, text, _) = completion_both_ways(addr, skipping);
+    assert_eq!(skipped_ids, ids);
+    let ordinary: Vec<u32> = ids.iter().copied().filter(|&id| !tok.is_special(id)).collect();
+    assert_eq!(text, tok.decode(&ordinary).unwrap());
     drop(server);
 }
 
+/// The rendered chat prompt, as the server renders it.
 fn chat_prompt(messages: &[Message], thinking: Thinking) -> Vec<u32> {
     let opened = open(&tiny_dir(), 1, Isa::Scalar);
     let sp = Specials::of(&opened.tokenizer).unwrap();
