@@ -62,7 +62,7 @@ pub struct BatchArgs {
     #[arg(long)]
     pub ignore_eos: bool,
     /// Compute threads (0 = one per core).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
     pub threads: usize,
     /// Kernel instruction set: auto (the best this CPU has), scalar, avx2 or avx512.
     #[arg(long, value_name = "ISA", default_value = "auto")]

@@ -62,7 +62,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 2)]
     pub warmup: usize,
     /// Compute threads (0 = every core).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
     pub threads: usize,
     /// Engine queue depth.
     #[arg(long, value_name = "Q", default_value_t = 32)]

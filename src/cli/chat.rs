@@ -60,7 +60,7 @@ pub struct ChatArgs {
     /// Sampling seed; each reply derives its own from it and the position it starts at.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
     pub threads: usize,
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = parse_chunk)]
     pub prefill_chunk: usize,
@@ -91,6 +91,13 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     if args.max_tokens == 0 {
         return Err(UsageError("--max-tokens 0 leaves no room for a reply".into()).into());
     }
+    if args.context <= args.max_tokens {
+        return Err(UsageError(format!(
+            "--context {} leaves no room for a turn of up to --max-tokens {} after its prompt; raise --context or lower --max-tokens",
+            args.context, args.max_tokens
+        ))
+        .into());
+    }
     let flags = startup_flags!(args);
     let Some(Started { kernels, model_dir, placement }) = start_up(&flags)? else {
         return Ok(());
@@ -98,7 +105,13 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let fp = Fingerprint::of_dir(&model_dir).with_context(|| format!("opening model {}", model_dir.display()))?;
     let cfg = crate::config::Config::from_model_dir(&model_dir)?;
     let context = match &cfg.context_length {
-        Some(c) if c.positions < args.context => c.positions,
+        Some(c) if c.positions < args.context => {
+            eprintln!(
+                "k3ring: --context {}: this model holds {} positions ({}); the conversation gets {}",
+                args.context, c.positions, c.source, c.positions
+            );
+            c.positions
+        }
         _ => args.context,
     };
     let Some(trunk) = &args.storage.trunk else {

@@ -125,7 +125,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
     /// Compute threads (0 = one per core).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_threads)]
     pub threads: usize,
     /// Re-run the whole prefix at every step (verifies the incremental decode).
     #[arg(long)]
@@ -225,6 +225,15 @@ fn parse_gb(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x > 0.0 && x <= GB_MAX => Ok(x),
         _ => Err(format!("{s:?} is not a size in GB (a positive number up to {GB_MAX})")),
+    }
+}
+
+/// Compute threads: 0 is one per core; beyond 1024 is a typo (each thread is spawned and pinned
+/// before the run starts: 5000 took a minute on 2 cores to do nothing).
+fn parse_threads(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n <= 1024 => Ok(n),
+        _ => Err(format!("{s:?} is not a number of compute threads (0 = one per core, up to 1024)")),
     }
 }
 

@@ -26,8 +26,8 @@ pub struct PipelineArgs {
     /// Do not prefetch predicted experts: a layer's experts are read once its routing is known.
     #[arg(long, overrides_with = "spec")]
     pub no_spec: bool,
-    /// Experts predicted per token beyond top-k.
-    #[arg(long, value_name = "M", default_value_t = 0)]
+    /// Experts predicted per token beyond top-k (0 to 1024).
+    #[arg(long, value_name = "M", default_value_t = 0, value_parser = parse_spec_margin)]
     pub spec_margin: usize,
     /// Also prefetch the experts the previous token used at the next layer.
     #[arg(long)]
@@ -49,6 +49,14 @@ pub struct PipelineArgs {
     /// Write every (token, layer, experts) routing decision, for `k3ring cache-sim`.
     #[arg(long, value_name = "FILE")]
     pub dump_trace: Option<PathBuf>,
+}
+
+/// K3 has 896 experts: a margin beyond 1024 is never meant.
+fn parse_spec_margin(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(m) if m <= 1024 => Ok(m),
+        _ => Err(format!("{s:?} is not a number of experts beyond top-k (0 to 1024)")),
+    }
 }
 
 /// A CPU list flag value ("0-3,8").
@@ -88,6 +96,41 @@ impl PipelineArgs {
 
     pub fn mode(&self) -> Mode {
         Mode::parse(&self.mode).unwrap_or_default()
+    }
+
+    /// Refuses speculation flags that the rest of the flags switch off, rather than dropping
+    /// them without a word: `--mode serial` reads a layer's experts after its routing and
+    /// predicts nothing, and `--no-spec` turns prediction off.
+    pub fn refuse_unused_speculation(&self) -> Result<(), crate::error::UsageError> {
+        let tuning: Vec<&str> = [
+            (self.spec_margin > 0, "--spec-margin"),
+            (self.spec_prev_token, "--spec-prev-token"),
+            (self.spec_fixed, "--spec-fixed"),
+        ]
+        .into_iter()
+        .filter_map(|(given, flag)| given.then_some(flag))
+        .collect();
+        if self.mode() == Mode::Serial {
+            let mut given = tuning.clone();
+            if self.spec {
+                given.insert(0, "--spec");
+            }
+            if !given.is_empty() {
+                let (verb, pronoun) = if given.len() == 1 { ("does", "it") } else { ("do", "them") };
+                return Err(crate::error::UsageError(format!(
+                    "{} {verb} nothing with --mode serial, which reads a layer's experts after its routing and predicts none; drop {pronoun}",
+                    given.join(", ")
+                )));
+            }
+        }
+        if self.no_spec && !tuning.is_empty() {
+            let verb = if tuning.len() == 1 { "tunes" } else { "tune" };
+            return Err(crate::error::UsageError(format!(
+                "{} {verb} the prediction that --no-spec turns off; drop one or the other",
+                tuning.join(", ")
+            )));
+        }
+        Ok(())
     }
 
     /// Speculation as the flags ask (the pipeline allows none in serial mode: the C engine's

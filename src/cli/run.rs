@@ -165,6 +165,7 @@ pub(super) fn streaming_run(
     chunk: usize,
     context: usize,
 ) -> anyhow::Result<StreamingRun> {
+    pipe.refuse_unused_speculation()?;
     // Read once: the preset and the plan's check of it must see the same number.
     let available = crate::memory::available();
     let budget = match (st.mem_gb, &st.preset) {

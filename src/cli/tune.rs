@@ -57,7 +57,7 @@ pub struct TuneArgs {
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub warmup: usize,
     /// Compute threads (0 = every core).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
     pub threads: usize,
     /// Prompt text.
     #[arg(long, value_name = "TEXT", default_value = "The quick brown fox")]

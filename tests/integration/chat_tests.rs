@@ -137,6 +137,20 @@ fn chat_commands_through_stdin() {
 }
 
 #[test]
+fn chat_context_without_room_is_refused_and_a_lowered_one_is_said() {
+    // --context 0 was accepted: every turn refused, exit 0.
+    for context in ["0", "8"] {
+        let (code, _, err) = chat(&["--context", context], "hi\n");
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains(&format!("--context {context} leaves no room")), "{err}");
+    }
+    // Above the model's 4096 positions it was lowered without a word.
+    let (code, _, err) = chat(&["--context", "100000", "--no-think"], "hi\n");
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("--context 100000: this model holds 4096 positions"), "{err}");
+}
+
+#[test]
 fn chat_save_and_load_continue_like_a_chat_never_stopped() {
     let dir = tempfile::tempdir().unwrap();
     let s = dir.path().join("c.state");

@@ -93,6 +93,8 @@ fn refused_flags_exit_2_naming_the_flag() {
         (vec!["inspect"], "--model"),
         (vec!["run", "--model", d, "--prompt", "x", "--mem-gb", "1e12"], "--mem-gb"),
         (vec!["run", "--model", d, "--prompt", "x", "--readahead", "1000000"], "--readahead"),
+        (vec!["run", "--model", d, "--prompt", "x", "--threads", "5000"], "--threads"),
+        (vec!["serve", "--threads", "5000"], "--threads"),
     ] {
         let (code, _, err) = k3ring(&args);
         assert_eq!(code, 2, "{args:?}: {err}");
@@ -664,6 +666,30 @@ fn run_ids_works_on_a_model_without_tokenizer_files() {
     let (code, _, err) = k3ring(&["run", "--model", d, "--prompt", "hello", "--gen", "1"]);
     assert_eq!(code, 4, "{err}");
     assert!(err.contains("tiktoken.model") && err.contains("give token ids (--ids)"), "{err}");
+}
+
+#[test]
+fn speculation_flags_the_mode_switches_off_are_refused_not_dropped() {
+    let dir = tiny_dir();
+    let trunk = pack(&dir);
+    let (d, t) = (dir.to_str().unwrap(), trunk.path().to_str().unwrap());
+    let base = ["run", "--model", d, "--trunk", t, "--mem-gb", "0.05", "--prompt", "x", "--gen", "1"];
+    for (extra, needle) in [
+        (&["--mode", "serial", "--spec-fixed"][..], "--spec-fixed does nothing with --mode serial"),
+        (&["--mode", "serial", "--spec", "--spec-margin", "4"], "--spec, --spec-margin do nothing with --mode serial"),
+        (&["--no-spec", "--spec-prev-token"], "--spec-prev-token tunes the prediction that --no-spec turns off"),
+        (&["--spec-margin", "1000000"], "--spec-margin"),
+    ] {
+        let (code, _, err) = k3ring(&[&base[..], extra].concat());
+        assert_eq!(code, 2, "{extra:?}: {err}");
+        assert!(err.contains(needle), "{extra:?}: {err}");
+    }
+    for extra in
+        [&["--mode", "serial"][..], &["--no-spec"], &["--spec-margin", "4", "--spec-fixed", "--spec-prev-token"]]
+    {
+        let (code, _, err) = k3ring(&[&base[..], extra].concat());
+        assert_eq!(code, 0, "{extra:?}: {err}");
+    }
 }
 
 #[test]
