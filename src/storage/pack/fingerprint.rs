@@ -2,8 +2,10 @@
 //! config and index bytes, and per shard its name, length, header and a few sampled windows of
 //! tensor data. Modification times are left out, so a copy (`cp -r`, rsync without `-t`) keeps
 //! its pack; a checkpoint with other headers or other weights (a fine-tune changes nearly every
-//! byte) gets a new fingerprint. A byte changed outside the samples is caught by the checksums
-//! (trunk units on load, experts on every read) and by `k3ring pack --verify`.
+//! byte) gets a new fingerprint. A byte changed in the shards outside the samples is caught for
+//! experts (checked against their checksums on every read from the shards) and by `k3ring pack
+//! --verify`, but not for the trunk: a trunk unit's checksum covers the pack's own copy, which
+//! still holds the old bytes, so a run keeps using them until the pack is made again.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
