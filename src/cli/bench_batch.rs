@@ -31,10 +31,7 @@ pub const BATCH_MODE: &str = "pipelined";
 
 /// `--batch` values: 1..=[`BATCH_MAX`].
 pub(super) fn parse_batch(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if (1..=BATCH_MAX).contains(&n) => Ok(n),
-        _ => Err(format!("{s:?} is not a batch size in 1..={BATCH_MAX}")),
-    }
+    super::count_in(s, 1..=BATCH_MAX, &format!("a batch size in 1..={BATCH_MAX}"))
 }
 
 /// Refuses a batch size given twice: each size is one cell, and its median would mix two.

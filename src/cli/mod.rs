@@ -231,18 +231,17 @@ fn parse_gb(s: &str) -> Result<f64, String> {
 /// Compute threads: 0 is one per core; beyond 1024 is a typo (each thread is spawned and pinned
 /// before the run starts: 5000 took a minute on 2 cores to do nothing).
 fn parse_threads(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n <= 1024 => Ok(n),
-        _ => Err(format!("{s:?} is not a number of compute threads (0 = one per core, up to 1024)")),
-    }
+    count_in(s, 0..=1024, "a number of compute threads (0 = one per core, up to 1024)")
 }
 
 /// Trunk layers read ahead: K3 has 93 layers, so more than 128 is never meant.
 fn parse_readahead(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n <= 128 => Ok(n),
-        _ => Err(format!("{s:?} is not a number of layers to read ahead (0 to 128)")),
-    }
+    count_in(s, 0..=128, "a number of layers to read ahead (0 to 128)")
+}
+
+/// `s` as a whole number in `range`, or the error `"s" is not {what}`.
+fn count_in(s: &str, range: std::ops::RangeInclusive<usize>, what: &str) -> Result<usize, String> {
+    s.parse::<usize>().ok().filter(|n| range.contains(n)).ok_or_else(|| format!("{s:?} is not {what}"))
 }
 
 fn parse_temperature(s: &str) -> Result<f32, String> {
@@ -253,17 +252,11 @@ fn parse_temperature(s: &str) -> Result<f32, String> {
 }
 
 fn parse_logits_top(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("{s:?} is not a number of logits per position (1 or more)")),
-    }
+    count_in(s, 1..=usize::MAX, "a number of logits per position (1 or more)")
 }
 
 fn parse_chunk(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if (1..=4096).contains(&n) => Ok(n),
-        _ => Err(format!("{s:?} is not a chunk size in 1..=4096")),
-    }
+    count_in(s, 1..=4096, "a chunk size in 1..=4096")
 }
 
 fn parse_probability(s: &str) -> Result<f32, String> {

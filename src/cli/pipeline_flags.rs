@@ -53,10 +53,7 @@ pub struct PipelineArgs {
 
 /// K3 has 896 experts: a margin beyond 1024 is never meant.
 fn parse_spec_margin(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(m) if m <= 1024 => Ok(m),
-        _ => Err(format!("{s:?} is not a number of experts beyond top-k (0 to 1024)")),
-    }
+    super::count_in(s, 0..=1024, "a number of experts beyond top-k (0 to 1024)")
 }
 
 /// A CPU list flag value ("0-3,8").

@@ -84,10 +84,7 @@ fn parse_split(s: &str) -> Result<f64, String> {
 
 /// Tokens per point: none would measure nothing.
 fn parse_tokens(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("{s:?} is not a number of tokens (1 or more)")),
-    }
+    super::count_in(s, 1..=usize::MAX, "a number of tokens (1 or more)")
 }
 
 /// The sweep a point belongs to, in the order they run.

@@ -632,6 +632,17 @@ mod tests {
     }
 
     #[test]
+    fn every_neutral_value_is_json() {
+        // The check parses them per request and treats one that does not parse as null, which
+        // would refuse the value it names.
+        for (name, neutrals) in OUTPUT_CHANGING_EXTENSIONS {
+            for n in neutrals {
+                assert!(serde_json::from_str::<Value>(n).is_ok_and(|v| !v.is_null()), "{name}: {n}");
+            }
+        }
+    }
+
+    #[test]
     fn output_changing_extensions_are_refused_unless_neutral() {
         let err = |b: &str| completion_job(b.as_bytes(), &limits()).unwrap_err();
         for (field, value) in [
