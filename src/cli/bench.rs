@@ -17,6 +17,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::bench_batch::{self, BatchReport, BatchWork};
+use super::bench_host::{self, host_floors, Host, HostFloors};
 use super::budget::name_budget_flag;
 use super::svg::{line_chart, Series};
 use crate::checkpoint::CheckpointIndex;
@@ -25,11 +26,11 @@ use crate::engine::measure::{
     drop_page_cache, measure_resident, measure_streaming, triad_bandwidth, warm_page_cache, MeasureSpec, Measurement,
 };
 use crate::engine::measure_batch::BatchMeasurement;
+use crate::engine::read_tax::ReadTax;
 use crate::engine::StreamingRun;
 use crate::error::UsageError;
 use crate::model::attribution::AttributionTable;
 use crate::pipeline::{IoKind, IoOptions, Mode, PipelineOptions, Speculation};
-use crate::storage::io::probe::random_read_rate;
 use crate::storage::plan::GB;
 use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
@@ -93,6 +94,14 @@ pub struct BenchArgs {
     /// --no-verify-experts`), to see what the check costs.
     #[arg(long)]
     pub no_verify_experts: bool,
+    /// The backend every cell and probe reads through: uring (the disk), or drives modeled in
+    /// real time over the page cache, sim:RATE[,LATENCY][,qdQ][xN] (e.g. `sim:7GB/s,80us x4`).
+    #[arg(long = "io", value_name = "BACKEND", default_value = "uring", value_parser = super::parse_io)]
+    pub io: String,
+    /// Skip the read-tax probe (resident decode with and without a stream of reads beside it);
+    /// the host floors are then not computed.
+    #[arg(long)]
+    pub no_read_tax: bool,
 }
 
 #[derive(Serialize)]
@@ -118,10 +127,18 @@ struct Cell {
     /// rate its floor uses, which is at least every cell's busy rate): above 1, the cell read
     /// faster than random expert-sized reads did.
     read_rate_vs_device: f64,
+    /// The floors with the read tax charged, and where the time goes (absent with
+    /// `--no-read-tax`).
+    #[serde(flatten)]
+    host: Option<HostFloors>,
 }
 
 #[derive(Serialize)]
 struct Report {
+    /// The CPU, ISA and backend the table was measured with.
+    host: Host,
+    /// What a read in flight costs compute here (`None` with `--no-read-tax`).
+    read_tax: Option<ReadTax>,
     /// The better of the two probes, per queue depth.
     device_read_rate: Vec<(u32, f64)>,
     device_read_rate_before: Vec<(u32, f64)>,
@@ -173,13 +190,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let threads =
         if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
     let cells_total = args.budgets.len() * (args.modes.len() + args.batch.len()) * args.repeats.max(1);
-    let bar = progress_bar(cells_total + 3 + usize::from(batch.is_some()));
+    let bar = progress_bar(cells_total + 4 + usize::from(batch.is_some()));
+    let io = IoKind::parse(&args.io).map_err(|e| UsageError(format!("--io {e}")))?;
+    let host = Host::detect(kernels, io);
 
     bar.set_message("device: random reads of one expert");
     let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
-    let ranges: Vec<(usize, u64, u64)> =
-        index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
-    let probe_device = |pass| probe_queue_depths(&files, &ranges, cfg.expert_bytes() as usize, args.device_reads, pass);
+    let ranges = bench_host::probe_ranges(&index, io);
+    bench_host::warm_for_probes(&files, &ranges, io)?;
+    let probe_device =
+        |pass| probe_queue_depths(&files, &ranges, io, cfg.expert_bytes() as usize, args.device_reads, pass);
     let device_before = probe_device(0)?;
     bar.inc(1);
     bar.set_message("memory bandwidth");
@@ -193,6 +213,25 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     // is not flattered by a slow moment of the triad.
     let membw_after = triad_bandwidth(threads);
     let membw = membw_before.max(membw_after);
+    bar.inc(1);
+    bar.set_message("read tax: resident compute quiet and beside a stream of reads");
+    let tax = if args.no_read_tax {
+        None
+    } else {
+        let stream_io = cell_io(args, io);
+        let expert_bytes = cfg.expert_bytes() as usize;
+        Some(bench_host::read_tax(
+            &args.model,
+            kernels,
+            args.threads,
+            &spec,
+            &files,
+            &ranges,
+            &stream_io,
+            expert_bytes,
+            args.repeats,
+        )?)
+    };
     bar.inc(1);
     let resident_batch = match &batch {
         Some(work) => {
@@ -213,25 +252,27 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let mut probe_during = || -> anyhow::Result<f64> {
         probes += 1;
         let seed = 0x0b5e_55ed + probes;
-        random_read_rate(&files, &ranges, cfg.expert_bytes() as usize, qd_probe, args.device_reads, seed)
+        bench_host::device_rate(&files, &ranges, io, cfg.expert_bytes() as usize, qd_probe, args.device_reads, seed)
             .context("measuring the device between cells")
     };
-    let measured = measure_cells(args, kernels, &spec, batch.as_ref(), &bar, &mut probe_during)?;
+    let measured = measure_cells(args, io, kernels, &spec, batch.as_ref(), &bar, &mut probe_during)?;
     bar.set_message("device again");
     let device_after = probe_device(1)?;
     bar.finish_and_clear();
     let device: Vec<(u32, f64)> = device_before.iter().zip(&device_after).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
-    let cells: Vec<Cell> = measured.cells.into_iter().map(|raw| cell(raw, &resident)).collect();
+    let cells: Vec<Cell> = measured.cells.into_iter().map(|raw| cell(raw, &resident, tax.as_ref())).collect();
     let batch_report = match (&batch, resident_batch) {
         (Some(work), Some(r)) => {
             let rates: Vec<(f64, f64)> = measured.device_rate_sources.iter().map(|d| (d.budget_gb, d.used)).collect();
-            Some(bench_batch::report(&measured.batch_samples, &rates, r, work, &cfg))
+            Some(bench_batch::report(&measured.batch_samples, &rates, r, work, &cfg, tax.as_ref()))
         }
         _ => None,
     };
     let ids_identical = residents_agree && cells.iter().all(|c| c.m.ids == resident.ids);
     let (speedups, speculation_gains) = (ratios(args, &cells, "serial"), ratios(args, &cells, "no-spec"));
     let report = Report {
+        host,
+        read_tax: tax,
         device_read_rate: device,
         device_read_rate_before: device_before,
         device_read_rate_after: device_after,
@@ -251,6 +292,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         batch: batch_report,
     };
     write_outputs(&report, &cfg, args, json.as_ref())?;
+    if report.read_tax.as_ref().is_some_and(|t| !t.ids_identical) {
+        anyhow::bail!(
+            "generated ids differ with reads in flight beside resident decode: reads must not change the output"
+        );
+    }
     if !report.ids_identical {
         anyhow::bail!("generated ids differ between cells: the output must not depend on budget or mode");
     }
@@ -276,6 +322,7 @@ fn progress_bar(steps: usize) -> ProgressBar {
 fn probe_queue_depths(
     files: &[PathBuf],
     ranges: &[(usize, u64, u64)],
+    io: IoKind,
     read_bytes: usize,
     reads: usize,
     pass: u64,
@@ -283,7 +330,8 @@ fn probe_queue_depths(
     let mut rates = Vec::new();
     for qd in [1u32, 4, 16, 32] {
         let seed = 0x5eed + u64::from(qd) + 1000 * pass;
-        let rate = random_read_rate(files, ranges, read_bytes, qd, reads, seed).context("measuring the device")?;
+        let rate =
+            bench_host::device_rate(files, ranges, io, read_bytes, qd, reads, seed).context("measuring the device")?;
         rates.push((qd, rate));
     }
     Ok(rates)
@@ -311,7 +359,9 @@ fn open_outputs(args: &BenchArgs) -> anyhow::Result<Option<super::output::JsonOu
     if let Some(path) = &args.svg {
         super::output::create_now("--svg", path)?;
     }
-    if !args.no_drop_caches {
+    if !args.no_drop_caches && args.io.starts_with("sim:") {
+        eprintln!("k3ring: bench keeps the page cache: --io sim serves its reads from it");
+    } else if !args.no_drop_caches {
         // Said before it happens: it affects every process on the machine, not only bench.
         eprintln!(
             "k3ring: bench drops the whole system's page cache before every cell (when run as root); \
@@ -362,7 +412,7 @@ fn write_outputs(
 }
 
 /// One cell's floors and ratios from its median sample and the resident measurement.
-fn cell((budget_gb, mode, m, rate): CellResult, resident: &Measurement) -> Cell {
+fn cell((budget_gb, mode, m, rate): CellResult, resident: &Measurement, tax: Option<&ReadTax>) -> Cell {
     let device_rate = rate.used;
     let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
     let floor = (bytes / device_rate).max(resident.seconds_per_token);
@@ -379,6 +429,7 @@ fn cell((budget_gb, mode, m, rate): CellResult, resident: &Measurement) -> Cell 
         read_rate_vs_device: m.read_rate_busy / rate.probed,
         device_read_rate_during: device_rate,
         floor_seconds_per_token: floor,
+        host: tax.map(|t| host_floors(&m, resident, device_rate, t)),
         m,
     }
 }
@@ -425,8 +476,10 @@ struct DeviceRate {
 /// `probe_device` (bytes/s at the engine's queue depth) runs before each repeat of a budget and
 /// after its last; that budget's device rate is the better of those probes and of its cells'
 /// busy read rates ([`DeviceRate`]).
+#[allow(clippy::too_many_arguments)]
 fn measure_cells(
     args: &BenchArgs,
+    io: IoKind,
     kernels: kernels::Kernels,
     spec: &MeasureSpec,
     batch: Option<&BatchWork>,
@@ -437,6 +490,8 @@ fn measure_cells(
     let mut batch_samples = Vec::new();
     let mut device_rate_sources = Vec::new();
     let mut dropped = true;
+    // A modeled device reads from the page cache: dropping it would send its reads to the disk.
+    let drop_caches = !args.no_drop_caches && io.modeled().is_none();
     let repeats = args.repeats.max(1);
     for &budget in &args.budgets {
         let mut best = 0.0f64;
@@ -445,8 +500,8 @@ fn measure_cells(
             best = best.max(probe_device()?);
             for mode in &args.modes {
                 bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
-                dropped &= !args.no_drop_caches && drop_page_cache();
-                let run = cell_run(args, spec, budget, mode);
+                dropped &= drop_caches && drop_page_cache();
+                let run = cell_run(args, io, spec, budget, mode);
                 let m = measure_streaming(&args.model, &args.trunk, &run, kernels, spec)
                     .with_context(|| format!("budget {budget} GB, mode {mode}"))
                     .map_err(|e| name_budget_flag(e, &format!("--budgets {budget}")))?;
@@ -455,8 +510,8 @@ fn measure_cells(
             }
             for (work, &b) in batch.iter().flat_map(|w| w.sizes.iter().map(move |b| (*w, b))) {
                 bar.set_message(format!("{budget} GB batch {b} ({}/{repeats})", rep + 1));
-                dropped &= !args.no_drop_caches && drop_page_cache();
-                let run = cell_run(args, spec, budget, bench_batch::BATCH_MODE);
+                dropped &= drop_caches && drop_page_cache();
+                let run = cell_run(args, io, spec, budget, bench_batch::BATCH_MODE);
                 let m = bench_batch::measure_cell(args, kernels, work, run, b)
                     .with_context(|| format!("budget {budget} GB, batch {b}"))
                     .map_err(|e| name_budget_flag(e, &format!("--budgets {budget}")))?;
@@ -493,7 +548,7 @@ fn measure_cells(
 /// The streaming run of one cell: serial is the C engine's order (no read-ahead, no overlap of
 /// a layer's reads with its compute); no-spec pipelines without prediction; pipelined is the
 /// default (adaptive prediction); fixed-spec reads every prediction.
-fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> StreamingRun {
+fn cell_run(args: &BenchArgs, io: IoKind, spec: &MeasureSpec, budget: f64, mode: &str) -> StreamingRun {
     let serial = mode == "serial";
     let speculation = match mode {
         "pipelined" => Speculation::default(),
@@ -508,7 +563,7 @@ fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> St
         threads: args.threads,
         store: StoreOptions { readahead: 1, verify_experts: !args.no_verify_experts, ..StoreOptions::default() },
         pipeline: PipelineOptions {
-            io: IoOptions { kind: IoKind::Uring, queue_depth: args.queue_depth, ..IoOptions::default() },
+            io: cell_io(args, io),
             mode: if serial { Mode::Serial } else { Mode::Pipelined },
             speculation,
         },
@@ -518,6 +573,11 @@ fn cell_run(args: &BenchArgs, spec: &MeasureSpec, budget: f64, mode: &str) -> St
         trunk_share: None,
         available_memory: None,
     }
+}
+
+/// The backend and queue depth of every cell (and of the read-tax stream).
+fn cell_io(args: &BenchArgs, io: IoKind) -> IoOptions {
+    IoOptions { kind: io, queue_depth: args.queue_depth, ..IoOptions::default() }
 }
 
 /// The cost of checking experts against their checksums (on by default): the check's time over
@@ -543,8 +603,16 @@ fn verify_cost_line(cells: &[Cell]) -> String {
 }
 
 fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
+    bench_host::print_host(&r.host, r.read_tax.as_ref());
     print_conditions(r, cfg, args);
     print_cells(r);
+    if r.read_tax.is_some() {
+        bench_host::print_host_cells(
+            r.cells
+                .iter()
+                .filter_map(|c| Some((c.budget_gb, c.mode.as_str(), c.m.seconds_per_token, c.host.as_ref()?))),
+        );
+    }
     if r.experts_checked {
         println!("{}", verify_cost_line(&r.cells));
     } else {
@@ -561,7 +629,8 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
     let rates =
         |v: &[(u32, f64)]| v.iter().map(|(q, v)| format!("QD{q} {:.2}", v / 1e9)).collect::<Vec<_>>().join(", ");
     println!(
-        "device (random O_DIRECT reads of {:.1} MB): {} GB/s (before the cells {}, after {})",
+        "device (random {} reads of {:.1} MB): {} GB/s (before the cells {}, after {})",
+        if args.io.starts_with("sim:") { "modeled" } else { "O_DIRECT" },
         cfg.expert_bytes() as f64 / 1e6,
         rates(&r.device_read_rate),
         rates(&r.device_read_rate_before),
@@ -592,6 +661,8 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
         "page cache: {}",
         if r.page_cache_dropped {
             "dropped before every cell"
+        } else if args.io.starts_with("sim:") {
+            "kept: the modeled device (--io sim) copies its reads from it"
         } else if args.no_drop_caches {
             "kept (--no-drop-caches); reads are O_DIRECT"
         } else {

@@ -18,6 +18,7 @@ use crate::engine::measure_batch::{
     expected_distinct_experts, ids_match_solo, measure_resident_batch, measure_streaming_batch, solo_ids,
     BatchMeasurement, BatchSpec,
 };
+use crate::engine::read_tax::ReadTax;
 use crate::engine::StreamingRun;
 use crate::error::UsageError;
 use crate::tokenizer::Tokenizer;
@@ -189,6 +190,13 @@ pub(super) struct BatchCell {
     /// cells' `floor*`, per step of B rows.
     bound_no_prediction_seconds_per_step: Option<f64>,
     efficiency_no_prediction: Option<f64>,
+    /// The bounds with the read tax charged (`None` with `--no-read-tax`):
+    /// `max(bytes / device rate, compute + tax per byte x bytes)`, and the same without
+    /// routing prediction.
+    bound_host_seconds_per_step: Option<f64>,
+    efficiency_host: Option<f64>,
+    bound_no_prediction_host_seconds_per_step: Option<f64>,
+    efficiency_no_prediction_host: Option<f64>,
     /// Every sequence's ids, in every repeat of this cell, equal its solo run's.
     ids_match_solo: bool,
 }
@@ -221,6 +229,7 @@ pub(super) fn report(
     resident: Resident,
     work: &BatchWork,
     cfg: &Config,
+    tax: Option<&ReadTax>,
 ) -> BatchReport {
     let mut cells = Vec::new();
     for &(budget, device_rate) in device_rates {
@@ -233,7 +242,7 @@ pub(super) fn report(
             let Some(m) = sorted.get(sorted.len() / 2) else { continue };
             let compute = resident.seconds_per_step.iter().find(|r| r.0 == b).map_or(0.0, |r| r.1);
             let overlappable = resident.overlappable_seconds_per_step.iter().find(|r| r.0 == b).and_then(|r| r.1);
-            cells.push(cell(budget, (*m).clone(), device_rate, (compute, overlappable), ids_match, cfg));
+            cells.push(cell(budget, (*m).clone(), device_rate, (compute, overlappable), ids_match, cfg, tax));
         }
     }
     let ratios = ratios(&cells);
@@ -250,9 +259,12 @@ fn cell(
     (compute, overlappable): (f64, Option<f64>),
     ids_match: bool,
     cfg: &Config,
+    tax: Option<&ReadTax>,
 ) -> BatchCell {
     let b = m.batch.max(1) as f64;
     let Bounds { bound, by, no_prediction } = bounds(&m, device_rate, (compute, overlappable));
+    let host = tax.map(|t| host_bounds(&m, device_rate, (compute, overlappable), t));
+    let per_step = |v: f64| v / m.seconds_per_step;
     BatchCell {
         budget_gb,
         mode: BATCH_MODE,
@@ -268,6 +280,10 @@ fn cell(
         efficiency: bound / m.seconds_per_step,
         bound_no_prediction_seconds_per_step: no_prediction,
         efficiency_no_prediction: no_prediction.map(|f| f / m.seconds_per_step),
+        bound_host_seconds_per_step: host.map(|h| h.0),
+        efficiency_host: host.map(|h| per_step(h.0)),
+        bound_no_prediction_host_seconds_per_step: host.and_then(|h| h.1),
+        efficiency_no_prediction_host: host.and_then(|h| h.1).map(per_step),
         ids_match_solo: ids_match,
         m,
     }
@@ -295,6 +311,22 @@ fn bounds(m: &BatchMeasurement, device_rate: f64, (compute, overlappable): (f64,
     }
 }
 
+/// The bounds with the read tax charged: the step's compute grows by the tax on the bytes it
+/// reads (without prediction, by the tax on the trunk bytes read beside the compute that expert
+/// reads cannot overlap).
+fn host_bounds(
+    m: &BatchMeasurement,
+    device_rate: f64,
+    (compute, overlappable): (f64, Option<f64>),
+    tax: &ReadTax,
+) -> (f64, Option<f64>) {
+    let bytes = m.trunk_bytes_per_step + m.expert_bytes_per_step;
+    let bound = (bytes / device_rate).max(compute + tax.charge(bytes));
+    let no_prediction = overlappable
+        .map(|o| bound.max(compute - o + tax.charge(m.trunk_bytes_per_step) + m.expert_bytes_per_step / device_rate));
+    (bound, no_prediction)
+}
+
 fn ratios(cells: &[BatchCell]) -> Vec<BatchRatio> {
     let one = |budget: f64| cells.iter().find(|c| c.budget_gb == budget && c.m.batch == 1);
     cells
@@ -316,7 +348,7 @@ pub(super) fn print(r: &BatchReport) {
         "batch cells ({BATCH_MODE}; B sequences, distinct prompts, greedy; a step is one token of every sequence):"
     );
     println!(
-        "{:>7} {:>8} {:>5} {:>8} {:>7} {:>7} {:>10} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>4}",
+        "{:>7} {:>8} {:>5} {:>8} {:>7} {:>7} {:>10} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>8} {:>6} {:>4}",
         "budget",
         "trunk",
         "batch",
@@ -336,11 +368,13 @@ pub(super) fn print(r: &BatchReport) {
         "effic.",
         "bound*",
         "effic*",
+        "bound_h",
+        "eff_h",
         "ids"
     );
     for c in &r.cells {
         println!(
-            "{:>6}G {:>8} {:>5} {:>8.3} {:>7.3} {:>7.2} {:>9.2}G {:>8.3}G {:>7.3}G {:>9.1} {:>8.1} {:>9.1} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>7.2} {} {} {:>4}",
+            "{:>6}G {:>8} {:>5} {:>8.3} {:>7.3} {:>7.2} {:>9.2}G {:>8.3}G {:>7.3}G {:>9.1} {:>8.1} {:>9.1} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>7.2} {} {} {} {} {:>4}",
             c.budget_gb,
             if c.trunk_pinned { "pinned" } else { "streamed" },
             c.m.batch,
@@ -360,6 +394,8 @@ pub(super) fn print(r: &BatchReport) {
             c.efficiency,
             or_dash(c.bound_no_prediction_seconds_per_step, 8, 3),
             or_dash(c.efficiency_no_prediction, 7, 2),
+            or_dash(c.bound_host_seconds_per_step, 8, 3),
+            or_dash(c.efficiency_host, 6, 2),
             if c.ids_match_solo { "ok" } else { "DIFF" }
         );
     }
@@ -389,6 +425,10 @@ pub(super) fn print(r: &BatchReport) {
     println!(
         "bound*: the bound without routing prediction (a layer's expert reads overlap only the expert compute after \
          its router: the rest of the resident step plus the expert reads); effic* = bound* / s/step"
+    );
+    println!(
+        "bound_h: the bound with the read tax charged, max(bytes / dev GB/s, compute + s/GB x bytes); eff_h = bound_h / \
+         s/step"
     );
     println!(
         "ids of every batch cell (every repeat) and of the resident batches equal their solo runs: {}",

@@ -7,6 +7,7 @@
 mod batch;
 mod bench;
 mod bench_batch;
+mod bench_host;
 mod budget;
 mod cache_sim;
 mod chat;
@@ -181,8 +182,10 @@ pub struct StorageArgs {
     /// Budget preset: laptop, desktop, workstation, server, max (95% of MemAvailable), auto (80%).
     #[arg(long, value_name = "NAME")]
     pub preset: Option<String>,
-    /// Read backend: uring (io_uring, O_DIRECT), pread (thread pool, O_DIRECT) or mmap (page cache).
-    #[arg(long = "io", value_name = "BACKEND", default_value = "uring", value_parser = ["uring", "pread", "mmap"])]
+    /// Read backend: uring (io_uring, O_DIRECT), pread (thread pool, O_DIRECT), mmap (page cache),
+    /// or drives modeled in real time over the page cache: sim:RATE[,LATENCY][,qdQ][xN], e.g.
+    /// `sim:7GB/s,80us x4` (docs/BENCHMARKS.md).
+    #[arg(long = "io", value_name = "BACKEND", default_value = "uring", value_parser = parse_io)]
     pub io: String,
     /// Reads in flight at most (io_uring SQEs, or pread calls).
     #[arg(long, value_name = "Q", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
@@ -220,6 +223,11 @@ fn parse_share(s: &str) -> Result<f64, String> {
 
 /// Above this many GB a size is a typo, not a machine (and its bytes would not fit a u64).
 const GB_MAX: f64 = 1e6;
+
+/// `--io`: a backend name or a modeled device, checked here so a typo is a usage error at once.
+fn parse_io(s: &str) -> Result<String, String> {
+    crate::pipeline::IoKind::parse(s).map(|_| s.to_owned())
+}
 
 fn parse_gb(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {

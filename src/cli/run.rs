@@ -180,7 +180,7 @@ pub(super) fn streaming_run(
             budget
         }
     };
-    let io = IoKind::parse(&st.io).ok_or_else(|| UsageError(format!("--io {:?} is unknown", st.io)))?;
+    let io = IoKind::parse(&st.io).map_err(|e| UsageError(format!("--io {e}")))?;
     Ok(StreamingRun {
         budget_bytes: budget,
         sequences: 1,

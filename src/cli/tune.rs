@@ -47,9 +47,10 @@ pub struct TuneArgs {
     /// Queue depths, each in 1..=4096.
     #[arg(long, value_name = "Q,...", value_delimiter = ',', default_value = "8,32", value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub queue_depth: Vec<u32>,
-    /// I/O backends.
-    #[arg(long = "io", value_name = "B,...", value_delimiter = ',', default_value = "uring,pread", value_parser = ["uring", "pread", "mmap"])]
-    pub io: Vec<String>,
+    /// I/O backends: uring, pread, mmap, or a modeled device sim:RATE[,LATENCY][,qdQ][xN] (its
+    /// own commas stay with it: `--io uring,sim:7GB/s,80us x4`).
+    #[arg(long = "io", value_name = "B,...", default_value = "uring,pread", value_parser = parse_io_list)]
+    pub io: IoList,
     /// Tokens measured per point (at least 1).
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_tokens)]
     pub tokens: usize,
@@ -128,6 +129,30 @@ struct Point {
     same_ids: bool,
 }
 
+/// The backends `tune --io` sweeps.
+#[derive(Clone, Debug)]
+pub struct IoList(pub Vec<String>);
+
+/// Splits `--io` at commas, except the commas inside a `sim:` spec: a piece that does not start
+/// a backend name continues the one before it. Every backend is checked here.
+fn parse_io_list(s: &str) -> Result<IoList, String> {
+    let starts = |p: &str| ["uring", "pread", "mmap", "sim:"].iter().any(|b| p.trim_start().starts_with(b));
+    let mut list: Vec<String> = Vec::new();
+    for piece in s.split(',') {
+        match list.last_mut() {
+            Some(last) if !starts(piece) && last.starts_with("sim:") => {
+                last.push(',');
+                last.push_str(piece);
+            }
+            _ => list.push(piece.trim().to_owned()),
+        }
+    }
+    for io in &list {
+        IoKind::parse(io)?;
+    }
+    Ok(IoList(list))
+}
+
 pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
     let json = super::output::JsonOut::open(args.json.as_deref())?;
     for (flag, path) in [("--csv", &args.csv), ("--svg", &args.svg)] {
@@ -141,11 +166,6 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         return Err(UsageError("--prompt encodes to zero tokens".into()).into());
     }
-    for io in &args.io {
-        if IoKind::parse(io).is_none() {
-            return Err(UsageError(format!("--io {io:?} is unknown; choose from: uring, pread, mmap")).into());
-        }
-    }
     let spec = MeasureSpec { prompt, warmup: args.warmup, tokens: args.tokens, prefill_chunk: 32 };
     let first = |v: &[usize]| v.first().copied().unwrap_or(0);
     let base = Knobs {
@@ -154,13 +174,13 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
         spec: "adaptive",
         spec_margin: first(&args.spec_margin),
         queue_depth: args.queue_depth.last().copied().unwrap_or(32),
-        io: args.io.first().cloned().unwrap_or_else(|| "uring".into()),
+        io: args.io.0.first().cloned().unwrap_or_else(|| "uring".into()),
     };
     let total = args.splits.len() * args.readahead.len()
         + 1
         + 2 * args.spec_margin.len()
         + args.queue_depth.len()
-        + args.io.len();
+        + args.io.0.len();
     let bar = ProgressBar::new(total as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} tune [{bar:30}] {pos}/{len} {msg}")
@@ -207,7 +227,7 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
         measure(SWEEP_QUEUE, Knobs { queue_depth: q, ..best_spec.clone() }, &mut points)?;
     }
     let best_qd = best(&points).knobs.clone();
-    for io in &args.io {
+    for io in &args.io.0 {
         measure(SWEEP_IO, Knobs { io: io.clone(), ..best_qd.clone() }, &mut points)?;
     }
     bar.finish_and_clear();
@@ -232,7 +252,7 @@ fn streaming_run(args: &TuneArgs, k: &Knobs, spec: &MeasureSpec) -> StreamingRun
         store: StoreOptions { readahead: k.readahead, ..StoreOptions::default() },
         pipeline: PipelineOptions {
             io: IoOptions {
-                kind: IoKind::parse(&k.io).unwrap_or(IoKind::Uring),
+                kind: IoKind::parse(&k.io).unwrap_or(IoKind::Uring), // checked by parse_io_list
                 queue_depth: k.queue_depth,
                 ..IoOptions::default()
             },

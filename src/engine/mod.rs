@@ -9,6 +9,7 @@ pub mod chat;
 pub mod load;
 pub mod measure;
 pub mod measure_batch;
+pub mod read_tax;
 pub mod requests;
 pub mod sampling;
 pub mod state_file;

@@ -44,7 +44,7 @@ use crate::storage::stream::reads::ReadQueue;
 use crate::storage::stream::{ExpertGuard, Store, StoreOptions, StreamError, StreamStats, TrunkGuard};
 use crate::trace::Tracer;
 
-pub use io_stage::{IoKind, IoOptions, IoStage};
+pub use io_stage::{BackendSpec, IoKind, IoOptions, IoStage};
 pub use mode::Mode;
 pub use placement::{Placement, PlacementError, PlacementRequest};
 pub use prefetcher::{Prefetcher, Speculation};
@@ -99,6 +99,9 @@ impl Pipeline {
         let prepared = Store::prepare(model_dir, trunk_dir, index, cfg, plan, &store_opts, |files| {
             io_stage::read_alignment(files, &opts.io)
         })?;
+        if let IoKind::Modeled(model) = opts.io.kind {
+            warm_for_modeled_device(&prepared, &model)?;
+        }
         let io = Arc::new(IoStage::start(
             prepared.files(),
             &opts.io,
@@ -160,6 +163,43 @@ impl Pipeline {
     }
 }
 
+/// A modeled device copies from the page cache: refuses a run whose re-read bytes do not fit
+/// in the memory left beside the budget (the arena is allocated by now), and reads them once so
+/// that no timed read waits for the real disk.
+fn warm_for_modeled_device(
+    prepared: &crate::storage::stream::Prepared,
+    model: &crate::storage::io::DeviceModel,
+) -> Result<(), StreamError> {
+    let (ranges, expert_bytes, trunk_bytes) = prepared.reread_ranges();
+    modeled_device_fits(model, expert_bytes, trunk_bytes, crate::memory::available())?;
+    tracing::info!(
+        "--io {}: reading {:.2} GB of experts and streamed trunk into the page cache",
+        model.spec(),
+        (expert_bytes + trunk_bytes) as f64 / 1e9
+    );
+    crate::storage::io::modeled::warm_ranges(prepared.files(), &ranges)?;
+    Ok(())
+}
+
+/// Refuses a modeled device whose re-read bytes exceed the memory available (unknown: allowed).
+fn modeled_device_fits(
+    model: &crate::storage::io::DeviceModel,
+    expert_bytes: u64,
+    trunk_bytes: u64,
+    available: Option<crate::memory::Available>,
+) -> Result<(), StreamError> {
+    match available {
+        Some(a) if expert_bytes + trunk_bytes > a.bytes => Err(StreamError::ModeledDeviceDoesNotFit {
+            spec: model.spec(),
+            expert_bytes,
+            trunk_bytes,
+            available: a.bytes,
+            available_from: a.limited_by.to_string(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl WeightSource for Pipeline {
     type Trunk<'a> = TrunkGuard<'a>;
     type Expert<'a> = ExpertGuard<'a>;
@@ -195,5 +235,34 @@ impl LayerHook for Pipeline {
 
     fn layer_end(&self, model: &Model, layer: usize, t: usize, snapshots: &[Vec<f32>], partial: &[f32]) {
         self.prefetcher.layer_end(&self.store, model, layer, t, snapshots, partial);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::modeled_device_fits;
+    use crate::exit::{Classify, ExitCode};
+    use crate::memory::{Available, Limit};
+    use crate::storage::io::DeviceModel;
+
+    #[test]
+    fn a_modeled_device_is_refused_with_the_numbers_when_its_bytes_do_not_fit() {
+        let model = DeviceModel::parse("sim:7GB/s x4").unwrap();
+        let available = |bytes| Some(Available { bytes, limited_by: Limit::MemAvailable });
+        assert!(modeled_device_fits(&model, 6_000_000_000, 1_000_000_000, available(7_000_000_000)).is_ok());
+        assert!(modeled_device_fits(&model, 6_000_000_000, 1_000_000_000, None).is_ok());
+        let e = modeled_device_fits(&model, 6_000_000_000, 1_000_000_001, available(7_000_000_000)).unwrap_err();
+        assert_eq!(e.exit_code(), ExitCode::Usage);
+        let text = e.to_string();
+        for part in [
+            "--io sim:7GB/s,80us,qd32x4",
+            "read 7.00 GB there",
+            "experts 6.00 GB",
+            "pinned units 1.00 GB",
+            "7.00 GB of memory",
+        ] {
+            assert!(text.contains(part), "{part:?} not in {text}");
+        }
     }
 }

@@ -292,6 +292,92 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
     assert!(batch["expert_bytes_per_step"].as_f64().unwrap() > 0.0, "{batch}");
     assert_eq!(batch["expert_verify_seconds_per_step"].as_f64(), Some(0.0), "{batch}");
     assert_eq!(v["batch"]["ids_match_solo"], true, "{v}");
+    // The read-tax probe ran (it is on by default): see the test below for the flag.
+    assert_read_tax_measured(&v, &out, 1);
+}
+
+/// The read tax of a bench report was measured: `pairs` quiet/loaded pairs, each loaded run
+/// beside a stream that really read, the host named, and every cell's host floors follow their
+/// formula from the measured tax.
+fn assert_read_tax_measured(v: &serde_json::Value, out: &str, pairs: usize) {
+    assert!(out.contains("read tax (resident decode quiet vs with a stream of reads"), "{out}");
+    assert!(v["host"]["cpu_model"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(v["host"]["isa"].as_str().is_some(), "{v}");
+    let tax = &v["read_tax"];
+    assert_eq!(tax["ids_identical"], true, "{tax}");
+    let samples = tax["samples"].as_array().unwrap();
+    assert_eq!(samples.len(), pairs, "{tax}");
+    for s in samples {
+        assert!(s["stream_bytes"].as_u64().unwrap() > 0, "the stream read nothing: {s}");
+        assert!(s["stream_busy_seconds"].as_f64().unwrap() > 0.0, "{s}");
+        assert!(s["read_rate"].as_f64().unwrap() > 0.0, "{s}");
+        let (quiet, loaded) =
+            (s["quiet_seconds_per_token"].as_f64().unwrap(), s["loaded_seconds_per_token"].as_f64().unwrap());
+        assert!(quiet > 0.0 && loaded > 0.0, "{s}");
+        let tau = (loaded - quiet) / loaded;
+        assert!((s["tau"].as_f64().unwrap() - tau).abs() <= 1e-9, "{s}");
+    }
+    let per_gb = tax["seconds_per_gb"].as_f64().unwrap();
+    assert!(tax["tau_min"].as_f64().unwrap() <= tax["tau"].as_f64().unwrap(), "{tax}");
+    assert!(tax["tau"].as_f64().unwrap() <= tax["tau_max"].as_f64().unwrap(), "{tax}");
+    let resident = v["resident_seconds_per_token"].as_f64().unwrap();
+    for c in v["cells"].as_array().unwrap() {
+        let get = |k: &str| c[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {c}"));
+        let bytes = get("trunk_bytes_per_token") + get("expert_bytes_per_token");
+        let charged = per_gb.max(0.0) * bytes / 1e9;
+        let floor_h = (bytes / get("device_read_rate_during")).max(resident + charged);
+        assert!((get("floor_host_seconds_per_token") - floor_h).abs() <= 1e-9 * floor_h.max(1.0), "{c}");
+        assert!(get("floor_host_seconds_per_token") >= get("floor_seconds_per_token") - 1e-12, "{c}");
+        assert!((get("efficiency_host") - floor_h / get("seconds_per_token")).abs() <= 1e-9, "{c}");
+        assert!((get("tax_seconds_per_token") - charged).abs() <= 1e-12, "{c}");
+        let parts = get("compute_seconds_per_token")
+            + get("tax_seconds_per_token")
+            + get("waited_seconds_per_token")
+            + get("rest_seconds_per_token");
+        assert!((parts - get("seconds_per_token")).abs() <= 1e-9, "{c}");
+        assert!(get("floor_no_prediction_host_seconds_per_token") >= floor_h - 1e-12, "{c}");
+    }
+    for c in v["batch"]["cells"].as_array().into_iter().flatten() {
+        let get = |k: &str| c[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {c}"));
+        let bytes = get("trunk_bytes_per_step") + get("expert_bytes_per_step");
+        let bound_h = (bytes / get("device_read_rate_during"))
+            .max(get("resident_seconds_per_step") + per_gb.max(0.0) * bytes / 1e9);
+        assert!((get("bound_host_seconds_per_step") - bound_h).abs() <= 1e-9 * bound_h.max(1.0), "{c}");
+    }
+}
+
+/// `--no-read-tax` skips the probe: no tax, no host floors, and the report says so; without the
+/// flag (the test above) every one is there.
+#[test]
+fn bench_without_the_read_tax_has_no_host_floors() {
+    let (code, out, err, v) = bench_tiny(&["--modes", "no-spec", "--batch", "1", "--no-read-tax"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("read tax: not measured (--no-read-tax)"), "{out}");
+    assert!(v["read_tax"].is_null(), "{v}");
+    assert!(v["cells"][0].get("floor_host_seconds_per_token").is_none(), "{v}");
+    assert!(v["batch"]["cells"][0]["bound_host_seconds_per_step"].is_null(), "{v}");
+    assert!(v["host"]["cpu_model"].as_str().is_some(), "the host is named either way: {v}");
+}
+
+/// `--io sim:` runs every cell, the device probes and the read tax through the modeled
+/// drives: same ids as the resident run, the device probed near the modeled rate, and the page
+/// cache kept (the model copies from it).
+#[test]
+fn bench_on_a_modeled_device_reads_through_it() {
+    let (code, out, err, v) = bench_tiny(&["--modes", "no-spec", "--io", "sim:1GB/s,20us x2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("bench keeps the page cache: --io sim serves its reads from it"), "{err}");
+    assert_eq!(v["ids_identical"], true, "{v}");
+    assert_eq!(v["page_cache_dropped"], false, "{v}");
+    assert_eq!(v["host"]["io"], "sim:1GB/s,20us,qd32x2", "{v}");
+    assert_eq!(v["read_tax"]["backend"], "sim:1GB/s,20us,qd32x2", "{v}");
+    // The tiny model's experts are small, so latency and copies keep the probe below the
+    // modeled 2 GB/s; it can never beat it.
+    for (_, rate) in v["device_read_rate"].as_array().unwrap().iter().map(|p| (p[0].clone(), p[1].as_f64().unwrap())) {
+        assert!(rate > 0.0 && rate <= 2.0e9 * 1.05, "{v}");
+    }
+    assert!(v["cells"][0]["expert_bytes_per_token"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(out.contains("cells read through sim:1GB/s,20us,qd32x2"), "{out}");
 }
 
 /// `bench --batch` (issue 18): a cell per budget and batch size with its counters, bound and

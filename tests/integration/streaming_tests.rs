@@ -88,7 +88,8 @@ fn every_backend_and_queue_depth_gives_the_same_bytes() {
     let trunk = pack(&model);
     let base = resident();
     let min = minimum_budget(&model, trunk.path());
-    for io in [IoKind::Uring, IoKind::Pread, IoKind::Mmap] {
+    let modeled = IoKind::parse("sim:2GB/s,30us,qd4 x3").unwrap();
+    for io in [IoKind::Uring, IoKind::Pread, IoKind::Mmap, modeled] {
         for queue_depth in [1, 32] {
             let stream = IoOptions { kind: io, queue_depth, chunk_bytes: 4096, ..IoOptions::default() };
             let (g, _, stats) = streamed_with(&model, trunk.path(), &run_options(min + min / 3, stream)).unwrap();
@@ -96,6 +97,23 @@ fn every_backend_and_queue_depth_gives_the_same_bytes() {
             assert!(stats.io.bytes_read > 0);
         }
     }
+}
+
+/// A modeled device (`--io sim:`) says what it models, delivers no faster than its drives
+/// would (the refusal of a run whose bytes do not fit is `pipeline::tests`).
+#[test]
+fn a_modeled_device_says_what_it_models_and_reads_no_faster_than_its_drives() {
+    let model = tiny_dir();
+    let trunk = pack(&model);
+    let min = minimum_budget(&model, trunk.path());
+    let kind = IoKind::parse("sim:0.05GB/s,100us x2").unwrap();
+    let stream = IoOptions { kind, ..IoOptions::default() };
+    let (_, _, s) = streamed_with(&model, trunk.path(), &run_options(min, stream)).unwrap();
+    assert_eq!(s.backend, "sim-device");
+    assert!(s.backend_info.starts_with("sim:0.05GB/s,100us,qd32x2: 2 modeled drives"), "{}", s.backend_info);
+    let busy = s.io.busy_ns as f64 / 1e9;
+    assert!(s.io.bytes_read > 0 && busy > 0.0, "{:?}", s.io);
+    assert!(s.io.bytes_read as f64 / busy <= 0.1e9 * 1.02, "faster than 2 drives of 0.05 GB/s: {:?}", s.io);
 }
 
 #[test]

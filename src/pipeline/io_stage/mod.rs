@@ -26,8 +26,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crate::storage::io::{
-    sim::SimOptions, AlignedBuf, IoError, IoStats, MappedReader, PreadOptions, PreadReader, ReadBackend, RingOptions,
-    SimReader, UringReader,
+    sim::SimOptions, AlignedBuf, IoError, IoStats, MappedReader, ModeledReader, PreadOptions, PreadReader, ReadBackend,
+    RingOptions, SimReader, UringReader,
 };
 use crate::storage::stream::reads::{Priority, ReadQueue, SendOp, Ticket};
 use crate::trace::Tracer;
@@ -131,6 +131,58 @@ impl Drop for DeadOnExit {
     }
 }
 
+/// What a backend is built from: the I/O stage's, and the read-tax probe's, which reads through
+/// the same backends with the same settings.
+pub struct BackendSpec {
+    pub files: Vec<PathBuf>,
+    pub opts: IoOptions,
+    /// Every read's alignment (offset, length and address).
+    pub align: u32,
+    /// The memory reads target, registered with a ring.
+    pub registered: Vec<Arc<AlignedBuf>>,
+    /// Logical reads in flight at most.
+    pub ops_max: usize,
+}
+
+impl BackendSpec {
+    /// Builds the backend; call it on the thread that will use it (a ring must live there).
+    pub fn build(self) -> Result<Box<dyn ReadBackend>, IoError> {
+        let BackendSpec { files, opts, align, registered, ops_max } = self;
+        let (qd, chunk) = (opts.queue_depth.max(1), opts.chunk_bytes);
+        Ok(match opts.kind {
+            IoKind::Uring => Box::new(UringReader::new(
+                &files,
+                RingOptions {
+                    queue_depth: qd,
+                    chunk_bytes: chunk,
+                    ops_max,
+                    register_files: true,
+                    register_buffers: registered,
+                    align_min: align,
+                    inject: opts.inject,
+                },
+            )?),
+            IoKind::Pread => Box::new(PreadReader::new(
+                &files,
+                PreadOptions {
+                    threads: opts.pread_threads.max(1),
+                    queue_depth: qd,
+                    chunk_bytes: chunk,
+                    ops_max,
+                    align_min: align,
+                    inject: opts.inject,
+                },
+            )?),
+            IoKind::Mmap => Box::new(MappedReader::new(&files, ops_max)?),
+            IoKind::Sim => {
+                let sim = opts.sim.unwrap_or_else(|| SimOptions::fault_free(0));
+                Box::new(SimReader::new(&files, sim)?)
+            }
+            IoKind::Modeled(model) => Box::new(ModeledReader::new(&files, model, ops_max)?),
+        })
+    }
+}
+
 /// Builds the backend on the I/O thread (a ring must live on the thread that uses it).
 type BackendFactory = Box<dyn FnOnce() -> Result<Box<dyn ReadBackend>, IoError> + Send>;
 
@@ -144,43 +196,16 @@ impl IoStage {
         align: u64,
         tracer: Arc<Tracer>,
     ) -> Result<IoStage, IoError> {
-        let files = files.to_vec();
         let qd = opts.queue_depth.max(1);
         let chunk = (opts.chunk_bytes as u64).max(align) / align * align;
-        let (inject, kind, sim, threads) = (opts.inject, opts.kind, opts.sim.clone(), opts.pread_threads.max(1));
-        let registered = Arc::clone(arena);
-        let factory: BackendFactory = Box::new(move || -> Result<Box<dyn ReadBackend>, IoError> {
-            Ok(match kind {
-                IoKind::Uring => Box::new(UringReader::new(
-                    &files,
-                    RingOptions {
-                        queue_depth: qd,
-                        chunk_bytes: chunk as usize,
-                        ops_max: OPS_IN_BACKEND_MAX,
-                        register_files: true,
-                        register_buffers: vec![registered],
-                        align_min: align as u32,
-                        inject,
-                    },
-                )?),
-                IoKind::Pread => Box::new(PreadReader::new(
-                    &files,
-                    PreadOptions {
-                        threads,
-                        queue_depth: qd,
-                        chunk_bytes: chunk as usize,
-                        ops_max: OPS_IN_BACKEND_MAX,
-                        align_min: align as u32,
-                        inject,
-                    },
-                )?),
-                IoKind::Mmap => Box::new(MappedReader::new(&files, OPS_IN_BACKEND_MAX)?),
-                IoKind::Sim => {
-                    let opts = sim.unwrap_or_else(|| SimOptions::fault_free(0));
-                    Box::new(SimReader::new(&files, opts)?)
-                }
-            })
-        });
+        let spec = BackendSpec {
+            files: files.to_vec(),
+            opts: IoOptions { queue_depth: qd, chunk_bytes: chunk as usize, ..opts.clone() },
+            align: align as u32,
+            registered: vec![Arc::clone(arena)],
+            ops_max: OPS_IN_BACKEND_MAX,
+        };
+        let factory: BackendFactory = Box::new(move || spec.build());
         let window = qd as usize * chunk as usize;
         IoStage::spawn(factory, window, chunk as usize, opts.io_core, tracer, vec![Arc::clone(arena)])
     }

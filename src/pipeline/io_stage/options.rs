@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::storage::io::{align::open_direct, sim::SimOptions, FaultPlan};
+use crate::storage::io::{align::open_direct, modeled::MODELED_ALIGN, sim::SimOptions, DeviceModel, FaultPlan};
 use crate::storage::stream::StreamError;
 
 /// Which read backend serves the I/O stage.
@@ -15,14 +15,27 @@ pub enum IoKind {
     Mmap,
     /// The seeded simulator (tests).
     Sim,
+    /// Drives modeled in real time over the page cache (`--io sim:7GB/s,80us x4`).
+    Modeled(DeviceModel),
 }
 
 impl IoKind {
-    pub fn parse(s: &str) -> Option<IoKind> {
+    /// `uring`, `pread`, `mmap` or a modeled device `sim:RATE[,LATENCY][,qdQ][xN]`; the error
+    /// says what is wrong.
+    pub fn parse(s: &str) -> Result<IoKind, String> {
         match s {
-            "uring" => Some(IoKind::Uring),
-            "pread" => Some(IoKind::Pread),
-            "mmap" => Some(IoKind::Mmap),
+            "uring" => Ok(IoKind::Uring),
+            "pread" => Ok(IoKind::Pread),
+            "mmap" => Ok(IoKind::Mmap),
+            _ if s.starts_with("sim:") => DeviceModel::parse(s).map(IoKind::Modeled),
+            _ => Err(format!("{s:?} is not a read backend: uring, pread, mmap or sim:RATE[,LATENCY][,qdQ][xN]")),
+        }
+    }
+
+    /// The modeled device, for `--io sim:`.
+    pub fn modeled(self) -> Option<DeviceModel> {
+        match self {
+            IoKind::Modeled(m) => Some(m),
             _ => None,
         }
     }
@@ -33,6 +46,7 @@ impl IoKind {
             IoKind::Pread => "pread",
             IoKind::Mmap => "mmap",
             IoKind::Sim => "sim",
+            IoKind::Modeled(_) => "sim-device",
         }
     }
 }
@@ -72,6 +86,9 @@ impl Default for IoOptions {
 pub fn read_alignment(files: &[PathBuf], opts: &IoOptions) -> Result<u64, StreamError> {
     if opts.kind == IoKind::Sim {
         return Ok(opts.sim.as_ref().map_or(4096, |s| u64::from(s.align)).max(512));
+    }
+    if let IoKind::Modeled(_) = opts.kind {
+        return Ok(u64::from(MODELED_ALIGN));
     }
     let (_files, align) = open_direct(files, 0)?;
     Ok(u64::from(align.strictest()).max(512))

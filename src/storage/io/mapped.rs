@@ -25,19 +25,9 @@ pub struct MappedReader {
 impl MappedReader {
     /// Maps every file (an empty file gets no mapping).
     pub fn new(files: &[PathBuf], ops_max: usize) -> Result<MappedReader, IoError> {
-        let mut maps = Vec::with_capacity(files.len());
-        for path in files {
-            let open = |source| IoError::Open { path: path.clone(), source };
-            let file = File::open(path).map_err(open)?;
-            let len = file.metadata().map_err(open)?.len();
-            // A file that shrinks later, or a disk error under a mapped page, faults in `copy`;
-            // `storage::sigbus` turns that into exit 4 naming the file.
-            let map = if len == 0 { None } else { Some(MappedFile::map(&file, path).map_err(open)?) };
-            maps.push(map);
-        }
         Ok(MappedReader {
             paths: files.to_vec(),
-            maps,
+            maps: map_all(files)?,
             ready: VecDeque::with_capacity(ops_max),
             ops_max,
             stats: IoStats::default(),
@@ -45,24 +35,23 @@ impl MappedReader {
     }
 
     fn copy(&mut self, op: &ReadOp) -> Result<usize, IoError> {
-        let path = self.paths.get(op.file).cloned().unwrap_or_default();
-        let Some(map) = self.maps.get(op.file) else {
-            return Err(IoError::BadOp { tag: op.tag, why: format!("file index {} out of range", op.file) });
-        };
-        let file_len = map.as_ref().map_or(0, |m| m.len() as u64);
-        let available = file_len.saturating_sub(op.offset).min(op.len as u64) as usize;
-        if available < op.min_len {
-            return Err(IoError::ShortRead { path, offset: op.offset, wanted: op.min_len, got: available });
-        }
-        if let Some(m) = map {
-            let src = &m[op.offset as usize..op.offset as usize + available];
-            // SAFETY: the `submit` contract gives this reader exclusive use of
-            // `dst..dst + len` until the completion is returned, and `available <= len`.
-            let dst = unsafe { std::slice::from_raw_parts_mut(op.dst, available) };
-            dst.copy_from_slice(src);
-        }
-        Ok(available)
+        super::modeled::copy_from_maps(&self.paths, &self.maps, op)
     }
+}
+
+/// Maps every file read-only (an empty file gets no mapping).
+pub(super) fn map_all(files: &[PathBuf]) -> Result<Vec<Option<MappedFile>>, IoError> {
+    let mut maps = Vec::with_capacity(files.len());
+    for path in files {
+        let open = |source| IoError::Open { path: path.clone(), source };
+        let file = File::open(path).map_err(open)?;
+        let len = file.metadata().map_err(open)?.len();
+        // A file that shrinks later, or a disk error under a mapped page, faults in the copy;
+        // `storage::sigbus` turns that into exit 4 naming the file.
+        let map = if len == 0 { None } else { Some(MappedFile::map(&file, path).map_err(open)?) };
+        maps.push(map);
+    }
+    Ok(maps)
 }
 
 impl ReadBackend for MappedReader {

@@ -9,6 +9,7 @@
 //!   baseline the ring is measured against, and a fallback where io_uring is disabled.
 //! - `ops` (private): the bookkeeping both backends share: splitting a logical read into chunks,
 //!   resubmitting short reads, retrying EINTR/EAGAIN, deciding success at EOF, fault injection.
+//! - [`modeled`]: [`ModeledReader`], drives modeled in real time over the page cache (`--io sim:`).
 //! - [`topology`]: NUMA nodes and their CPUs from sysfs.
 //!
 //! Threads: a reader is owned by one thread (the ring's owner is `!Send`, house rule 11); the pread
@@ -23,11 +24,13 @@ pub mod align;
 pub mod buffer;
 pub mod error;
 pub mod mapped;
+pub mod modeled;
 mod ops;
 pub mod pread;
 pub mod probe;
 pub mod ring;
 pub mod sim;
+pub mod stream;
 pub mod topology;
 
 #[cfg(test)]
@@ -43,6 +46,7 @@ pub use align::{dio_alignment, AlignSource, DioAlign};
 pub use buffer::{AlignedBuf, BufOptions, LockState, NumaPolicy};
 pub use error::IoError;
 pub use mapped::MappedReader;
+pub use modeled::{DeviceModel, ModeledReader};
 pub use pread::{PreadOptions, PreadReader};
 pub use ring::{RingInfo, RingOptions, RingSetup, UringReader};
 pub use sim::{SimOptions, SimReader};

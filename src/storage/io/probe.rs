@@ -36,6 +36,42 @@ pub fn random_read_rate(
         inject: None,
     };
     let mut ring = UringReader::new(files, opts)?;
+    let fixed = |ring: &UringReader, dst: *mut u8| ring.fixed_buffer_for(dst, len as usize);
+    random_reads(&mut ring, &buf, fixed, ranges, len, align, qd, reads, seed)
+}
+
+/// As [`random_read_rate`], through any backend (a modeled device's, say), with its alignment.
+pub fn random_read_rate_through(
+    mut backend: Box<dyn ReadBackend>,
+    ranges: &[(usize, u64, u64)],
+    read_bytes: usize,
+    queue_depth: u32,
+    reads: usize,
+    seed: u64,
+) -> Result<f64, IoError> {
+    let qd = queue_depth.max(1) as usize;
+    let align = u64::from(backend.dio_align().strictest()).max(4096);
+    let len = (read_bytes as u64).div_ceil(align) * align;
+    let buf = Arc::new(AlignedBuf::new(qd * len as usize, &BufOptions::default())?);
+    let rate = random_reads(backend.as_mut(), &buf, |_, _| None, ranges, len, align, qd, reads, seed);
+    // A failed read leaves others in flight: the backend's drop waits for them, before `buf` goes.
+    drop(backend);
+    rate
+}
+
+/// `reads` random `len`-byte windows of `ranges`, `qd` at a time into `buf`; bytes per second.
+#[allow(clippy::too_many_arguments)]
+fn random_reads<B: ReadBackend + ?Sized>(
+    ring: &mut B,
+    buf: &AlignedBuf,
+    fixed: impl Fn(&B, *mut u8) -> Option<u16>,
+    ranges: &[(usize, u64, u64)],
+    len: u64,
+    align: u64,
+    qd: usize,
+    reads: usize,
+    seed: u64,
+) -> Result<f64, IoError> {
     let usable: Vec<(usize, u64, u64)> =
         ranges.iter().map(|&(f, a, b)| (f, a.div_ceil(align) * align, b)).filter(|&(_, a, b)| b > a + len).collect();
     if usable.is_empty() {
@@ -59,11 +95,12 @@ pub fn random_read_rate(
             let (file, a, b) = usable[(next() % usable.len() as u64) as usize];
             let blocks = (b - a - len) / align;
             let offset = a + (next() % (blocks + 1)) * align;
-            // SAFETY: `slot` is a distinct `len`-byte window of `buf`, which the reader keeps
-            // alive (registered); it is handed out again only after this read's completion.
+            // SAFETY: `slot` is a distinct `len`-byte window of `buf` (`qd` windows), which outlives
+            // every read: all are reaped before this returns, or the error return drops the
+            // caller's backend, which waits for its reads, before the caller drops `buf`.
             let dst = unsafe { buf.as_mut_ptr().add(slot * len as usize) };
             let mut op = ReadOp::new(file, offset, len as usize, dst, slot as u64);
-            op.buf_index = ring.fixed_buffer_for(dst, len as usize);
+            op.buf_index = fixed(ring, dst);
             // SAFETY: as above: the window stays valid and untouched until its completion.
             unsafe { ring.submit(op)? };
             issued += 1;

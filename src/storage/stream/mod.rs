@@ -111,6 +111,21 @@ pub enum StreamError {
     SplitRead(Arc<IoError>),
     #[error("{0}")]
     Mismatch(String),
+    /// `--io sim:` needs the bytes a run reads in memory, and they do not fit beside the budget.
+    #[error(
+        "--io {spec} serves reads from the page cache, and this run can read {:.2} GB there (experts {:.2} GB, \
+         trunk pack beyond the pinned units {:.2} GB) while {:.2} GB of memory is available beside the budget \
+         ({available_from}): lower the budget, or model the device with a model that fits",
+        (*expert_bytes + *trunk_bytes) as f64 / 1e9, *expert_bytes as f64 / 1e9, *trunk_bytes as f64 / 1e9,
+        *available as f64 / 1e9
+    )]
+    ModeledDeviceDoesNotFit {
+        spec: String,
+        expert_bytes: u64,
+        trunk_bytes: u64,
+        available: u64,
+        available_from: String,
+    },
 }
 
 impl Classify for StreamError {
@@ -120,6 +135,7 @@ impl Classify for StreamError {
             StreamError::Io(e) => e.exit_code(),
             StreamError::PinnedRead(e) | StreamError::SplitRead(e) => e.exit_code(),
             StreamError::Mismatch(_) => ExitCode::Data,
+            StreamError::ModeledDeviceDoesNotFit { .. } => ExitCode::Usage,
         }
     }
 }
@@ -159,6 +175,37 @@ impl Prepared {
 
     pub fn align(&self) -> u64 {
         self.align
+    }
+
+    /// What a run may read again and again, as (file index, first byte, end): every expert, and
+    /// the trunk units streamed whole or in pieces (not the pinned ones, read once at open, nor
+    /// the embedding table, of which a run reads a row per token); with their bytes (experts,
+    /// trunk). A modeled device (`--io sim:`) needs these in the page cache.
+    pub fn reread_ranges(&self) -> (Vec<(usize, u64, u64)>, u64, u64) {
+        let mut ranges = Vec::new();
+        let mut expert_bytes = 0;
+        for r in self.index.experts.iter() {
+            if let Some((shard, start, end)) = r.contiguous {
+                ranges.push((shard, start, end));
+                expert_bytes += end - start;
+            } else {
+                for &id in &r.parts {
+                    let t = &self.index.tensors[id];
+                    ranges.push((t.shard, t.offset, t.offset + t.len));
+                    expert_bytes += t.len;
+                }
+            }
+        }
+        let mut trunk_bytes = 0;
+        for (i, u) in self.pack.units.iter().enumerate() {
+            let streamed = self.items.whole.get(i).is_some_and(Option::is_some)
+                || self.items.split.get(i).is_some_and(Option::is_some);
+            if streamed {
+                ranges.push((self.pack.pack_file, u.file_offset, u.file_offset + u.len));
+                trunk_bytes += u.len;
+            }
+        }
+        (ranges, expert_bytes, trunk_bytes)
     }
 }
 

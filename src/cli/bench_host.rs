@@ -1,0 +1,212 @@
+//! What the host charges `bench`'s cells: the machine's identity, the read tax (what a read in
+//! flight costs compute, `engine::read_tax`), the floors with that tax charged, and where each
+//! cell's time goes beside them.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::checkpoint::CheckpointIndex;
+use crate::engine::measure::{MeasureSpec, Measurement};
+use crate::engine::read_tax::{measure_read_tax, ReadTax, StreamSpec};
+use crate::pipeline::{IoKind, IoOptions};
+use crate::storage::io::probe::{random_read_rate, random_read_rate_through};
+use crate::storage::io::{modeled::warm_ranges, ModeledReader};
+
+/// The machine a table was measured on.
+#[derive(Clone, Debug, Serialize)]
+pub struct Host {
+    /// `/proc/cpuinfo`'s model name.
+    pub cpu_model: String,
+    /// The kernels' instruction set.
+    pub isa: String,
+    pub cores: usize,
+    /// The backend the cells read through (`uring`, or the modeled device's spec).
+    pub io: String,
+}
+
+impl Host {
+    pub fn detect(kernels: kernels::Kernels, io: IoKind) -> Host {
+        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|m| m.trim().to_owned())
+            })
+            .unwrap_or_else(|| "unknown CPU".to_owned());
+        Host {
+            cpu_model,
+            isa: kernels.isa().name().to_owned(),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            io: io_name(io),
+        }
+    }
+}
+
+/// `uring`, `pread`, `mmap` or the modeled device's spec.
+pub fn io_name(io: IoKind) -> String {
+    io.modeled().map_or_else(|| io.name().to_owned(), |m| m.spec())
+}
+
+/// Where reads go for the probes: the shards' data for a real device; for a modeled one, the
+/// experts only (runs of adjacent experts merged), which it serves from the page cache.
+pub fn probe_ranges(index: &CheckpointIndex, io: IoKind) -> Vec<(usize, u64, u64)> {
+    if io.modeled().is_none() {
+        return index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
+    }
+    let mut spans: Vec<(usize, u64, u64)> = index.experts.iter().filter_map(|r| r.contiguous).collect();
+    spans.sort_unstable();
+    let mut merged: Vec<(usize, u64, u64)> = Vec::with_capacity(spans.len());
+    for (f, a, b) in spans {
+        match merged.last_mut() {
+            Some(last) if last.0 == f && a <= last.2 + 4096 => last.2 = last.2.max(b),
+            _ => merged.push((f, a, b)),
+        }
+    }
+    merged
+}
+
+/// Before a modeled device's probes: its reads copy from the page cache, so read the ranges in.
+pub fn warm_for_probes(files: &[PathBuf], ranges: &[(usize, u64, u64)], io: IoKind) -> anyhow::Result<()> {
+    if io.modeled().is_some() {
+        warm_ranges(files, ranges).context("reading the experts into the page cache for --io sim")?;
+    }
+    Ok(())
+}
+
+/// The device's random read rate of `read_bytes` windows at `qd` reads in flight, through the
+/// cells' backend: O_DIRECT io_uring for a real device, the model for `--io sim:`.
+pub fn device_rate(
+    files: &[PathBuf],
+    ranges: &[(usize, u64, u64)],
+    io: IoKind,
+    read_bytes: usize,
+    qd: u32,
+    reads: usize,
+    seed: u64,
+) -> anyhow::Result<f64> {
+    let rate = match io.modeled() {
+        Some(model) => {
+            let reader = ModeledReader::new(files, model, qd.max(1) as usize)?;
+            random_read_rate_through(Box::new(reader), ranges, read_bytes, qd, reads, seed)?
+        }
+        None => random_read_rate(files, ranges, read_bytes, qd, reads, seed)?,
+    };
+    Ok(rate)
+}
+
+/// Measures the read tax with the cells' backend and queue depth (`repeats` alternated pairs).
+#[allow(clippy::too_many_arguments)]
+pub fn read_tax(
+    model: &std::path::Path,
+    kernels: kernels::Kernels,
+    threads: usize,
+    spec: &MeasureSpec,
+    files: &[PathBuf],
+    ranges: &[(usize, u64, u64)],
+    io: &IoOptions,
+    read_bytes: usize,
+    repeats: usize,
+) -> anyhow::Result<ReadTax> {
+    let align = crate::pipeline::io_stage::read_alignment(files, io)?;
+    let stream = StreamSpec { files: files.to_vec(), ranges: ranges.to_vec(), read_bytes, io: io.clone(), align };
+    let tax = measure_read_tax(model, kernels, threads, spec, &stream, repeats).context("measuring the read tax")?;
+    Ok(tax)
+}
+
+/// A cell's floors with the tax charged, and where its time goes.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct HostFloors {
+    /// `max(bytes / device, compute + tax x bytes)`: every read may start early, and each costs
+    /// compute what the probe measured.
+    pub floor_host_seconds_per_token: f64,
+    pub efficiency_host: f64,
+    /// The floor without routing prediction with the tax charged: `max(floor_host, the compute
+    /// expert reads cannot overlap + tax x trunk bytes + expert bytes / device)`.
+    pub floor_no_prediction_host_seconds_per_token: Option<f64>,
+    pub efficiency_no_prediction_host: Option<f64>,
+    /// Where the measured time goes: resident compute, compute lost to reads (the tax on this
+    /// cell's bytes), compute waiting for reads (stalls), and the rest (scheduling, and what
+    /// none of those explain; negative when the parts overlap).
+    pub compute_seconds_per_token: f64,
+    pub tax_seconds_per_token: f64,
+    pub waited_seconds_per_token: f64,
+    pub rest_seconds_per_token: f64,
+}
+
+/// The floors of a cell that read `m`'s bytes at `device_rate`, from the resident compute and
+/// its overlappable part, with `tax` charged.
+pub fn host_floors(m: &Measurement, resident: &Measurement, device_rate: f64, tax: &ReadTax) -> HostFloors {
+    let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
+    let compute = resident.seconds_per_token;
+    let charged = tax.charge(bytes);
+    let floor = (bytes / device_rate).max(compute + charged);
+    let no_prediction = resident.overlappable_seconds_per_token.map(|o| {
+        let never_overlapped = compute - o;
+        floor.max(never_overlapped + tax.charge(m.trunk_bytes_per_token) + m.expert_bytes_per_token / device_rate)
+    });
+    let spt = m.seconds_per_token;
+    HostFloors {
+        floor_host_seconds_per_token: floor,
+        efficiency_host: floor / spt,
+        floor_no_prediction_host_seconds_per_token: no_prediction,
+        efficiency_no_prediction_host: no_prediction.map(|f| f / spt),
+        compute_seconds_per_token: compute,
+        tax_seconds_per_token: charged,
+        waited_seconds_per_token: m.stall_seconds_per_token,
+        rest_seconds_per_token: spt - compute - charged - m.stall_seconds_per_token,
+    }
+}
+
+/// The host line and the tax line of the report.
+pub fn print_host(host: &Host, tax: Option<&ReadTax>) {
+    println!("host: {} ({}, {} cores), cells read through {}", host.cpu_model, host.isa, host.cores, host.io);
+    match tax {
+        Some(t) => println!(
+            "read tax (resident decode quiet vs with a stream of reads through {} at {:.2} GB/s, {} alternated pairs): \
+             tau {:.3} (spread {:.3}..{:.3}) compute s per s of reading, {:.3} s per GB ({:.3}..{:.3}); ids {}",
+            t.backend,
+            t.read_rate / 1e9,
+            t.samples.len(),
+            t.tau,
+            t.tau_min,
+            t.tau_max,
+            t.seconds_per_gb,
+            t.seconds_per_gb_min,
+            t.seconds_per_gb_max,
+            if t.ids_identical { "identical" } else { "DIFFER" }
+        ),
+        None => println!("read tax: not measured (--no-read-tax); no host floors"),
+    }
+}
+
+/// One line per cell: its host floors and where its time goes.
+pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a HostFloors)>) {
+    println!(
+        "{:>7} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8}",
+        "budget", "mode", "s/token", "floor_h", "effic_h", "floor*_h", "eff*_h", "compute", "tax", "waited", "rest"
+    );
+    for (budget, mode, spt, h) in cells {
+        println!(
+            "{:>6}G {:>10} {:>9.3} {:>8.3} {:>7.2} {} {} | {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+            budget,
+            mode,
+            spt,
+            h.floor_host_seconds_per_token,
+            h.efficiency_host,
+            super::bench::or_dash(h.floor_no_prediction_host_seconds_per_token, 8, 3),
+            super::bench::or_dash(h.efficiency_no_prediction_host, 7, 2),
+            h.compute_seconds_per_token,
+            h.tax_seconds_per_token,
+            h.waited_seconds_per_token,
+            h.rest_seconds_per_token
+        );
+    }
+    println!(
+        "floor_h: the floor with the read tax charged, max(bytes / device, compute + s/GB x bytes); floor*_h: the same \
+         without routing prediction. s/token = compute + tax + waited (compute waiting for reads) + rest (scheduling)"
+    );
+}

@@ -1,0 +1,152 @@
+//! [`ReadStream`]: a thread that keeps reads in flight through a backend until stopped, for
+//! measuring what reads cost compute (`bench`'s read tax, `engine::read_tax`).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::{AlignedBuf, BufOptions, IoError, ReadBackend, ReadOp};
+
+/// Builds the stream's backend on its thread, over the buffer the reads target and for that
+/// many reads in flight.
+pub type BackendBuilder = Box<dyn FnOnce(Arc<AlignedBuf>, usize) -> Result<Box<dyn ReadBackend>, IoError> + Send>;
+
+/// What the stream reads: windows of `read_bytes` (a multiple of `align`) at random aligned
+/// offsets of `ranges` (file index, first byte, end), `reads_in_flight` at a time.
+#[derive(Clone, Debug)]
+pub struct StreamReads {
+    pub ranges: Vec<(usize, u64, u64)>,
+    pub read_bytes: usize,
+    pub align: u64,
+    pub reads_in_flight: usize,
+}
+
+/// What a stream read while it ran.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct StreamTotals {
+    pub bytes: u64,
+    /// Seconds with at least one read in flight (the backend's own count).
+    pub busy_seconds: f64,
+    pub wall_seconds: f64,
+}
+
+impl StreamTotals {
+    /// Bytes per second of wall time.
+    pub fn rate(&self) -> f64 {
+        if self.wall_seconds > 0.0 {
+            self.bytes as f64 / self.wall_seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+/// A thread that keeps reads in flight until stopped.
+pub struct ReadStream {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<Result<StreamTotals, IoError>>,
+}
+
+impl ReadStream {
+    /// Starts reading `reads` through the backend `build` makes (on the stream's thread, over a
+    /// buffer of `reads_in_flight` windows); fails if it cannot be built or no range holds a read.
+    pub fn start(reads: &StreamReads, build: BackendBuilder) -> Result<ReadStream, IoError> {
+        let align = reads.align.max(1);
+        let len = reads.read_bytes as u64;
+        let usable: Vec<(usize, u64, u64)> = reads
+            .ranges
+            .iter()
+            .map(|&(f, a, b)| (f, a.div_ceil(align) * align, b))
+            .filter(|&(_, a, b)| b >= a + len)
+            .collect();
+        if usable.is_empty() || len == 0 || len % align != 0 {
+            return Err(IoError::BadOp { tag: 0, why: format!("no file range holds an aligned {len}-byte read") });
+        }
+        let ops = reads.reads_in_flight.max(1);
+        let buf = Arc::new(AlignedBuf::new(ops * len as usize, &BufOptions::default())?);
+        let registered = Arc::clone(&buf);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("k3ring-read-tax".to_owned())
+            .spawn(move || -> Result<StreamTotals, IoError> {
+                let mut b = match build(registered, ops) {
+                    Ok(b) => {
+                        let _ = ready_tx.send(Ok(()));
+                        b
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.to_string()));
+                        return Err(e);
+                    }
+                };
+                let mut rng = 0x7a5_u64;
+                let mut next = move || {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    rng
+                };
+                let mut free: Vec<usize> = (0..ops).collect();
+                let mut done = Vec::with_capacity(ops);
+                let start = Instant::now();
+                while !stopped.load(Ordering::Relaxed) {
+                    while let Some(slot) = free.pop() {
+                        let (file, a, b_end) = usable[(next() % usable.len() as u64) as usize];
+                        let blocks = (b_end - a - len) / align;
+                        let offset = a + (next() % (blocks + 1)) * align;
+                        // SAFETY: `slot` is a distinct `len`-byte window of `buf` (sized `ops` windows),
+                        // which this closure owns until after the backend is dropped (captures drop
+                        // after the body's locals, and a backend's drop waits for its reads).
+                        let dst = unsafe { buf.as_mut_ptr().add(slot * len as usize) };
+                        let op = ReadOp::new(file, offset, len as usize, dst, slot as u64);
+                        // SAFETY: as above; the window is handed out again only after this read's
+                        // completion has been reaped.
+                        unsafe { b.submit(op)? };
+                    }
+                    done.clear();
+                    b.reap(&mut done, 1)?;
+                    for c in done.drain(..) {
+                        c.result?;
+                        free.push(c.tag as usize);
+                    }
+                }
+                // Every read must finish before its buffer can go.
+                let in_flight = b.in_flight();
+                b.reap(&mut done, in_flight)?;
+                let s = b.stats();
+                Ok(StreamTotals {
+                    bytes: s.bytes_read,
+                    busy_seconds: s.busy_ns as f64 / 1e9,
+                    wall_seconds: start.elapsed().as_secs_f64(),
+                })
+            })
+            .map_err(|source| IoError::Setup { what: "the read-tax stream thread".to_owned(), source })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(ReadStream { stop, thread }),
+            Ok(Err(_)) | Err(_) => match thread.join() {
+                Ok(Err(e)) => Err(e),
+                _ => Err(IoError::Setup {
+                    what: "the read-tax stream".to_owned(),
+                    source: std::io::Error::other("its thread exited before reporting"),
+                }),
+            },
+        }
+    }
+
+    /// Stops issuing, waits for the reads in flight, and says what was read.
+    pub fn stop(self) -> Result<StreamTotals, IoError> {
+        self.stop.store(true, Ordering::Relaxed);
+        match self.thread.join() {
+            Ok(r) => r,
+            Err(_) => Err(IoError::Setup {
+                what: "the read-tax stream".to_owned(),
+                source: std::io::Error::other("its thread panicked"),
+            }),
+        }
+    }
+}
