@@ -15,6 +15,7 @@ use serde::Serialize;
 use super::budget::name_budget_flag;
 use super::svg::{line_chart, Series};
 use crate::engine::measure::{measure_streaming, MeasureSpec};
+use crate::engine::read_tax::ReadTax;
 use crate::engine::StreamingRun;
 use crate::error::UsageError;
 use crate::pipeline::{IoKind, IoOptions, PipelineOptions, Speculation};
@@ -73,6 +74,10 @@ pub struct TuneArgs {
     /// the table).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Skip the read-tax probe (resident decode quiet and beside a stream of reads through the
+    /// first backend; measured by default when the model fits in memory).
+    #[arg(long)]
+    pub no_read_tax: bool,
 }
 
 /// A share of the budget: `--splits 2` (twice the budget) means nothing.
@@ -147,9 +152,11 @@ fn parse_io_list(s: &str) -> Result<IoList, String> {
             _ => list.push(piece.trim().to_owned()),
         }
     }
-    for io in &list {
-        IoKind::parse(io)?;
-    }
+    // A modeled device is kept in its canonical form (no spaces), as the recommendation prints it.
+    let list = list
+        .into_iter()
+        .map(|io| IoKind::parse(&io).map(|k| k.modeled().map_or(io, |m| m.spec())))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(IoList(list))
 }
 
@@ -230,8 +237,10 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
     for io in &args.io.0 {
         measure(SWEEP_IO, Knobs { io: io.clone(), ..best_qd.clone() }, &mut points)?;
     }
+    bar.set_message("read tax");
+    let tax = read_tax(args, kernels, &spec)?;
     bar.finish_and_clear();
-    report(args, json.as_ref(), &points)?;
+    report(args, json.as_ref(), &points, &tax)?;
     if points.iter().any(|p| !p.same_ids) {
         anyhow::bail!("generated ids differ between tuning points: the output must not depend on the knobs");
     }
@@ -291,11 +300,55 @@ fn recommended_flags(mem_gb: f64, k: &Knobs) -> String {
     flags
 }
 
-fn report(args: &TuneArgs, json: Option<&super::output::JsonOut>, points: &[Point]) -> anyhow::Result<()> {
+/// What a read in flight costs compute here (as `bench` measures it, through the first
+/// backend swept), or why it was not measured.
+fn read_tax(args: &TuneArgs, kernels: kernels::Kernels, spec: &MeasureSpec) -> anyhow::Result<Result<ReadTax, String>> {
+    if args.no_read_tax {
+        return Ok(Err("not measured (--no-read-tax)".to_owned()));
+    }
+    let index = crate::checkpoint::CheckpointIndex::open(&args.model)?;
+    let cfg = crate::config::Config::from_model_dir(&args.model)?;
+    let model_bytes = index.total_bytes();
+    if let Some(a) = crate::memory::available().filter(|a| a.bytes < model_bytes) {
+        return Ok(Err(format!(
+            "not measured: it decodes with every weight in memory, and the model's {:.2} GB exceed the {a}",
+            model_bytes as f64 / 1e9
+        )));
+    }
+    let io = IoKind::parse(args.io.0.first().map_or("uring", String::as_str)).unwrap_or(IoKind::Uring);
+    let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
+    let ranges = super::bench_host::probe_ranges(&index, io);
+    super::bench_host::warm_for_probes(&files, &ranges, io)?;
+    let stream_io =
+        IoOptions { kind: io, queue_depth: args.queue_depth.last().copied().unwrap_or(32), ..IoOptions::default() };
+    let tax = super::bench_host::read_tax(
+        &args.model,
+        kernels,
+        args.threads,
+        spec,
+        &files,
+        &ranges,
+        &stream_io,
+        cfg.expert_bytes() as usize,
+        3,
+    )?;
+    Ok(Ok(tax))
+}
+
+fn report(
+    args: &TuneArgs,
+    json: Option<&super::output::JsonOut>,
+    points: &[Point],
+    tax: &Result<ReadTax, String>,
+) -> anyhow::Result<()> {
     let b = best(points);
     let flags = recommended_flags(args.mem_gb, &b.knobs);
     if let Some(out) = json {
-        out.write(&serde_json::json!({"points": points, "best": b, "recommended_flags": flags}))?;
+        let tax_json = match tax {
+            Ok(t) => serde_json::to_value(t)?,
+            Err(why) => serde_json::json!({ "not_measured": why }),
+        };
+        out.write(&serde_json::json!({"points": points, "best": b, "recommended_flags": flags, "read_tax": tax_json}))?;
     }
     if !super::output::JsonOut::is_stdout(json) {
         println!(
@@ -332,6 +385,13 @@ fn report(args: &TuneArgs, json: Option<&super::output::JsonOut>, points: &[Poin
             );
         }
     }
+    match tax {
+        Ok(t) => eprintln!(
+            "read tax through {}: tau {:.3} (spread {:.3}..{:.3}) compute s per s of reading, {:.3} s per GB read",
+            t.backend, t.tau, t.tau_min, t.tau_max, t.seconds_per_gb
+        ),
+        Err(why) => eprintln!("read tax: {why}"),
+    }
     eprintln!("recommended: k3ring run --model ... --trunk ... {flags}  ({:.3} s/token)", b.seconds_per_token);
     if let Some(path) = &args.csv {
         let mut csv = String::from("sweep,split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
@@ -346,7 +406,8 @@ fn report(args: &TuneArgs, json: Option<&super::output::JsonOut>, points: &[Poin
                 k.spec,
                 k.spec_margin,
                 k.queue_depth,
-                k.io,
+                // A modeled device's spec has commas: quoted, as CSV does.
+                if k.io.contains(',') { format!("\"{}\"", k.io) } else { k.io.clone() },
                 p.seconds_per_token,
                 p.bytes_per_token,
                 p.overlap_fraction,

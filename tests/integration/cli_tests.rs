@@ -926,3 +926,26 @@ fn bench_says_it_drops_the_page_cache_and_can_keep_it() {
     assert_eq!(code, 4, "{err}");
     assert!(!err.contains(notice), "{err}");
 }
+
+/// A malformed modeled device is a usage error naming the flag and what is wrong, on every
+/// subcommand that takes `--io`.
+#[test]
+fn a_bad_modeled_device_is_refused_naming_the_flag() {
+    let trunk = pack(&tiny_dir());
+    let (m, t) = (tiny_dir(), trunk.path().to_owned());
+    let (m, t) = (m.to_str().unwrap(), t.to_str().unwrap());
+    let run = ["run", "--model", m, "--trunk", t, "--mem-gb", "0.01", "--ids", "1", "--gen", "1"];
+    for (io, says) in [("sim:7", "needs a unit"), ("sim:7GB/s x99", "1 to 64"), ("nvme", "not a read backend")] {
+        let (code, _, err) = k3ring(&[&run[..], &["--io", io]].concat());
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("--io") && err.contains(says), "{io}: {err}");
+    }
+    let bench = ["bench", "--model", m, "--trunk", t, "--budgets", "0.01", "--io", "sim:fast"];
+    let (code, _, err) = k3ring(&bench);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--io") && err.contains("needs a unit"), "{err}");
+    let tune = ["tune", "--model", m, "--trunk", t, "--mem-gb", "0.01", "--io", "uring,sim:1GB/s,slow"];
+    let (code, _, err) = k3ring(&tune);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--io") && err.contains("neither a latency"), "{err}");
+}
