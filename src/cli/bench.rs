@@ -215,23 +215,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let membw = membw_before.max(membw_after);
     bar.inc(1);
     bar.set_message("read tax: resident compute quiet and beside a stream of reads");
-    let tax = if args.no_read_tax {
-        None
-    } else {
-        let stream_io = cell_io(args, io);
-        let expert_bytes = cfg.expert_bytes() as usize;
-        Some(bench_host::read_tax(
-            &args.model,
-            kernels,
-            args.threads,
-            &spec,
-            &files,
-            &ranges,
-            &stream_io,
-            expert_bytes,
-            args.repeats,
-        )?)
-    };
+    let tax = (!args.no_read_tax)
+        .then(|| {
+            let stream = (&files[..], &ranges[..], &cell_io(args, io), cfg.expert_bytes() as usize);
+            bench_host::read_tax(&args.model, kernels, args.threads, &spec, stream, args.repeats)
+        })
+        .transpose()?;
     bar.inc(1);
     let resident_batch = match &batch {
         Some(work) => {
@@ -292,6 +281,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         batch: batch_report,
     };
     write_outputs(&report, &cfg, args, json.as_ref())?;
+    check_ids(&report)
+}
+
+/// Fails the run when any measured output differs: reads, budgets, modes and batches must not
+/// change a token.
+fn check_ids(report: &Report) -> anyhow::Result<()> {
     if report.read_tax.as_ref().is_some_and(|t| !t.ids_identical) {
         anyhow::bail!(
             "generated ids differ with reads in flight beside resident decode: reads must not change the output"

@@ -98,17 +98,17 @@ pub fn device_rate(
     Ok(rate)
 }
 
+/// What the read-tax stream reads: the files, the ranges, the cells' backend and queue depth,
+/// and the bytes per read (one expert).
+pub type StreamOf<'a> = (&'a [PathBuf], &'a [(usize, u64, u64)], &'a IoOptions, usize);
+
 /// Measures the read tax with the cells' backend and queue depth (`repeats` alternated pairs).
-#[allow(clippy::too_many_arguments)]
 pub fn read_tax(
     model: &std::path::Path,
     kernels: kernels::Kernels,
     threads: usize,
     spec: &MeasureSpec,
-    files: &[PathBuf],
-    ranges: &[(usize, u64, u64)],
-    io: &IoOptions,
-    read_bytes: usize,
+    (files, ranges, io, read_bytes): StreamOf<'_>,
     repeats: usize,
 ) -> anyhow::Result<ReadTax> {
     let align = crate::pipeline::io_stage::read_alignment(files, io)?;

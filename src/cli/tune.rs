@@ -321,17 +321,8 @@ fn read_tax(args: &TuneArgs, kernels: kernels::Kernels, spec: &MeasureSpec) -> a
     super::bench_host::warm_for_probes(&files, &ranges, io)?;
     let stream_io =
         IoOptions { kind: io, queue_depth: args.queue_depth.last().copied().unwrap_or(32), ..IoOptions::default() };
-    let tax = super::bench_host::read_tax(
-        &args.model,
-        kernels,
-        args.threads,
-        spec,
-        &files,
-        &ranges,
-        &stream_io,
-        cfg.expert_bytes() as usize,
-        3,
-    )?;
+    let stream = (&files[..], &ranges[..], &stream_io, cfg.expert_bytes() as usize);
+    let tax = super::bench_host::read_tax(&args.model, kernels, args.threads, spec, stream, 3)?;
     Ok(Ok(tax))
 }
 

@@ -62,7 +62,7 @@ impl ReadStream {
             .map(|&(f, a, b)| (f, a.div_ceil(align) * align, b))
             .filter(|&(_, a, b)| b >= a + len)
             .collect();
-        if usable.is_empty() || len == 0 || len % align != 0 {
+        if usable.is_empty() || len == 0 || !len.is_multiple_of(align) {
             return Err(IoError::BadOp { tag: 0, why: format!("no file range holds an aligned {len}-byte read") });
         }
         let ops = reads.reads_in_flight.max(1);
