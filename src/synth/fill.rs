@@ -348,6 +348,17 @@ mod tests {
     }
 
     #[test]
+    fn routing_locality_0_keeps_the_router_fills_exactly() {
+        // Exact equality: the tables (and so the bytes) of version 1 must come out bit for bit.
+        assert_eq!(router_gain(0.0).to_bits(), ROUTER_GAIN.to_bits());
+        assert_eq!(router_bias_std(0.0).to_bits(), ROUTER_BIAS_STD.to_bits());
+        assert_eq!(router_gain(1.0), 0.0);
+        let xs = [0.0, 0.25, 0.5, 0.75, 1.0];
+        assert!(xs.windows(2).all(|w| router_gain(w[1]) < router_gain(w[0])));
+        assert!(xs.windows(2).all(|w| router_bias_std(w[1]) > router_bias_std(w[0])));
+    }
+
+    #[test]
     fn expert_scales_are_near_k3_magnitudes() {
         // fan-in 3584 (LAT): 1/sqrt(3584) = 0.0167 = 3.66 x 2^-7.8, so the base is 2^-8.
         assert_eq!(scale_base(3584), 119);
