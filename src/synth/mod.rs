@@ -199,7 +199,7 @@ pub struct SynthOptions {
     pub vocab: usize,
     pub attn_res_block_size: usize,
     pub seed: u64,
-    /// How predictable routing is, in [0, 1] (see [`fill`]'s module doc for the formula): 0 is
+    /// How predictable routing is, in [0, 1] (the formula is in `fill.rs`'s module doc): 0 is
     /// the nearly flat routing of generator version 1. Left out of the marker when 0, so an
     /// output written before this option existed still matches its options byte for byte.
     #[serde(skip_serializing_if = "is_zero")]
