@@ -31,6 +31,10 @@ pub struct SynthArgs {
     /// Seed of every weight and of the tokenizer.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
+    /// How predictable routing is, 0 to 1: the next layer's experts from this layer's hidden
+    /// state, and the experts of consecutive tokens (0: flat, unpredictable routing).
+    #[arg(long, value_name = "X", default_value_t = 0.0)]
+    pub routing_locality: f64,
     /// Write the summary as JSON to FILE ("-": to stdout, instead of the text).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -46,6 +50,7 @@ pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
         args.top_k,
         args.vocab,
         args.seed,
+        args.routing_locality,
     )?;
     let bar = ProgressBar::new(0);
     bar.set_style(
@@ -75,7 +80,7 @@ pub fn run(args: &SynthArgs) -> anyhow::Result<()> {
 }
 
 fn print_text(r: &SynthReport) {
-    let what = format!(
+    let mut what = format!(
         "{} dims, {} layers, {} experts, top-{}, vocab {}, seed {}",
         r.dims.name(),
         r.layers,
@@ -84,6 +89,9 @@ fn print_text(r: &SynthReport) {
         r.vocab,
         r.seed
     );
+    if r.routing_locality != 0.0 {
+        what += &format!(", routing locality {}", r.routing_locality);
+    }
     if r.up_to_date {
         println!("{} already holds this checkpoint ({what}); nothing to do", r.out.display());
         return;

@@ -134,7 +134,8 @@ pub fn plan(cfg: &Config, opts: &SynthOptions) -> Result<Vec<ShardPlan>, SynthEr
     }
     b.push_group(head);
     b.close();
-    let ctx = FillContext { layers: opts.layers, kda_heads: opts.dims.kda_heads };
+    let ctx =
+        FillContext { layers: opts.layers, kda_heads: opts.dims.kda_heads, routing_locality: opts.routing_locality };
     let count = b.shards.len();
     b.shards.into_iter().enumerate().map(|(i, list)| shard_plan(i, count, list, &ctx, opts.seed)).collect()
 }

@@ -199,6 +199,15 @@ pub struct SynthOptions {
     pub vocab: usize,
     pub attn_res_block_size: usize,
     pub seed: u64,
+    /// How predictable routing is, in [0, 1] (the formula is in `fill.rs`'s module doc): 0 is
+    /// the nearly flat routing of generator version 1. Left out of the marker when 0, so an
+    /// output written before this option existed still matches its options byte for byte.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub routing_locality: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// The attention-residual block size for a layer count: 12 as in K3, but small enough that a
@@ -228,10 +237,12 @@ impl SynthOptions {
             vocab,
             attn_res_block_size: default_block_size(preset, layers),
             seed: 0,
+            routing_locality: 0.0,
         }
     }
 
     /// The CLI path: a preset name plus overrides, validated.
+    #[allow(clippy::too_many_arguments)]
     pub fn from_flags(
         out: PathBuf,
         dims: &str,
@@ -240,6 +251,7 @@ impl SynthOptions {
         top_k: Option<usize>,
         vocab: Option<usize>,
         seed: u64,
+        routing_locality: f64,
     ) -> Result<SynthOptions, SynthError> {
         let preset = DimsPreset::from_name(dims)?;
         let mut o = SynthOptions::preset(out, preset);
@@ -251,6 +263,8 @@ impl SynthOptions {
         o.top_k = top_k.unwrap_or(o.top_k);
         o.vocab = vocab.unwrap_or(o.vocab);
         o.seed = seed;
+        // + 0.0 turns -0 into 0, so `--routing-locality -0` is recorded and reported as 0.
+        o.routing_locality = routing_locality + 0.0;
         o.validate()?;
         Ok(o)
     }
@@ -282,6 +296,16 @@ impl SynthOptions {
                     "{} is outside {}..={VOCAB_MAX} (256 byte ranks plus 256 added tokens at least)",
                     self.vocab,
                     2 * ADDED_TOKENS
+                ),
+            ));
+        }
+        // Written as a negated range test so that NaN is refused too.
+        if !(0.0..=1.0).contains(&self.routing_locality) {
+            return Err(bad(
+                "--routing-locality",
+                format!(
+                    "{} is outside 0..=1 (0: flat routing as before, 1: the most predictable)",
+                    self.routing_locality
                 ),
             ));
         }
@@ -337,6 +361,7 @@ pub struct SynthReport {
     pub top_k: usize,
     pub vocab: usize,
     pub seed: u64,
+    pub routing_locality: f64,
     /// The directory already held a complete output for these options; nothing was written.
     pub up_to_date: bool,
     pub shards: usize,
@@ -390,6 +415,7 @@ pub fn synth(opts: &SynthOptions, progress: &(dyn Fn(u64, u64) + Sync)) -> Resul
         top_k: opts.top_k,
         vocab: opts.vocab,
         seed: opts.seed,
+        routing_locality: opts.routing_locality,
         up_to_date,
         shards: shards.len(),
         tensors,
