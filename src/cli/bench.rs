@@ -192,12 +192,21 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let cells_total = args.budgets.len() * (args.modes.len() + args.batch.len()) * args.repeats.max(1);
     let bar = progress_bar(cells_total + 4 + usize::from(batch.is_some()));
     let io = IoKind::parse(&args.io).map_err(|e| UsageError(format!("--io {e}")))?;
+    if matches!(io, IoKind::Pread | IoKind::Mmap) {
+        // Its probes and read tax read through io_uring or the model; a table mixing backends
+        // would judge one against another's rate.
+        return Err(UsageError(format!(
+            "--io {}: bench measures the disk through uring, or a modeled device (sim:RATE...); compare backends with tune --io",
+            args.io
+        ))
+        .into());
+    }
     let host = Host::detect(kernels, io);
 
     bar.set_message("device: random reads of one expert");
     let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
     let ranges = bench_host::probe_ranges(&index, io);
-    bench_host::warm_for_probes(&files, &ranges, io)?;
+    bench_host::warm_for_probes(&files, &ranges, io, cfg.expert_bytes())?;
     let probe_device =
         |pass| probe_queue_depths(&files, &ranges, io, cfg.expert_bytes() as usize, args.device_reads, pass);
     let device_before = probe_device(0)?;

@@ -263,7 +263,10 @@ fn cell(
 ) -> BatchCell {
     let b = m.batch.max(1) as f64;
     let Bounds { bound, by, no_prediction } = bounds(&m, device_rate, (compute, overlappable));
-    let host = tax.map(|t| host_bounds(&m, device_rate, (compute, overlappable), t));
+    let host = tax.map(|t| {
+        let bytes = (m.trunk_bytes_per_step, m.expert_bytes_per_step);
+        super::bench_host::charged_floors(bytes, (compute, overlappable), device_rate, t)
+    });
     let per_step = |v: f64| v / m.seconds_per_step;
     BatchCell {
         budget_gb,
@@ -309,22 +312,6 @@ fn bounds(m: &BatchMeasurement, device_rate: f64, (compute, overlappable): (f64,
         by: if io >= compute { "device" } else { "compute" },
         no_prediction: overlappable.map(|o| bound.max(compute - o + m.expert_bytes_per_step / device_rate)),
     }
-}
-
-/// The bounds with the read tax charged: the step's compute grows by the tax on the bytes it
-/// reads (without prediction, by the tax on the trunk bytes read beside the compute that expert
-/// reads cannot overlap).
-fn host_bounds(
-    m: &BatchMeasurement,
-    device_rate: f64,
-    (compute, overlappable): (f64, Option<f64>),
-    tax: &ReadTax,
-) -> (f64, Option<f64>) {
-    let bytes = m.trunk_bytes_per_step + m.expert_bytes_per_step;
-    let bound = (bytes / device_rate).max(compute + tax.charge(bytes));
-    let no_prediction = overlappable
-        .map(|o| bound.max(compute - o + tax.charge(m.trunk_bytes_per_step) + m.expert_bytes_per_step / device_rate));
-    (bound, no_prediction)
 }
 
 fn ratios(cells: &[BatchCell]) -> Vec<BatchRatio> {

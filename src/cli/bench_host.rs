@@ -41,14 +41,9 @@ impl Host {
             cpu_model,
             isa: kernels.isa().name().to_owned(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            io: io_name(io),
+            io: io.display_name(),
         }
     }
-}
-
-/// `uring`, `pread`, `mmap` or the modeled device's spec.
-pub fn io_name(io: IoKind) -> String {
-    io.modeled().map_or_else(|| io.name().to_owned(), |m| m.spec())
 }
 
 /// Where reads go for the probes: the shards' data for a real device; for a modeled one, the
@@ -57,7 +52,16 @@ pub fn probe_ranges(index: &CheckpointIndex, io: IoKind) -> Vec<(usize, u64, u64
     if io.modeled().is_none() {
         return index.shards.iter().enumerate().map(|(i, s)| (i, s.data_start, s.file_len)).collect();
     }
-    let mut spans: Vec<(usize, u64, u64)> = index.experts.iter().filter_map(|r| r.contiguous).collect();
+    let mut spans: Vec<(usize, u64, u64)> = Vec::new();
+    for r in index.experts.iter() {
+        match r.contiguous {
+            Some(span) => spans.push(span),
+            None => spans.extend(r.parts.iter().map(|&id| {
+                let t = &index.tensors[id];
+                (t.shard, t.offset, t.offset + t.len)
+            })),
+        }
+    }
     spans.sort_unstable();
     let mut merged: Vec<(usize, u64, u64)> = Vec::with_capacity(spans.len());
     for (f, a, b) in spans {
@@ -70,8 +74,24 @@ pub fn probe_ranges(index: &CheckpointIndex, io: IoKind) -> Vec<(usize, u64, u64
 }
 
 /// Before a modeled device's probes: its reads copy from the page cache, so read the ranges in.
-pub fn warm_for_probes(files: &[PathBuf], ranges: &[(usize, u64, u64)], io: IoKind) -> anyhow::Result<()> {
+/// Refuses (naming `--io`) a checkpoint where no run of experts holds one expert-sized read.
+pub fn warm_for_probes(
+    files: &[PathBuf],
+    ranges: &[(usize, u64, u64)],
+    io: IoKind,
+    read_bytes: u64,
+) -> anyhow::Result<()> {
     if io.modeled().is_some() {
+        if !ranges
+            .iter()
+            .any(|&(_, a, b)| b.saturating_sub(a.div_ceil(4096) * 4096) >= read_bytes.div_ceil(4096) * 4096)
+        {
+            return Err(crate::error::UsageError(format!(
+                "--io {}: no run of this checkpoint's experts holds one expert's {read_bytes} bytes for the probes",
+                io.display_name()
+            ))
+            .into());
+        }
         warm_ranges(files, ranges).context("reading the experts into the page cache for --io sim")?;
     }
     Ok(())
@@ -135,19 +155,19 @@ pub struct HostFloors {
     pub tax_seconds_per_token: f64,
     pub waited_seconds_per_token: f64,
     pub rest_seconds_per_token: f64,
+    /// Seconds per token with no read in flight: in a device-bound cell, the time reads were not
+    /// started (nothing asked for yet, or held back by the routing dependency).
+    pub device_idle_seconds_per_token: f64,
 }
 
 /// The floors of a cell that read `m`'s bytes at `device_rate`, from the resident compute and
 /// its overlappable part, with `tax` charged.
 pub fn host_floors(m: &Measurement, resident: &Measurement, device_rate: f64, tax: &ReadTax) -> HostFloors {
-    let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
+    let (trunk, experts) = (m.trunk_bytes_per_token, m.expert_bytes_per_token);
     let compute = resident.seconds_per_token;
-    let charged = tax.charge(bytes);
-    let floor = (bytes / device_rate).max(compute + charged);
-    let no_prediction = resident.overlappable_seconds_per_token.map(|o| {
-        let never_overlapped = compute - o;
-        floor.max(never_overlapped + tax.charge(m.trunk_bytes_per_token) + m.expert_bytes_per_token / device_rate)
-    });
+    let charged = tax.charge(trunk + experts);
+    let (floor, no_prediction) =
+        charged_floors((trunk, experts), (compute, resident.overlappable_seconds_per_token), device_rate, tax);
     let spt = m.seconds_per_token;
     HostFloors {
         floor_host_seconds_per_token: floor,
@@ -158,7 +178,24 @@ pub fn host_floors(m: &Measurement, resident: &Measurement, device_rate: f64, ta
         tax_seconds_per_token: charged,
         waited_seconds_per_token: m.stall_seconds_per_token,
         rest_seconds_per_token: spt - compute - charged - m.stall_seconds_per_token,
+        device_idle_seconds_per_token: spt * (1.0 - m.io_busy_fraction),
     }
+}
+
+/// The floors of a token or step that reads `trunk` and `experts` bytes at `device_rate`, whose
+/// resident compute is `compute` (of which `overlappable` can overlap expert reads without
+/// prediction), with `tax` charged per byte: `max(bytes / rate, compute + tax x bytes)`, and
+/// without prediction `max(that, compute - overlappable + tax x trunk + experts / rate)` (the
+/// trunk reads run beside the compute expert reads cannot overlap).
+pub fn charged_floors(
+    (trunk, experts): (f64, f64),
+    (compute, overlappable): (f64, Option<f64>),
+    device_rate: f64,
+    tax: &ReadTax,
+) -> (f64, Option<f64>) {
+    let floor = ((trunk + experts) / device_rate).max(compute + tax.charge(trunk + experts));
+    let no_prediction = overlappable.map(|o| floor.max(compute - o + tax.charge(trunk) + experts / device_rate));
+    (floor, no_prediction)
 }
 
 /// The host line and the tax line of the report.
@@ -186,12 +223,23 @@ pub fn print_host(host: &Host, tax: Option<&ReadTax>) {
 /// One line per cell: its host floors and where its time goes.
 pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a HostFloors)>) {
     println!(
-        "{:>7} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8}",
-        "budget", "mode", "s/token", "floor_h", "effic_h", "floor*_h", "eff*_h", "compute", "tax", "waited", "rest"
+        "{:>7} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} | {:>8}",
+        "budget",
+        "mode",
+        "s/token",
+        "floor_h",
+        "effic_h",
+        "floor*_h",
+        "eff*_h",
+        "compute",
+        "tax",
+        "waited",
+        "rest",
+        "dev idle"
     );
     for (budget, mode, spt, h) in cells {
         println!(
-            "{:>6}G {:>10} {:>9.3} {:>8.3} {:>7.2} {} {} | {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+            "{:>6}G {:>10} {:>9.3} {:>8.3} {:>7.2} {} {} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} | {:>8.3}",
             budget,
             mode,
             spt,
@@ -202,11 +250,14 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
             h.compute_seconds_per_token,
             h.tax_seconds_per_token,
             h.waited_seconds_per_token,
-            h.rest_seconds_per_token
+            h.rest_seconds_per_token,
+            h.device_idle_seconds_per_token
         );
     }
     println!(
         "floor_h: the floor with the read tax charged, max(bytes / device, compute + s/GB x bytes); floor*_h: the same \
-         without routing prediction. s/token = compute + tax + waited (compute waiting for reads) + rest (scheduling)"
+         without routing prediction. s/token = compute + tax (compute lost to reads) + waited (compute waiting for \
+         reads) + rest (scheduling, and overlap of the parts); dev idle: no read in flight (in a device-bound cell, \
+         reads not started)"
     );
 }

@@ -318,7 +318,7 @@ fn read_tax(args: &TuneArgs, kernels: kernels::Kernels, spec: &MeasureSpec) -> a
     let io = IoKind::parse(args.io.0.first().map_or("uring", String::as_str)).unwrap_or(IoKind::Uring);
     let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
     let ranges = super::bench_host::probe_ranges(&index, io);
-    super::bench_host::warm_for_probes(&files, &ranges, io)?;
+    super::bench_host::warm_for_probes(&files, &ranges, io, cfg.expert_bytes())?;
     let stream_io =
         IoOptions { kind: io, queue_depth: args.queue_depth.last().copied().unwrap_or(32), ..IoOptions::default() };
     let stream = (&files[..], &ranges[..], &stream_io, cfg.expert_bytes() as usize);

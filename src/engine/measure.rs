@@ -205,6 +205,18 @@ pub fn measure_resident(
     threads: usize,
     spec: &MeasureSpec,
 ) -> Result<Measurement, MeasureError> {
+    measure_resident_with(model, kernels, threads, spec, || {})
+}
+
+/// [`measure_resident`], calling `at_window` right before the timed tokens start (the read-tax
+/// probe counts its stream's bytes from there).
+pub fn measure_resident_with(
+    model: &Path,
+    kernels: kernels::Kernels,
+    threads: usize,
+    spec: &MeasureSpec,
+    mut at_window: impl FnMut(),
+) -> Result<Measurement, MeasureError> {
     let mut opened = open_resident(model, threads, kernels)?;
     // Kept events cost about 150 bytes and a lock per span, a few hundred spans per token: far
     // below the resolution of a measurement of matmuls over gigabytes.
@@ -215,6 +227,7 @@ pub fn measure_resident(
     let (ids, seconds) = decode(&opened.engine, spec, || {
         tracer.reset_metrics();
         attribution.reset();
+        at_window();
     })?;
     let n = spec.tokens.max(1) as f64;
     let overlappable = tracer.span_seconds(&crate::model::moe::SPANS_READS_CAN_OVERLAP).map(|s| s / n);

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use super::measure::{measure_resident, MeasureError, MeasureSpec};
+use super::measure::{measure_resident, measure_resident_with, MeasureError, MeasureSpec};
 use crate::pipeline::{BackendSpec, IoOptions};
 use crate::storage::io::stream::{ReadStream, StreamReads};
 use crate::storage::io::IoError;
@@ -73,7 +73,7 @@ pub fn start_stream(spec: &StreamSpec) -> Result<ReadStream, IoError> {
 pub struct TaxSample {
     pub quiet_seconds_per_token: f64,
     pub loaded_seconds_per_token: f64,
-    /// The stream's rate during the loaded run.
+    /// The stream's rate over the loaded run's timed tokens.
     pub read_rate: f64,
     pub stream_bytes: u64,
     pub stream_busy_seconds: f64,
@@ -111,8 +111,10 @@ impl ReadTax {
 
 fn median_min_max(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
+    let n = v.len();
     match (v.first(), v.last()) {
-        (Some(&lo), Some(&hi)) => (v[v.len() / 2], lo, hi),
+        (Some(&lo), Some(&hi)) if n % 2 == 1 => (v[n / 2], lo, hi),
+        (Some(&lo), Some(&hi)) => ((v[n / 2 - 1] + v[n / 2]) / 2.0, lo, hi),
         _ => (0.0, 0.0, 0.0),
     }
 }
@@ -149,12 +151,17 @@ pub fn measure_read_tax(
     for _ in 0..repeats.max(1) {
         let quiet = measure_resident(model, kernels, threads, spec)?;
         let running = start_stream(stream)?;
-        let loaded = measure_resident(model, kernels, threads, spec);
+        let mut window_start = 0;
+        let loaded = measure_resident_with(model, kernels, threads, spec, || window_start = running.bytes_so_far());
+        let window_bytes = running.bytes_so_far().saturating_sub(window_start);
         let totals = running.stop()?;
         let loaded = loaded?;
         ids_identical &= loaded.ids == quiet.ids;
         let lost = loaded.seconds_per_token - quiet.seconds_per_token;
-        let rate = totals.rate();
+        // The stream's rate over the timed tokens only (loading the model and the warm-up ran
+        // beside it too, at whatever rate they left it).
+        let window_seconds = loaded.seconds_per_token * spec.tokens.max(1) as f64;
+        let rate = window_bytes as f64 / window_seconds.max(1e-9);
         samples.push(TaxSample {
             quiet_seconds_per_token: quiet.seconds_per_token,
             loaded_seconds_per_token: loaded.seconds_per_token,
@@ -168,10 +175,7 @@ pub fn measure_read_tax(
     let (tau, tau_min, tau_max) = median_min_max(samples.iter().map(|s| s.tau).collect());
     let (spg, spg_min, spg_max) = median_min_max(samples.iter().map(|s| s.seconds_per_gb).collect());
     let (read_rate, _, _) = median_min_max(samples.iter().map(|s| s.read_rate).collect());
-    let backend = match stream.io.kind.modeled() {
-        Some(m) => m.spec(),
-        None => stream.io.kind.name().to_owned(),
-    };
+    let backend = stream.io.kind.display_name();
     Ok(ReadTax {
         backend,
         tau,
@@ -209,6 +213,7 @@ mod tests {
         t.seconds_per_gb = -0.01;
         assert_eq!(t.charge(2e9), 0.0);
         assert_eq!(median_min_max(vec![3.0, 1.0, 2.0]), (2.0, 1.0, 3.0));
+        assert_eq!(median_min_max(vec![4.0, 1.0, 2.0, 3.0]), (2.5, 1.0, 4.0));
     }
 
     /// The stream really reads through the backend it is given, and stops.

@@ -330,12 +330,17 @@ fn assert_read_tax_measured(v: &serde_json::Value, out: &str, pairs: usize) {
         assert!(get("floor_host_seconds_per_token") >= get("floor_seconds_per_token") - 1e-12, "{c}");
         assert!((get("efficiency_host") - floor_h / get("seconds_per_token")).abs() <= 1e-9, "{c}");
         assert!((get("tax_seconds_per_token") - charged).abs() <= 1e-12, "{c}");
+        // The split's parts come from their sources; the rest is what they leave.
+        assert_eq!(get("compute_seconds_per_token"), resident, "{c}");
+        assert_eq!(get("waited_seconds_per_token"), get("stall_seconds_per_token"), "{c}");
         let parts = get("compute_seconds_per_token")
             + get("tax_seconds_per_token")
             + get("waited_seconds_per_token")
             + get("rest_seconds_per_token");
         assert!((parts - get("seconds_per_token")).abs() <= 1e-9, "{c}");
         assert!(get("floor_no_prediction_host_seconds_per_token") >= floor_h - 1e-12, "{c}");
+        let idle = get("seconds_per_token") * (1.0 - get("io_busy_fraction"));
+        assert!((get("device_idle_seconds_per_token") - idle).abs() <= 1e-9, "{c}");
     }
     for c in v["batch"]["cells"].as_array().into_iter().flatten() {
         let get = |k: &str| c[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {c}"));
@@ -944,6 +949,11 @@ fn a_bad_modeled_device_is_refused_naming_the_flag() {
     let (code, _, err) = k3ring(&bench);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--io") && err.contains("needs a unit"), "{err}");
+    // bench's probes and tax read through uring or the model: another backend is refused.
+    let bench = ["bench", "--model", m, "--trunk", t, "--budgets", "0.01", "--io", "pread"];
+    let (code, _, err) = k3ring(&bench);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--io pread: bench measures the disk through uring"), "{err}");
     let tune = ["tune", "--model", m, "--trunk", t, "--mem-gb", "0.01", "--io", "uring,sim:1GB/s,slow"];
     let (code, _, err) = k3ring(&tune);
     assert_eq!(code, 2, "{err}");

@@ -32,6 +32,11 @@ impl IoKind {
         }
     }
 
+    /// `uring`, `pread`, `mmap`, or the modeled device's spec, as reports name the backend.
+    pub fn display_name(self) -> String {
+        self.modeled().map_or_else(|| self.name().to_owned(), |m| m.spec())
+    }
+
     /// The modeled device, for `--io sim:`.
     pub fn modeled(self) -> Option<DeviceModel> {
         match self {

@@ -33,10 +33,6 @@ impl MappedReader {
             stats: IoStats::default(),
         })
     }
-
-    fn copy(&mut self, op: &ReadOp) -> Result<usize, IoError> {
-        super::modeled::copy_from_maps(&self.paths, &self.maps, op)
-    }
 }
 
 /// Maps every file read-only (an empty file gets no mapping).
@@ -63,20 +59,9 @@ impl ReadBackend for MappedReader {
             return Err(IoError::BadOp { tag: op.tag, why: format!("min_len {} > len {}", op.min_len, op.len) });
         }
         let start = Instant::now();
-        let result = self.copy(&op);
-        self.stats.ops += 1;
+        let result = super::modeled::copy_counted(&self.paths, &self.maps, &op, &mut self.stats);
         self.stats.sqes_submitted += 1;
         self.stats.busy_ns += start.elapsed().as_nanos() as u64;
-        let result = match result {
-            Ok(n) => {
-                self.stats.bytes_read += n as u64;
-                Ok(())
-            }
-            Err(e) => {
-                self.stats.ops_failed += 1;
-                Err(e)
-            }
-        };
         self.ready.push_back(Completion { tag: op.tag, result });
         Ok(())
     }

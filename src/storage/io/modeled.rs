@@ -131,7 +131,9 @@ fn parse_rate(s: &str) -> Result<u64, String> {
         .find_map(|(u, k)| s.strip_suffix(u).map(|n| (n, *k)))
         .ok_or_else(|| format!("rate {s:?} needs a unit: GB/s, MB/s, GiB/s or MiB/s"))?;
     match num.parse::<f64>() {
-        Ok(x) if (x * scale).is_finite() && (RATE_MIN..=RATE_MAX).contains(&(x * scale)) => Ok((x * scale) as u64),
+        Ok(x) if (x * scale).is_finite() && (RATE_MIN..=RATE_MAX).contains(&(x * scale)) => {
+            Ok((x * scale).round() as u64)
+        }
         _ => Err(format!("rate {s:?} is not a number of 0.01 to 1000 GB/s per drive")),
     }
 }
@@ -143,7 +145,7 @@ fn parse_latency(s: &str) -> Result<u64, String> {
         .find_map(|(u, k)| s.strip_suffix(u).map(|n| (n, *k)))
         .ok_or_else(|| format!("{s:?} is neither a latency (us, ms, ns) nor a queue depth (qdQ)"))?;
     match num.parse::<f64>() {
-        Ok(x) if x.is_finite() && x >= 0.0 && x * scale <= LATENCY_MAX_NS as f64 => Ok((x * scale) as u64),
+        Ok(x) if x.is_finite() && x >= 0.0 && x * scale <= LATENCY_MAX_NS as f64 => Ok((x * scale).round() as u64),
         _ => Err(format!("latency {s:?} is not a number of 0 to 1 s")),
     }
 }
@@ -232,35 +234,44 @@ impl ModeledReader {
     fn complete(&mut self, slot: usize, out: &mut Vec<Completion>) {
         let Some(Pending { op }) = self.slots[slot].take() else { return };
         self.free_slots.push(slot);
-        let result = copy_from_maps(&self.paths, &self.maps, &op);
-        self.stats.ops += 1;
-        let result = match result {
-            Ok(n) => {
-                self.stats.bytes_read += n as u64;
-                Ok(())
-            }
-            Err(e) => {
-                self.stats.ops_failed += 1;
-                Err(e)
-            }
-        };
+        let result = copy_counted(&self.paths, &self.maps, &op, &mut self.stats);
         out.push(Completion { tag: op.tag, result });
+    }
+}
+
+/// [`copy_from_maps`], counted in `stats` as one completed read (its bytes, or a failure).
+pub(super) fn copy_counted(
+    paths: &[PathBuf],
+    maps: &[Option<MappedFile>],
+    op: &ReadOp,
+    stats: &mut IoStats,
+) -> Result<(), IoError> {
+    stats.ops += 1;
+    match copy_from_maps(paths, maps, op) {
+        Ok(n) => {
+            stats.bytes_read += n as u64;
+            Ok(())
+        }
+        Err(e) => {
+            stats.ops_failed += 1;
+            Err(e)
+        }
     }
 }
 
 /// Copies `op`'s bytes out of `maps` into `op.dst` with the real backends' EOF rule (`min_len`);
 /// returns the bytes copied.
 pub(super) fn copy_from_maps(paths: &[PathBuf], maps: &[Option<MappedFile>], op: &ReadOp) -> Result<usize, IoError> {
-    let path = paths.get(op.file).cloned().unwrap_or_default();
     let Some(map) = maps.get(op.file) else {
         return Err(IoError::BadOp { tag: op.tag, why: format!("file index {} out of range", op.file) });
     };
     let file_len = map.as_ref().map_or(0, |m| m.len() as u64);
     let available = file_len.saturating_sub(op.offset).min(op.len as u64) as usize;
     if available < op.min_len {
+        let path = paths.get(op.file).cloned().unwrap_or_default();
         return Err(IoError::ShortRead { path, offset: op.offset, wanted: op.min_len, got: available });
     }
-    if let Some(m) = map {
+    if let Some(m) = map.as_ref().filter(|_| available > 0) {
         let src = &m[op.offset as usize..op.offset as usize + available];
         // SAFETY: the `submit` contract gives the reader exclusive use of `dst..dst + len` until
         // the completion is returned, and `available <= len`.
@@ -272,9 +283,8 @@ pub(super) fn copy_from_maps(paths: &[PathBuf], maps: &[Option<MappedFile>], op:
 
 impl ReadBackend for ModeledReader {
     unsafe fn submit(&mut self, op: ReadOp) -> Result<(), IoError> {
-        if op.min_len > op.len {
-            return Err(IoError::BadOp { tag: op.tag, why: format!("min_len {} > len {}", op.min_len, op.len) });
-        }
+        // The real backends' checks, so that a read refused there is refused here too.
+        super::ops::validate_op(&op, &self.paths, &self.dio_align())?;
         let Some(slot) = self.free_slots.pop() else {
             return Err(IoError::QueueFull { tag: op.tag, queued: self.slots.len(), max: self.slots.len() });
         };
@@ -322,7 +332,13 @@ impl ReadBackend for ModeledReader {
     }
 
     fn stats(&self) -> IoStats {
-        self.stats
+        // The open busy period counts, as the real backends' `stats_now` does: the prefetcher
+        // takes the device's rate from these counters while reads are still in flight.
+        let mut stats = self.stats;
+        if let Some(since) = self.busy_since_ns {
+            stats.busy_ns += self.now_ns().saturating_sub(since);
+        }
+        stats
     }
 
     fn describe(&self) -> String {
@@ -382,6 +398,8 @@ pub fn warm_ranges(files: &[PathBuf], ranges: &[(usize, u64, u64)]) -> Result<u6
 mod tests {
     use super::*;
 
+    use crate::storage::io::{AlignedBuf, BufOptions};
+
     #[test]
     fn specs_parse_with_defaults_units_and_drive_counts() {
         let m = DeviceModel::parse("sim:7GB/s,80us x4").unwrap();
@@ -394,6 +412,9 @@ mod tests {
         let q = DeviceModel::parse("sim:2GiB/s,0.1ms,qd8").unwrap();
         assert_eq!((q.rate_bytes_per_s, q.latency_ns, q.queue_depth), (2 << 30, 100_000, 8));
         assert_eq!(DeviceModel::parse(&m.spec()).unwrap(), m, "spec() reads back");
+        let odd = DeviceModel::parse("sim:1.009GB/s,1.009us").unwrap();
+        assert_eq!((odd.rate_bytes_per_s, odd.latency_ns), (1_009_000_000, 1009), "rounded, not truncated");
+        assert_eq!(DeviceModel::parse(&odd.spec()).unwrap(), odd);
     }
 
     #[test]
@@ -426,10 +447,12 @@ mod tests {
         let model = DeviceModel::parse("sim:1GB/s,50us x2").unwrap();
         let mut r = ModeledReader::new(std::slice::from_ref(&path), model, 64).unwrap();
         let len = 1usize << 20;
-        let mut dst = vec![0u8; 16 * len];
+        let dst = AlignedBuf::new(16 * len, &BufOptions::default()).unwrap();
         let start = Instant::now();
         for i in 0..16 {
-            let op = ReadOp::new(0, (i * len) as u64, len, dst[i * len..].as_mut_ptr(), i as u64);
+            // SAFETY: within `dst`, which outlives the reads.
+            let at = unsafe { dst.as_mut_ptr().add(i * len) };
+            let op = ReadOp::new(0, (i * len) as u64, len, at, i as u64);
             // SAFETY: each op has its own window of `dst`, untouched until reaped below.
             unsafe { r.submit(op).unwrap() };
         }
@@ -438,7 +461,7 @@ mod tests {
         let secs = start.elapsed().as_secs_f64();
         assert_eq!(out.len(), 16);
         assert!(out.iter().all(|c| c.result.is_ok()));
-        assert_eq!(dst, data);
+        assert_eq!(dst.as_slice(), &data[..]);
         assert!(secs >= 16.0 * len as f64 / 2e9, "delivered faster than 2 GB/s: {secs} s");
         let s = r.stats();
         assert_eq!(s.bytes_read, 16 * len as u64);
@@ -449,6 +472,40 @@ mod tests {
         assert_eq!(tags, (0..16).collect::<Vec<_>>());
     }
 
+    /// The model's arithmetic, without the clock: stripes alternate drives, a drive serves one
+    /// transfer at a time, latency overlaps earlier transfers, and a full queue delays acceptance.
+    #[test]
+    fn due_times_follow_the_model_exactly() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("f");
+        std::fs::write(&path, vec![0u8; 4 << 20]).unwrap();
+        // 1 GB/s = 1 ns per byte; a stripe (524288 bytes) takes 524288 ns.
+        let stripe = STRIPE_BYTES;
+        let mut two =
+            ModeledReader::new(std::slice::from_ref(&path), DeviceModel::parse("sim:1GB/s,10us x2").unwrap(), 8)
+                .unwrap();
+        // Two stripes at time 0: one per drive, both done after latency + one stripe.
+        assert_eq!(two.schedule(0, 0, 2 * stripe, 0), 10_000 + stripe);
+        // The next two stripes queue behind them on the same drives.
+        assert_eq!(two.schedule(0, 2 * stripe, 2 * stripe, 0), 10_000 + 2 * stripe);
+        // File 1's stripe 0 lives on drive 1, whose transfer engine is busy until then too.
+        assert_eq!(two.schedule(1, 0, 4096, 0), 10_000 + 2 * stripe + 4096);
+        let mut one =
+            ModeledReader::new(std::slice::from_ref(&path), DeviceModel::parse("sim:1GB/s,10us x1").unwrap(), 8)
+                .unwrap();
+        // The same four stripes on one drive take twice as long.
+        assert_eq!(one.schedule(0, 0, 4 * stripe, 0), 10_000 + 4 * stripe);
+        // Queue depth 1: each command is accepted when the one before it is done, so every one
+        // pays the latency.
+        let mut qd1 =
+            ModeledReader::new(std::slice::from_ref(&path), DeviceModel::parse("sim:1GB/s,10us,qd1").unwrap(), 8)
+                .unwrap();
+        assert_eq!(qd1.schedule(0, 0, 4096, 0), 10_000 + 4096);
+        assert_eq!(qd1.schedule(0, 4096, 4096, 0), 2 * (10_000 + 4096));
+        // A command submitted after the drive went idle starts from its own submission.
+        assert_eq!(qd1.schedule(0, 0, 4096, 1_000_000), 1_000_000 + 10_000 + 4096);
+    }
+
     #[test]
     fn a_read_past_the_end_fails_as_on_the_real_backends() {
         let tmp = tempfile::tempdir().unwrap();
@@ -456,12 +513,14 @@ mod tests {
         std::fs::write(&path, vec![1u8; 5000]).unwrap();
         let mut r =
             ModeledReader::new(std::slice::from_ref(&path), DeviceModel::parse("sim:5GB/s").unwrap(), 4).unwrap();
-        let mut dst = vec![0u8; 8192];
+        let dst = AlignedBuf::new(8192, &BufOptions::default()).unwrap();
         let mut op = ReadOp::new(0, 4096, 4096, dst.as_mut_ptr(), 1);
         op.min_len = 904;
         // SAFETY: `dst` outlives the reap below and is not touched before it.
         unsafe { r.submit(op).unwrap() };
-        let op = ReadOp::new(0, 4096, 4096, dst[4096..].as_mut_ptr(), 2);
+        // SAFETY: within `dst`.
+        let second = unsafe { dst.as_mut_ptr().add(4096) };
+        let op = ReadOp::new(0, 4096, 4096, second, 2);
         // SAFETY: as above, a distinct window.
         unsafe { r.submit(op).unwrap() };
         let mut out = Vec::new();
@@ -469,6 +528,13 @@ mod tests {
         assert!(out[0].result.is_ok());
         assert!(matches!(out[1].result, Err(IoError::ShortRead { got: 904, .. })), "{:?}", out[1].result);
         assert_eq!(r.stats().ops_failed, 1);
+        // What the real backends refuse, it refuses: a misaligned offset, a file it has not.
+        let op = ReadOp::new(0, 100, 4096, dst.as_mut_ptr(), 3);
+        // SAFETY: refused before anything is written.
+        assert!(matches!(unsafe { r.submit(op) }, Err(IoError::Unaligned { .. })));
+        let op = ReadOp::new(3, 0, 4096, dst.as_mut_ptr(), 4);
+        // SAFETY: as above.
+        assert!(matches!(unsafe { r.submit(op) }, Err(IoError::BadOp { .. })));
     }
 
     /// The queue depth and latency are modeled: one drive at queue depth 1 pays the latency per
@@ -480,10 +546,12 @@ mod tests {
         std::fs::write(&path, vec![3u8; 1 << 20]).unwrap();
         let model = DeviceModel::parse("sim:100GB/s,2ms,qd1").unwrap();
         let mut r = ModeledReader::new(std::slice::from_ref(&path), model, 8).unwrap();
-        let mut dst = vec![0u8; 8 * 4096];
+        let dst = AlignedBuf::new(8 * 4096, &BufOptions::default()).unwrap();
         let start = Instant::now();
         for i in 0..8 {
-            let op = ReadOp::new(0, (i * 4096) as u64, 4096, dst[i * 4096..].as_mut_ptr(), i as u64);
+            // SAFETY: within `dst`, which outlives the reads.
+            let at = unsafe { dst.as_mut_ptr().add(i * 4096) };
+            let op = ReadOp::new(0, (i * 4096) as u64, 4096, at, i as u64);
             // SAFETY: distinct windows of `dst`, untouched until reaped.
             unsafe { r.submit(op).unwrap() };
         }

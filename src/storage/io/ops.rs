@@ -179,32 +179,8 @@ impl OpTable {
     }
 
     fn validate(&self, op: &ReadOp) -> Result<(), IoError> {
+        validate_op(op, &self.paths, &self.limits.align)?;
         let bad = |why: String| Err(IoError::BadOp { tag: op.tag, why });
-        if op.file >= self.paths.len() {
-            return bad(format!("file index {} but only {} files are open", op.file, self.paths.len()));
-        }
-        let path = self.paths[op.file].display();
-        if op.len == 0 || op.min_len > op.len {
-            return bad(format!("len {} and min_len {} at offset {} of {path}", op.len, op.min_len, op.offset));
-        }
-        if op.dst.is_null() || op.offset.checked_add(op.len as u64).is_none() {
-            return bad(format!("null destination or offset overflow at offset {} of {path}", op.offset));
-        }
-        let align = &self.limits.align;
-        let unaligned = |what: &str, value: u64, by: u32| IoError::Unaligned {
-            what: format!("{what} of read {} at offset {} of {path}", op.tag, op.offset),
-            value,
-            align: by,
-        };
-        if !op.offset.is_multiple_of(u64::from(align.offset_align)) {
-            return Err(unaligned("offset", op.offset, align.offset_align));
-        }
-        if !op.len.is_multiple_of(align.offset_align as usize) {
-            return Err(unaligned("length", op.len as u64, align.offset_align));
-        }
-        if !(op.dst as usize).is_multiple_of(align.mem_align as usize) {
-            return Err(unaligned("destination address", op.dst as u64, align.mem_align));
-        }
         if let Some(index) = op.buf_index.filter(|_| !self.fixed.is_empty()) {
             let Some(&(start, len)) = self.fixed.get(index as usize) else {
                 return bad(format!("buf_index {index} but {} buffers are registered", self.fixed.len()));
@@ -401,6 +377,37 @@ impl OpSlot {
     fn free() -> OpSlot {
         OpSlot { op: None, issued: 0, chunks_out: 0, eof_at: None, error: None }
     }
+}
+
+/// The checks every backend makes of a read before accepting it: a file it has, a length that
+/// is not zero and holds `min_len`, no overflow, and the alignment `align` asks for.
+pub(super) fn validate_op(op: &ReadOp, paths: &[PathBuf], align: &DioAlign) -> Result<(), IoError> {
+    let bad = |why: String| Err(IoError::BadOp { tag: op.tag, why });
+    if op.file >= paths.len() {
+        return bad(format!("file index {} but only {} files are open", op.file, paths.len()));
+    }
+    let path = paths[op.file].display();
+    if op.len == 0 || op.min_len > op.len {
+        return bad(format!("len {} and min_len {} at offset {} of {path}", op.len, op.min_len, op.offset));
+    }
+    if op.dst.is_null() || op.offset.checked_add(op.len as u64).is_none() {
+        return bad(format!("null destination or offset overflow at offset {} of {path}", op.offset));
+    }
+    let unaligned = |what: &str, value: u64, by: u32| IoError::Unaligned {
+        what: format!("{what} of read {} at offset {} of {path}", op.tag, op.offset),
+        value,
+        align: by,
+    };
+    if !op.offset.is_multiple_of(u64::from(align.offset_align)) {
+        return Err(unaligned("offset", op.offset, align.offset_align));
+    }
+    if !op.len.is_multiple_of(align.offset_align as usize) {
+        return Err(unaligned("length", op.len as u64, align.offset_align));
+    }
+    if !(op.dst as usize).is_multiple_of(align.mem_align as usize) {
+        return Err(unaligned("destination address", op.dst as u64, align.mem_align));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -42,7 +42,7 @@ pub fn random_read_rate(
 
 /// As [`random_read_rate`], through any backend (a modeled device's, say), with its alignment.
 pub fn random_read_rate_through(
-    mut backend: Box<dyn ReadBackend>,
+    backend: Box<dyn ReadBackend>,
     ranges: &[(usize, u64, u64)],
     read_bytes: usize,
     queue_depth: u32,
@@ -53,10 +53,10 @@ pub fn random_read_rate_through(
     let align = u64::from(backend.dio_align().strictest()).max(4096);
     let len = (read_bytes as u64).div_ceil(align) * align;
     let buf = Arc::new(AlignedBuf::new(qd * len as usize, &BufOptions::default())?);
-    let rate = random_reads(backend.as_mut(), &buf, |_, _| None, ranges, len, align, qd, reads, seed);
-    // A failed read leaves others in flight: the backend's drop waits for them, before `buf` goes.
-    drop(backend);
-    rate
+    // Declared after `buf`, so dropped before it on every path (a failed read leaves others in
+    // flight, and the backend's drop waits for them).
+    let mut backend = backend;
+    random_reads(backend.as_mut(), &buf, |_, _| None, ranges, len, align, qd, reads, seed)
 }
 
 /// `reads` random `len`-byte windows of `ranges`, `qd` at a time into `buf`; bytes per second.

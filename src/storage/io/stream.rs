@@ -1,7 +1,7 @@
 //! [`ReadStream`]: a thread that keeps reads in flight through a backend until stopped, for
 //! measuring what reads cost compute (`bench`'s read tax, `engine::read_tax`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -44,10 +44,23 @@ impl StreamTotals {
     }
 }
 
-/// A thread that keeps reads in flight until stopped.
+/// A thread that keeps reads in flight until stopped (or dropped).
 pub struct ReadStream {
     stop: Arc<AtomicBool>,
-    thread: JoinHandle<Result<StreamTotals, IoError>>,
+    /// Bytes of the reads completed so far, for measuring a window of the stream's life.
+    bytes: Arc<AtomicU64>,
+    thread: Option<JoinHandle<Result<StreamTotals, IoError>>>,
+}
+
+impl Drop for ReadStream {
+    /// A stream dropped without [`ReadStream::stop`] (a panic between the two) stops reading
+    /// and is joined, so no thread reads on unseen.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl ReadStream {
@@ -70,6 +83,8 @@ impl ReadStream {
         let registered = Arc::clone(&buf);
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
+        let bytes = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&bytes);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("k3ring-read-tax".to_owned())
@@ -113,6 +128,7 @@ impl ReadStream {
                     for c in done.drain(..) {
                         c.result?;
                         free.push(c.tag as usize);
+                        counted.fetch_add(len, Ordering::Relaxed);
                     }
                 }
                 // Every read must finish before its buffer can go.
@@ -127,7 +143,7 @@ impl ReadStream {
             })
             .map_err(|source| IoError::Setup { what: "the read-tax stream thread".to_owned(), source })?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(ReadStream { stop, thread }),
+            Ok(Ok(())) => Ok(ReadStream { stop, bytes, thread: Some(thread) }),
             Ok(Err(_)) | Err(_) => match thread.join() {
                 Ok(Err(e)) => Err(e),
                 _ => Err(IoError::Setup {
@@ -138,12 +154,18 @@ impl ReadStream {
         }
     }
 
+    /// Bytes of the reads completed so far.
+    pub fn bytes_so_far(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
     /// Stops issuing, waits for the reads in flight, and says what was read.
-    pub fn stop(self) -> Result<StreamTotals, IoError> {
+    pub fn stop(mut self) -> Result<StreamTotals, IoError> {
         self.stop.store(true, Ordering::Relaxed);
-        match self.thread.join() {
-            Ok(r) => r,
-            Err(_) => Err(IoError::Setup {
+        let joined = self.thread.take().map(JoinHandle::join);
+        match joined {
+            Some(Ok(r)) => r,
+            _ => Err(IoError::Setup {
                 what: "the read-tax stream".to_owned(),
                 source: std::io::Error::other("its thread panicked"),
             }),
