@@ -191,16 +191,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
     let cells_total = args.budgets.len() * (args.modes.len() + args.batch.len()) * args.repeats.max(1);
     let bar = progress_bar(cells_total + 4 + usize::from(batch.is_some()));
-    let io = IoKind::parse(&args.io).map_err(|e| UsageError(format!("--io {e}")))?;
-    if matches!(io, IoKind::Pread | IoKind::Mmap) {
-        // Its probes and read tax read through io_uring or the model; a table mixing backends
-        // would judge one against another's rate.
-        return Err(UsageError(format!(
-            "--io {}: bench measures the disk through uring, or a modeled device (sim:RATE...); compare backends with tune --io",
-            args.io
-        ))
-        .into());
-    }
+    let io = bench_io(&args.io)?;
     let host = Host::detect(kernels, io);
 
     bar.set_message("device: random reads of one expert");
@@ -310,6 +301,18 @@ fn check_ids(report: &Report) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--io`: uring or a modeled device. The probes and the read tax read through io_uring or the
+/// model, so a table of cells read through another backend would judge it against their rate.
+fn bench_io(io: &str) -> Result<IoKind, UsageError> {
+    let kind = IoKind::parse(io).map_err(|e| UsageError(format!("--io {e}")))?;
+    if matches!(kind, IoKind::Pread | IoKind::Mmap) {
+        return Err(UsageError(format!(
+            "--io {io}: bench measures the disk through uring, or a modeled device (sim:RATE...); compare backends with tune --io"
+        )));
+    }
+    Ok(kind)
 }
 
 fn progress_bar(steps: usize) -> ProgressBar {
