@@ -24,8 +24,7 @@ pub fn random_read_rate(
     )?;
     let align = u64::from(probe.dio_align().strictest()).max(4096);
     drop(probe);
-    let len = (read_bytes as u64).div_ceil(align) * align;
-    let buf = Arc::new(AlignedBuf::new(qd * len as usize, &BufOptions::default())?);
+    let (len, buf) = windows_buffer(read_bytes, align, qd)?;
     let opts = RingOptions {
         queue_depth: queue_depth.max(1),
         chunk_bytes: len as usize,
@@ -51,12 +50,56 @@ pub fn random_read_rate_through(
 ) -> Result<f64, IoError> {
     let qd = queue_depth.max(1) as usize;
     let align = u64::from(backend.dio_align().strictest()).max(4096);
-    let len = (read_bytes as u64).div_ceil(align) * align;
-    let buf = Arc::new(AlignedBuf::new(qd * len as usize, &BufOptions::default())?);
+    let (len, buf) = windows_buffer(read_bytes, align, qd)?;
     // Declared after `buf`, so dropped before it on every path (a failed read leaves others in
     // flight, and the backend's drop waits for them).
     let mut backend = backend;
     random_reads(backend.as_mut(), &buf, |_, _| None, ranges, len, align, qd, reads, seed)
+}
+
+/// The window of a read of `read_bytes` rounded up to `align`, and a buffer of `count` of them.
+fn windows_buffer(read_bytes: usize, align: u64, count: usize) -> Result<(u64, Arc<AlignedBuf>), IoError> {
+    let len = (read_bytes as u64).div_ceil(align) * align;
+    Ok((len, Arc::new(AlignedBuf::new(count * len as usize, &BufOptions::default())?)))
+}
+
+/// Random aligned `len`-byte windows of `ranges` (file index, first byte, end), drawn from a
+/// seeded xorshift: where the probes and the read-tax stream ([`super::stream`]) read.
+pub(super) struct RandomWindows {
+    usable: Vec<(usize, u64, u64)>,
+    len: u64,
+    align: u64,
+    rng: u64,
+}
+
+impl RandomWindows {
+    /// Fails when no range holds an aligned window of `len` bytes.
+    pub(super) fn new(ranges: &[(usize, u64, u64)], len: u64, align: u64, seed: u64) -> Result<RandomWindows, IoError> {
+        let usable: Vec<(usize, u64, u64)> = ranges
+            .iter()
+            .map(|&(f, a, b)| (f, a.div_ceil(align) * align, b))
+            .filter(|&(_, a, b)| b >= a + len)
+            .collect();
+        if usable.is_empty() || len == 0 || !len.is_multiple_of(align) {
+            return Err(IoError::BadOp { tag: 0, why: format!("no file range holds an aligned {len}-byte read") });
+        }
+        Ok(RandomWindows { usable, len, align, rng: seed.max(1) })
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng
+    }
+
+    /// The next window: (file index, offset).
+    pub(super) fn next_window(&mut self) -> (usize, u64) {
+        let pick = (self.next_u64() % self.usable.len() as u64) as usize;
+        let (file, a, b) = self.usable[pick];
+        let blocks = (b - a - self.len) / self.align;
+        (file, a + (self.next_u64() % (blocks + 1)) * self.align)
+    }
 }
 
 /// `reads` random `len`-byte windows of `ranges`, `qd` at a time into `buf`; bytes per second.
@@ -72,18 +115,7 @@ fn random_reads<B: ReadBackend + ?Sized>(
     reads: usize,
     seed: u64,
 ) -> Result<f64, IoError> {
-    let usable: Vec<(usize, u64, u64)> =
-        ranges.iter().map(|&(f, a, b)| (f, a.div_ceil(align) * align, b)).filter(|&(_, a, b)| b > a + len).collect();
-    if usable.is_empty() {
-        return Err(IoError::BadOp { tag: 0, why: format!("no file range holds a {len}-byte read") });
-    }
-    let mut rng = seed.max(1);
-    let mut next = || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut windows = RandomWindows::new(ranges, len, align, seed)?;
     let mut done = Vec::with_capacity(qd);
     let mut free: Vec<usize> = (0..qd).collect();
     let (mut issued, mut completed, mut bytes) = (0usize, 0usize, 0u64);
@@ -92,9 +124,7 @@ fn random_reads<B: ReadBackend + ?Sized>(
     while completed < reads {
         while issued < reads {
             let Some(slot) = free.pop() else { break };
-            let (file, a, b) = usable[(next() % usable.len() as u64) as usize];
-            let blocks = (b - a - len) / align;
-            let offset = a + (next() % (blocks + 1)) * align;
+            let (file, offset) = windows.next_window();
             // SAFETY: `slot` is a distinct `len`-byte window of `buf` (`qd` windows), which outlives
             // every read: all are reaped before this returns, or the error return drops the
             // caller's backend, which waits for its reads, before the caller drops `buf`.

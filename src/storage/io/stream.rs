@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::probe::RandomWindows;
 use super::{AlignedBuf, BufOptions, IoError, ReadBackend, ReadOp};
 
 /// Builds the stream's backend on its thread, over the buffer the reads target and for that
@@ -67,17 +68,8 @@ impl ReadStream {
     /// Starts reading `reads` through the backend `build` makes (on the stream's thread, over a
     /// buffer of `reads_in_flight` windows); fails if it cannot be built or no range holds a read.
     pub fn start(reads: &StreamReads, build: BackendBuilder) -> Result<ReadStream, IoError> {
-        let align = reads.align.max(1);
         let len = reads.read_bytes as u64;
-        let usable: Vec<(usize, u64, u64)> = reads
-            .ranges
-            .iter()
-            .map(|&(f, a, b)| (f, a.div_ceil(align) * align, b))
-            .filter(|&(_, a, b)| b >= a + len)
-            .collect();
-        if usable.is_empty() || len == 0 || !len.is_multiple_of(align) {
-            return Err(IoError::BadOp { tag: 0, why: format!("no file range holds an aligned {len}-byte read") });
-        }
+        let mut windows = RandomWindows::new(&reads.ranges, len, reads.align.max(1), 0x7a5)?;
         let ops = reads.reads_in_flight.max(1);
         let buf = Arc::new(AlignedBuf::new(ops * len as usize, &BufOptions::default())?);
         let registered = Arc::clone(&buf);
@@ -99,21 +91,12 @@ impl ReadStream {
                         return Err(e);
                     }
                 };
-                let mut rng = 0x7a5_u64;
-                let mut next = move || {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    rng
-                };
                 let mut free: Vec<usize> = (0..ops).collect();
                 let mut done = Vec::with_capacity(ops);
                 let start = Instant::now();
                 while !stopped.load(Ordering::Relaxed) {
                     while let Some(slot) = free.pop() {
-                        let (file, a, b_end) = usable[(next() % usable.len() as u64) as usize];
-                        let blocks = (b_end - a - len) / align;
-                        let offset = a + (next() % (blocks + 1)) * align;
+                        let (file, offset) = windows.next_window();
                         // SAFETY: `slot` is a distinct `len`-byte window of `buf` (sized `ops` windows),
                         // which this closure owns until after the backend is dropped (captures drop
                         // after the body's locals, and a backend's drop waits for its reads).
