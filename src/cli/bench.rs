@@ -16,6 +16,8 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+mod print;
+
 use super::bench_batch::{self, BatchReport, BatchWork};
 use super::bench_host::{self, host_floors, Host, HostFloors};
 use super::budget::name_budget_flag;
@@ -34,6 +36,8 @@ use crate::pipeline::{IoKind, IoOptions, Mode, PipelineOptions, Speculation};
 use crate::storage::plan::GB;
 use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
+pub(super) use print::or_dash;
+use print::print_report;
 
 #[derive(Debug, clap::Args)]
 #[command(allow_negative_numbers = true, args_override_self = true)]
@@ -585,166 +589,4 @@ fn cell_run(args: &BenchArgs, io: IoKind, spec: &MeasureSpec, budget: f64, mode:
 /// The backend and queue depth of every cell (and of the read-tax stream).
 fn cell_io(args: &BenchArgs, io: IoKind) -> IoOptions {
     IoOptions { kind: io, queue_depth: args.queue_depth, ..IoOptions::default() }
-}
-
-/// The cost of checking experts against their checksums (on by default): the check's time over
-/// s/token, the median and the worst over the cells, and the rate at which it hashed.
-fn verify_cost_line(cells: &[Cell]) -> String {
-    let mut ratios: Vec<f64> = cells
-        .iter()
-        .filter(|c| c.m.seconds_per_token > 0.0)
-        .map(|c| c.m.expert_verify_seconds_per_token / c.m.seconds_per_token)
-        .collect();
-    ratios.sort_by(f64::total_cmp);
-    let (Some(median), Some(worst)) = (ratios.get(ratios.len() / 2), ratios.last()) else {
-        return "expert checksums: no cell measured".to_owned();
-    };
-    let seconds: f64 = cells.iter().map(|c| c.m.expert_verify_seconds_per_token).sum();
-    let bytes: f64 = cells.iter().map(|c| c.m.expert_verified_bytes_per_token).sum();
-    let rate = if seconds > 0.0 { format!("{:.1} GB/s", bytes / seconds / 1e9) } else { "-".to_owned() };
-    format!(
-        "expert checksums (on by default): {:.2}% of s/token (median over the cells; worst {:.2}%), hashed at {rate}",
-        100.0 * median,
-        100.0 * worst
-    )
-}
-
-fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
-    bench_host::print_host(&r.host, r.read_tax.as_ref());
-    print_conditions(r, cfg, args);
-    print_cells(r);
-    if r.read_tax.is_some() {
-        bench_host::print_host_cells(
-            r.cells
-                .iter()
-                .filter_map(|c| Some((c.budget_gb, c.mode.as_str(), c.m.seconds_per_token, c.host.as_ref()?))),
-        );
-    }
-    if r.experts_checked {
-        println!("{}", verify_cost_line(&r.cells));
-    } else {
-        println!("expert checksums: not checked (--no-verify-experts)");
-    }
-    println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
-    if let Some(batch) = &r.batch {
-        bench_batch::print(batch);
-    }
-}
-
-/// The device, the memory, the resident compute and the page cache the cells ran against.
-fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
-    let rates =
-        |v: &[(u32, f64)]| v.iter().map(|(q, v)| format!("QD{q} {:.2}", v / 1e9)).collect::<Vec<_>>().join(", ");
-    println!(
-        "device (random {} reads of {:.1} MB): {} GB/s (before the cells {}, after {})",
-        if args.io.starts_with("sim:") { "modeled" } else { "O_DIRECT" },
-        cfg.expert_bytes() as f64 / 1e6,
-        rates(&r.device_read_rate),
-        rates(&r.device_read_rate_before),
-        rates(&r.device_read_rate_after)
-    );
-    println!(
-        "memory bandwidth (triad): {:.1} GB/s (the better of {:.1} before the resident cell and {:.1} after it)",
-        r.memory_bandwidth / 1e9,
-        r.memory_bandwidth_before / 1e9,
-        r.memory_bandwidth_after / 1e9
-    );
-    match r.resident_overlappable_seconds_per_token {
-        Some(o) => println!(
-            "resident compute: {:.3} s/token ({o:.3} of it shared and routed experts, which expert reads can overlap)",
-            r.resident_seconds_per_token
-        ),
-        None => println!("resident compute: {:.3} s/token", r.resident_seconds_per_token),
-    }
-    if let Some(table) = &r.resident_attribution {
-        println!(
-            "resident decode by operation class (GB/s: weight bytes over the class's time; triad: of the triad above):"
-        );
-        for line in table.lines() {
-            println!("  {line}");
-        }
-    }
-    println!(
-        "page cache: {}",
-        if r.page_cache_dropped {
-            "dropped before every cell"
-        } else if args.io.starts_with("sim:") {
-            "kept: the modeled device (--io sim) copies its reads from it"
-        } else if args.no_drop_caches {
-            "kept (--no-drop-caches); reads are O_DIRECT"
-        } else {
-            "not dropped (not root); reads are O_DIRECT"
-        }
-    );
-}
-
-/// The mode cells' table, the ratios between modes and what the floor columns mean.
-fn print_cells(r: &Report) {
-    println!(
-        "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7} {:>7} {:>10}",
-        "budget",
-        "mode",
-        "s/token",
-        "trunk/tok",
-        "exp/tok",
-        "read GB/s",
-        "dev GB/s",
-        "overlap",
-        "floor",
-        "effic.",
-        "floor*",
-        "effic.*",
-        "recall",
-        "wasted/tok"
-    );
-    for c in &r.cells {
-        println!(
-            "{:>6}G {:>10} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {} {} {:>6.0}% {:>9.2}G",
-            c.budget_gb,
-            c.mode,
-            c.m.seconds_per_token,
-            c.m.trunk_bytes_per_token / 1e9,
-            c.m.expert_bytes_per_token / 1e9,
-            c.m.read_rate_busy / 1e9,
-            c.device_read_rate_during / 1e9,
-            100.0 * c.m.overlap_fraction,
-            c.floor_seconds_per_token,
-            c.efficiency,
-            or_dash(c.floor_no_prediction_seconds_per_token, 8, 3),
-            or_dash(c.efficiency_no_prediction, 7, 2),
-            100.0 * c.m.recall,
-            c.m.spec_wasted_bytes_per_token / 1e9
-        );
-    }
-    for (b, s) in &r.speedups {
-        println!("speedup at {b} GB: pipelined is {s:.2}x serial");
-    }
-    for (b, s) in &r.speculation_gains {
-        println!("speculation at {b} GB: pipelined is {s:.2}x no-spec");
-    }
-    println!(
-        "dev GB/s: the device at the engine's queue depth, the better of the probes around each budget's cells and the \
-         cells' own busy read rates (the floor uses it)"
-    );
-    for d in &r.device_rates_by_budget {
-        println!(
-            "  {} GB: probed {:.2} GB/s, cells read up to {:.2} GB/s while busy: {:.2} GB/s used",
-            d.budget_gb,
-            d.probed / 1e9,
-            d.engine_busy / 1e9,
-            d.used / 1e9
-        );
-    }
-    println!(
-        "floor*: the floor without routing prediction: a layer's expert reads start at its router, so they overlap \
-         only the experts' compute (cells that predict routing can beat it)"
-    );
-}
-
-/// `v` right-aligned in `width` with `prec` decimals, or a dash when it was not measured.
-pub(super) fn or_dash(v: Option<f64>, width: usize, prec: usize) -> String {
-    match v {
-        Some(v) => format!("{v:>width$.prec$}"),
-        None => format!("{:>width$}", "-"),
-    }
 }
