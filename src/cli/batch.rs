@@ -71,6 +71,8 @@ pub struct BatchArgs {
     pub storage: StorageArgs,
     #[command(flatten)]
     pub pipeline: PipelineArgs,
+    #[command(flatten)]
+    pub drafting: super::draft_flags::DraftArgs,
     /// Write the summary as JSON to FILE ("-": to stdout, when --output is a file). Created
     /// before the model is opened.
     #[arg(long, value_name = "FILE")]
@@ -129,6 +131,8 @@ struct Summary<'a> {
     peak_rss_bytes: Option<u64>,
     plan: Option<&'a Plan>,
     storage: Option<StreamStats>,
+    /// Decode steps of the finished sequences and their drafting.
+    draft: super::run::DraftReport,
 }
 
 pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
@@ -179,10 +183,16 @@ pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
         eprintln!("k3ring: {}", p.describe());
     }
     let flag = typed_budget_flag(&args.storage);
-    let mut run =
-        streaming_run(&args.pipeline, &args.storage, args.threads, args.max_batch + args.prefill_chunk, context)
-            .map_err(|e| name_budget_flag(e, &flag))?;
+    let shape = BatchOptions {
+        max_batch: args.max_batch,
+        prefill_chunk: args.prefill_chunk,
+        context,
+        draft: args.drafting.for_requests(),
+    };
+    let mut run = streaming_run(&args.pipeline, &args.storage, args.threads, shape.step_rows(), context)
+        .map_err(|e| name_budget_flag(e, &flag))?;
     run.sequences = args.max_batch;
+    run.draft_rows = if shape.draft.is_some() { shape.decode_rows() } else { 0 };
     run.placement = placement;
     let (opened, plan) =
         open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
@@ -334,13 +344,18 @@ impl Job<'_> {
         let (engine, tok) = (&opened.engine, &opened.tokenizer);
         let slots_asked = self.args.max_batch;
         let max_batch = plan.map_or(slots_asked, |p| p.sequences);
-        let opts = BatchOptions { max_batch, prefill_chunk: self.args.prefill_chunk, context: self.context };
+        let opts = BatchOptions {
+            max_batch,
+            prefill_chunk: self.args.prefill_chunk,
+            context: self.context,
+            draft: self.args.drafting.for_requests(),
+        };
         let mut batcher = engine.batcher(opts)?;
         if batcher.slots() < slots_asked {
             eprintln!(
                 "k3ring: {} of the {slots_asked} sequence slots asked for fit ({} each for {} positions); the other requests wait in the queue",
                 batcher.slots(),
-                crate::storage::plan::fmt_gb(engine.slot_bytes(self.context)),
+                crate::storage::plan::fmt_gb(engine.slot_bytes(batcher.options())),
                 self.context
             );
         }
@@ -396,13 +411,17 @@ impl Job<'_> {
             seconds,
             tokens_per_second: if seconds > 0.0 { stats.generated as f64 / seconds } else { 0.0 },
             steps: stats.steps,
-            mean_batch: if stats.steps > 0 { stats.decode_rows as f64 / stats.steps as f64 } else { 0.0 },
+            mean_batch: if stats.steps > 0 { stats.decode_sequences as f64 / stats.steps as f64 } else { 0.0 },
             bytes_read_per_token,
             peak_rss_bytes: peak,
             plan,
             storage: store.clone(),
+            draft: super::run::DraftReport::new(batcher.options().draft.as_ref(), stats.draft, None, 0),
         };
         print_summary(&summary, engine.threads(), engine.model.kernels.isa().name());
+        if let Some(line) = summary.draft.line() {
+            eprintln!("k3ring: {line}");
+        }
         if let (Some(s), Some(p)) = (&store, plan) {
             let metrics = engine.model.tracer.as_ref().map(|t| t.metrics()).unwrap_or_default();
             print_streaming_summary(s, p, peak, &metrics);

@@ -567,6 +567,7 @@ fn cell_run(args: &BenchArgs, io: IoKind, spec: &MeasureSpec, budget: f64, mode:
         _ => Speculation::OFF,
     };
     StreamingRun {
+        draft_rows: 0,
         budget_bytes: (budget * GB) as u64,
         sequences: 1,
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,

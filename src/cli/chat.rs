@@ -79,6 +79,8 @@ pub struct ChatArgs {
     pub storage: StorageArgs,
     #[command(flatten)]
     pub pipeline: super::pipeline_flags::PipelineArgs,
+    #[command(flatten)]
+    pub drafting: super::draft_flags::DraftArgs,
     #[arg(skip)]
     pub given: Vec<String>,
 }
@@ -123,6 +125,9 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let mut run = streaming_run(&args.pipeline, &args.storage, args.threads, args.prefill_chunk, context)
         .map_err(|e| name_budget_flag(e, &flag))?;
     run.placement = placement;
+    // The seed does not matter for the plan: only whether the replies are greedy.
+    let sampling = Sampling { temperature: args.temperature, ..Sampling::default() };
+    run.draft_rows = args.drafting.rows(&sampling);
     let (opened, _plan) =
         open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
             .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))
@@ -280,9 +285,11 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
         conv.push_user(text, &ids);
         let seed = crate::rng::splitmix64_at(self.args.seed, conv.session.ids().len() as u64);
         let a = self.args;
+        let sampling = Sampling { temperature: a.temperature, top_k: a.top_k.filter(|&k| k > 0), top_p: a.top_p, seed };
         let opts = ReplyOptions {
             max_tokens: a.max_tokens,
-            sampling: Sampling { temperature: a.temperature, top_k: a.top_k.filter(|&k| k > 0), top_p: a.top_p, seed },
+            draft: a.drafting.options(&sampling),
+            sampling,
             stop_ids: conv.specials.end_ids().to_vec(),
             stop: Some(crate::interrupt::flag()),
         };

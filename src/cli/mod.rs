@@ -12,6 +12,7 @@ mod budget;
 mod cache_sim;
 mod chat;
 mod demo;
+pub mod draft_flags;
 mod embedded;
 mod inspect;
 mod logging;
@@ -144,6 +145,8 @@ pub struct RunArgs {
     pub storage: StorageArgs,
     #[command(flatten)]
     pub pipeline: pipeline_flags::PipelineArgs,
+    #[command(flatten)]
+    pub drafting: draft_flags::DraftArgs,
     /// Write the report (prompt_ids, generated_ids, text, seconds_per_token, peak_rss_bytes,
     /// storage and pipeline counters) as JSON to FILE ("-": to stdout, instead of the text).
     /// Created before the model is opened; written also after Ctrl-C.

@@ -12,6 +12,7 @@ use super::output::JsonOut;
 use super::pipeline_flags::PipelineArgs;
 use super::startup::{start_up, startup_flags, Started};
 use super::{RunArgs, StorageArgs};
+use crate::engine::DraftStats;
 use crate::engine::{
     context_needed, open_resident, open_streaming, peak_rss_bytes, state_file, ChatSession, Fingerprint,
     GenerateOptions, Generation, Opened, ReplyOptions, Sampling, StreamingRun,
@@ -44,10 +45,77 @@ struct RunReport<'a> {
     storage: Option<StreamStats>,
     pipeline: crate::trace::Metrics,
     speculation_recall: Option<f64>,
+    /// Decode steps and drafting (`draft.steps` only, when not drafting).
+    draft: DraftReport,
     /// With `--trace`: the decode's time and weight bytes per operation class (issue 19), the
     /// rows summing to `seconds_per_token`; no triad is measured in a run, so no fractions.
     #[serde(skip_serializing_if = "Option::is_none")]
     attribution: Option<AttributionTable>,
+}
+
+/// What drafting did in a run (`--json`'s `draft`).
+#[derive(Serialize)]
+pub(super) struct DraftReport {
+    /// The options, when drafting.
+    options: Option<crate::engine::DraftOptions>,
+    #[serde(flatten)]
+    stats: DraftStats,
+    acceptance: f64,
+    tokens_per_step: f64,
+    /// Bytes read from storage per token of the decode (streamed runs; the first token comes
+    /// from the prefill and is not counted).
+    bytes_read_per_token: Option<f64>,
+}
+
+impl DraftReport {
+    pub(super) fn new(
+        options: Option<&crate::engine::DraftOptions>,
+        stats: DraftStats,
+        decode_bytes: Option<u64>,
+        decoded: usize,
+    ) -> Self {
+        DraftReport {
+            options: options.cloned(),
+            stats,
+            acceptance: stats.acceptance(),
+            tokens_per_step: stats.tokens_per_step(),
+            bytes_read_per_token: decode_bytes.filter(|_| decoded > 0).map(|b| b as f64 / decoded as f64),
+        }
+    }
+
+    /// The report of `g`, its summary line printed when drafting.
+    fn printed(options: Option<&crate::engine::DraftOptions>, g: &Generation, decode_bytes: Option<u64>) -> Self {
+        let report = DraftReport::new(options, g.draft, decode_bytes, g.generated_ids.len().saturating_sub(1));
+        if let Some(line) = report.line() {
+            eprintln!("k3ring: {line}");
+        }
+        report
+    }
+
+    /// The summary line, when drafting.
+    pub(super) fn line(&self) -> Option<String> {
+        let o = self.options.as_ref()?;
+        let s = &self.stats;
+        let read = self
+            .bytes_read_per_token
+            .map_or_else(String::new, |b| format!(" | read {:.4} GB per decoded token", b / GB));
+        Some(format!(
+            "draft ngram (up to {} tokens, n-gram of {}+) | {} steps, {} with a draft | drafted {}, accepted {} ({:.0}%) | {:.2} tokens per step{read}",
+            o.len,
+            o.ngram_min,
+            s.steps,
+            s.drafted_steps,
+            s.drafted,
+            s.accepted,
+            100.0 * self.acceptance,
+            self.tokens_per_step,
+        ))
+    }
+}
+
+/// Storage bytes read so far (trunk, embedding rows and experts).
+fn bytes_read(s: &StreamStats) -> u64 {
+    s.trunk_bytes_read + s.embed_bytes_read + s.expert_bytes_read
 }
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
@@ -92,6 +160,7 @@ pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> an
     let mut run = streaming_run(&args.pipeline, &args.storage, args.threads, args.prefill_chunk, context)
         .map_err(|e| name_budget_flag(e, &flag))?;
     run.placement = placement;
+    run.draft_rows = args.drafting.rows(&run_sampling(args));
     let (opened, plan) =
         open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
             .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))
@@ -182,6 +251,7 @@ pub(super) fn streaming_run(
     };
     let io = IoKind::parse(&st.io).map_err(|e| UsageError(format!("--io {e}")))?;
     Ok(StreamingRun {
+        draft_rows: 0,
         budget_bytes: budget,
         sequences: 1,
         context,
@@ -272,9 +342,11 @@ fn generate<S: WeightSource + LayerHook>(
     };
     // The attribution's window is the decode, like s/token: it restarts when the prompt is done.
     let attribution_window_started = std::cell::Cell::new(false);
+    let read_at_decode = std::cell::Cell::new(None);
     let on_prefill = |done: usize, total: usize| {
         if done == total {
             attribution_window_started.set(restart_attribution(&engine.model));
+            read_at_decode.set(storage(&engine.src).as_ref().map(bytes_read));
         }
         if let Some(bar) = &bar {
             bar.set_position(done as u64);
@@ -303,11 +375,10 @@ fn generate<S: WeightSource + LayerHook>(
     let peak = peak_rss_bytes();
     let stats = storage(&engine.src);
     let metrics = engine.model.tracer.as_ref().map(|t| t.metrics()).unwrap_or_default();
-    if let (Some(path), Some(tracer)) = (&args.pipeline.trace, &engine.model.tracer) {
-        tracer.write_chrome_json(path).with_context(|| format!("writing --trace {}", path.display()))?;
-        eprintln!("k3ring: trace written to {}", path.display());
-    }
+    write_trace(args, &engine.model)?;
     print_run_line(&generation, peak, engine.threads(), engine.model.kernels.isa().name());
+    let decode_bytes = stats.as_ref().zip(read_at_decode.get()).map(|(s, at)| bytes_read(s).saturating_sub(at));
+    let draft = DraftReport::printed(opts.draft.as_ref(), &generation, decode_bytes);
     if let (Some(s), Some(p)) = (&stats, plan) {
         print_streaming_summary(s, p, peak, &metrics);
     }
@@ -326,12 +397,10 @@ fn generate<S: WeightSource + LayerHook>(
             stopped_on_eos: generation.stopped_on.is_some(),
             interrupted: generation.interrupted,
             plan,
-            speculation_recall: stats
-                .as_ref()
-                .filter(|s| s.routed_experts > 0)
-                .map(|s| s.routed_recalled as f64 / s.routed_experts as f64),
+            speculation_recall: stats.as_ref().and_then(recall),
             storage: stats,
             pipeline: metrics,
+            draft,
             attribution,
         };
         out.write(&report)?;
@@ -385,6 +454,7 @@ fn generate_stateful<S: WeightSource + LayerHook>(
         sampling: opts.sampling.clone(),
         stop_ids: opts.stop_ids.clone(),
         stop: opts.stop,
+        draft: opts.draft.clone(),
     };
     let reply = sess.reply(engine, &reply_opts, |id| {
         on_token(id);
@@ -407,7 +477,13 @@ fn generate_stateful<S: WeightSource + LayerHook>(
         interrupted: reply.interrupted,
         logits: Vec::new(),
         prompt_logits: Vec::new(),
+        draft: reply.draft,
     })
+}
+
+/// The sampling `args` ask for; `--top-k 0` is "off", as in llama.cpp.
+fn run_sampling(args: &RunArgs) -> Sampling {
+    Sampling { temperature: args.temperature, top_k: args.top_k.filter(|&k| k > 0), top_p: args.top_p, seed: args.seed }
 }
 
 /// The generation `args` ask for; Ctrl-C stops it.
@@ -417,15 +493,11 @@ fn generate_options(args: &RunArgs, cfg: &crate::config::Config, tok: &Tokenizer
         stop_ids.push(cfg.eos_token_id);
         stop_ids.extend(tok.added_id("[EOS]"));
     }
+    let sampling = run_sampling(args);
     GenerateOptions {
         gen: args.gen,
-        // `--top-k 0` is "off", as in llama.cpp.
-        sampling: Sampling {
-            temperature: args.temperature,
-            top_k: args.top_k.filter(|&k| k > 0),
-            top_p: args.top_p,
-            seed: args.seed,
-        },
+        draft: args.drafting.options(&sampling),
+        sampling,
         stop_ids,
         full_recompute: args.full_recompute,
         prefill_chunk: args.prefill_chunk,
@@ -510,6 +582,20 @@ fn decode_attribution(
         }
     }
     Some(table)
+}
+
+/// Share of routed experts the prediction had read ahead, when any were routed.
+fn recall(s: &StreamStats) -> Option<f64> {
+    (s.routed_experts > 0).then(|| s.routed_recalled as f64 / s.routed_experts as f64)
+}
+
+/// `--trace FILE`, when given and the run was traced.
+fn write_trace(args: &RunArgs, model: &crate::model::Model) -> anyhow::Result<()> {
+    if let (Some(path), Some(tracer)) = (&args.pipeline.trace, &model.tracer) {
+        tracer.write_chrome_json(path).with_context(|| format!("writing --trace {}", path.display()))?;
+        eprintln!("k3ring: trace written to {}", path.display());
+    }
+    Ok(())
 }
 
 fn print_run_line(g: &Generation, peak: Option<u64>, threads: usize, isa: &str) {

@@ -74,6 +74,8 @@ pub struct ServeArgs {
     pub storage: StorageArgs,
     #[command(flatten)]
     pub pipeline: PipelineArgs,
+    #[command(flatten)]
+    pub drafting: super::draft_flags::DraftArgs,
     /// Ids of the flags given on the command line (filled by `main`).
     #[arg(skip)]
     pub given: Vec<String>,
@@ -139,7 +141,12 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let listener = bind(&args.host, args.port)?;
     let opts = ServeOptions {
         model_name: args.model_name.clone().unwrap_or(default_name),
-        batch: BatchOptions { max_batch: args.max_batch, prefill_chunk: args.prefill_chunk, context },
+        batch: BatchOptions {
+            max_batch: args.max_batch,
+            prefill_chunk: args.prefill_chunk,
+            context,
+            draft: args.drafting.for_requests(),
+        },
         max_queue: args.max_queue,
         max_tokens: args.max_tokens,
         api_key: args.api_key.clone(),
@@ -155,8 +162,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         kernels,
         placement,
         sequences: args.max_batch,
-        chunk: args.max_batch + args.prefill_chunk,
+        chunk: opts.batch.step_rows(),
         context,
+        draft_rows: if opts.batch.draft.is_some() { opts.batch.decode_rows() } else { 0 },
     };
     open.run(Start { listener, opts })
 }

@@ -16,7 +16,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::draft::{DraftOptions, DraftStats, Drafter};
 use super::{context_needed, sampling, Engine, EngineError, Sampling};
+use crate::model::rewind::Journal;
 use crate::model::weights::WeightSource;
 use crate::model::{LayerHook, ModelError, ModelState, Scratch, Segment};
 use crate::rng::SplitMix64;
@@ -54,6 +56,8 @@ pub struct Finished {
     pub generated: usize,
     /// From submission to the last token (queueing included).
     pub seconds: f64,
+    /// The sequence's decode steps and drafting.
+    pub draft: DraftStats,
 }
 
 /// Receives what a step produced.
@@ -72,12 +76,20 @@ pub struct BatchOptions {
     pub prefill_chunk: usize,
     /// Positions of each slot: prompt plus generated tokens of the longest request admitted.
     pub context: usize,
+    /// Draft-and-verify decoding for the greedy requests ([`super::draft`]); sampled requests
+    /// decode one token per step.
+    pub draft: Option<DraftOptions>,
 }
 
 impl BatchOptions {
-    /// Rows of the widest step: a decode row per slot plus the prefill tokens.
+    /// Rows a decoding sequence has in a step at most: its last token and its guesses.
+    pub fn decode_rows(&self) -> usize {
+        1 + self.draft.as_ref().map_or(0, |d| d.len)
+    }
+
+    /// Rows of the widest step: the decode rows of every slot plus the prefill tokens.
     pub fn step_rows(&self) -> usize {
-        self.max_batch.max(1) + self.prefill_chunk.max(1)
+        self.max_batch.max(1) * self.decode_rows() + self.prefill_chunk.max(1)
     }
 }
 
@@ -85,10 +97,15 @@ impl BatchOptions {
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct BatchStats {
     pub steps: u64,
+    /// Rows of decoding sequences: their last tokens and their guesses.
     pub decode_rows: u64,
+    /// Decoding sequences, summed over the steps.
+    pub decode_sequences: u64,
     pub prefill_rows: u64,
     /// Tokens chosen (each sequence's first token comes from its last prefill row).
     pub generated: u64,
+    /// Decode steps and drafting of the finished sequences, summed.
+    pub draft: DraftStats,
     /// Steps that ran `n` decode rows, at index `n`.
     #[serde(skip)]
     pub steps_by_width: Vec<u64>,
@@ -104,6 +121,10 @@ struct Running {
     generated: usize,
     rng: SplitMix64,
     submitted: Instant,
+    /// Greedy requests when drafting; with the prompt and the tokens chosen so far.
+    drafter: Option<(Drafter, Vec<u32>)>,
+    /// Decode steps when not drafting.
+    steps: u64,
 }
 
 /// Sequences in flight and their slots. See the module docs.
@@ -116,12 +137,13 @@ pub struct Batcher<'e, S: WeightSource + LayerHook> {
     order: Vec<usize>,
     queue: VecDeque<(Ticket, BatchRequest, Instant)>,
     scratch: Scratch,
-    /// [slots, V]: each sequence has at most one row of logits per step.
+    /// [slots x decode rows, V]: a sequence's rows of logits in a step, in row order.
     logits: Vec<f32>,
     tokens: Vec<u32>,
     segments: Vec<Segment>,
     logit_rows: Vec<usize>,
-    logit_slots: Vec<usize>,
+    /// Per sequence with logits this step: its slot, its first row of logits and how many.
+    logit_slots: Vec<(usize, usize, usize)>,
     candidates: Vec<(usize, f64)>,
     next_ticket: Ticket,
     stats: BatchStats,
@@ -129,14 +151,16 @@ pub struct Batcher<'e, S: WeightSource + LayerHook> {
 
 impl<S: WeightSource + LayerHook> Engine<S> {
     /// Bytes of one sequence slot (states and latent cache for `context` positions).
-    pub fn slot_bytes(&self, context: usize) -> u64 {
-        ModelState::bytes(&self.model.cfg, context)
+    pub fn slot_bytes(&self, opts: &BatchOptions) -> u64 {
+        let cfg = &self.model.cfg;
+        let journal = if opts.draft.is_some() { Journal::bytes(cfg, opts.decode_rows()) } else { 0 };
+        ModelState::bytes(cfg, opts.context.max(1)) + journal
     }
 
     /// Bytes a batcher with `slots` slots allocates besides the slots themselves.
     pub fn batch_scratch_bytes(&self, opts: &BatchOptions, slots: usize) -> u64 {
         let cfg = &self.model.cfg;
-        Scratch::bytes(cfg, opts.step_rows(), opts.context) + 4 * (slots * cfg.vocab_size) as u64
+        Scratch::bytes(cfg, opts.step_rows(), opts.context) + 4 * (slots * opts.decode_rows() * cfg.vocab_size) as u64
     }
 
     /// A batcher with `opts.max_batch` slots, or as many as available memory holds (at least
@@ -145,7 +169,10 @@ impl<S: WeightSource + LayerHook> Engine<S> {
         let cfg = &self.model.cfg;
         let context = opts.context.max(1);
         let wanted = opts.max_batch.max(1);
-        let slot = self.slot_bytes(context);
+        if let Some(d) = &opts.draft {
+            d.check()?;
+        }
+        let slot = self.slot_bytes(&opts);
         let fixed = self.batch_scratch_bytes(&opts, wanted);
         let slots = match crate::memory::available() {
             Some(available) => {
@@ -173,7 +200,7 @@ impl<S: WeightSource + LayerHook> Engine<S> {
             order: Vec::with_capacity(slots),
             queue: VecDeque::new(),
             scratch: Scratch::new(cfg, opts.step_rows(), context),
-            logits: vec![0.0; slots * cfg.vocab_size],
+            logits: vec![0.0; slots * opts.decode_rows() * cfg.vocab_size],
             tokens: Vec::with_capacity(opts.step_rows()),
             segments: Vec::with_capacity(slots),
             logit_rows: Vec::with_capacity(slots),
@@ -272,7 +299,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             engine.model.forward_batch(src, hook, states, segments, scratch, tokens, logit_rows, logits, None)
         })?;
         self.stats.steps += 1;
-        self.choose(sink);
+        self.choose(sink)?;
         Ok(true)
     }
 
@@ -287,13 +314,29 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
                     prompt_tokens: request.prompt.len(),
                     generated: 0,
                     seconds: submitted.elapsed().as_secs_f64(),
+                    draft: DraftStats::default(),
                 });
                 continue;
             }
             self.states[slot].reset();
             let rng = SplitMix64::new(request.sampling.seed);
-            self.slots[slot] =
-                Some(Running { ticket, request, prefilled: 0, next: None, generated: 0, rng, submitted });
+            let drafter = match &self.opts.draft {
+                Some(d) if request.sampling.is_greedy() => {
+                    Some((Drafter::new(d.clone(), &request.prompt), request.prompt.clone()))
+                }
+                _ => None,
+            };
+            self.slots[slot] = Some(Running {
+                ticket,
+                request,
+                prefilled: 0,
+                next: None,
+                generated: 0,
+                rng,
+                submitted,
+                drafter,
+                steps: 0,
+            });
             self.order.push(slot);
         }
     }
@@ -306,17 +349,28 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         self.logit_rows.clear();
         self.logit_slots.clear();
         let mut decode = 0;
+        let cfg = &self.engine.model.cfg;
         for &slot in &self.order {
-            let Some(run) = &self.slots[slot] else { continue };
+            let Some(run) = &mut self.slots[slot] else { continue };
             if let Some(next) = run.next {
                 let row = self.tokens.len();
                 self.tokens.push(next);
-                self.segments.push(Segment { slot, rows: row..row + 1 });
-                self.logit_rows.push(row);
-                self.logit_slots.push(slot);
+                if let Some((drafter, context)) = &mut run.drafter {
+                    // No row chooses a token past the request's limit.
+                    let left = run.request.max_tokens - run.generated;
+                    drafter.propose(context, left.saturating_sub(1), &mut self.tokens);
+                }
+                let rows = self.tokens.len() - row;
+                if rows > 1 {
+                    self.states[slot].arm(cfg, rows);
+                }
+                self.segments.push(Segment { slot, rows: row..row + rows });
+                self.logit_slots.push((slot, self.logit_rows.len(), rows));
+                self.logit_rows.extend(row..row + rows);
                 decode += 1;
             }
         }
+        let decode_rows = self.tokens.len();
         let mut budget = self.opts.prefill_chunk.max(1);
         for &slot in &self.order {
             let Some(run) = &mut self.slots[slot] else { continue };
@@ -330,48 +384,84 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             run.prefilled += take;
             budget -= take;
             if run.prefilled == run.request.prompt.len() {
+                self.logit_slots.push((slot, self.logit_rows.len(), 1));
                 self.logit_rows.push(row + take - 1);
-                self.logit_slots.push(slot);
             }
         }
-        self.stats.decode_rows += decode as u64;
-        self.stats.prefill_rows += (self.tokens.len() - decode) as u64;
+        self.stats.decode_rows += decode_rows as u64;
+        self.stats.decode_sequences += decode as u64;
+        self.stats.prefill_rows += (self.tokens.len() - decode_rows) as u64;
         self.stats.steps_by_width[decode] += 1;
     }
 
-    /// Samples each sequence's next token from its row of logits; finishes the sequences that
-    /// are done and frees their slots.
-    fn choose(&mut self, sink: &mut dyn BatchSink) {
-        let vocab = self.engine.model.cfg.vocab_size;
+    /// Samples each sequence's next token from its rows of logits (with a draft: from each row
+    /// in turn while the token chosen is the next row's guess, then the rows after are taken
+    /// back); finishes the sequences that are done and frees their slots.
+    fn choose(&mut self, sink: &mut dyn BatchSink) -> Result<(), EngineError> {
+        let (cfg, kernels) = (&self.engine.model.cfg, &self.engine.model.kernels);
+        let vocab = cfg.vocab_size;
+        let (mut guessed, mut guesses_kept) = (0, 0);
         for i in 0..self.logit_slots.len() {
-            let slot = self.logit_slots[i];
+            let (slot, first, rows) = self.logit_slots[i];
             let Some(run) = &mut self.slots[slot] else { continue };
-            let logits = &self.logits[i * vocab..(i + 1) * vocab];
-            let id = sampling::sample(logits, &run.request.sampling, &mut run.rng, &mut self.candidates) as u32;
-            run.generated += 1;
-            self.stats.generated += 1;
-            let stopped = sink.token(run.ticket, id) || run.request.stop_ids.contains(&id);
-            let reason = if stopped {
-                Some(FinishReason::Stop)
-            } else if run.generated == run.request.max_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            match reason {
-                None => run.next = Some(id),
-                Some(reason) => {
-                    sink.finished(Finished {
-                        ticket: run.ticket,
-                        reason,
-                        prompt_tokens: run.request.prompt.len(),
-                        generated: run.generated,
-                        seconds: run.submitted.elapsed().as_secs_f64(),
-                    });
-                    self.slots[slot] = None;
-                    self.order.retain(|&s| s != slot);
+            let step_rows = &self.tokens[self.logit_rows[first]..self.logit_rows[first] + rows];
+            let decoding = run.next.is_some();
+            let (mut kept, mut reason) = (0, None);
+            for r in 0..rows {
+                let logits = &self.logits[(first + r) * vocab..(first + r + 1) * vocab];
+                let id = sampling::sample(logits, &run.request.sampling, &mut run.rng, &mut self.candidates) as u32;
+                run.generated += 1;
+                self.stats.generated += 1;
+                kept = r + 1;
+                if let Some((_, context)) = &mut run.drafter {
+                    context.push(id);
+                }
+                let stopped = sink.token(run.ticket, id) || run.request.stop_ids.contains(&id);
+                reason = if stopped {
+                    Some(FinishReason::Stop)
+                } else if run.generated == run.request.max_tokens {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                };
+                run.next = Some(id);
+                if reason.is_some() || step_rows.get(r + 1) != Some(&id) {
+                    break;
                 }
             }
+            if rows > 1 {
+                self.states[slot].rewind(kernels, cfg, kept)?;
+            }
+            if decoding {
+                match &mut run.drafter {
+                    Some((d, _)) => d.record(rows - 1, kept - 1),
+                    None => run.steps += 1,
+                }
+                guessed += rows - 1;
+                guesses_kept += kept - 1;
+            }
+            if let Some(reason) = reason {
+                let draft = run
+                    .drafter
+                    .as_ref()
+                    .map_or(DraftStats { steps: run.steps, ..DraftStats::default() }, |d| d.0.stats);
+                self.stats.draft.add(&draft);
+                sink.finished(Finished {
+                    ticket: run.ticket,
+                    reason,
+                    prompt_tokens: run.request.prompt.len(),
+                    generated: run.generated,
+                    seconds: run.submitted.elapsed().as_secs_f64(),
+                    draft,
+                });
+                self.slots[slot] = None;
+                self.order.retain(|&s| s != slot);
+            }
         }
+        if let (Some(t), Some(_)) = (&self.engine.model.tracer, &self.opts.draft) {
+            t.counter("draft: tokens guessed", guessed as f64);
+            t.counter("draft: guesses kept", guesses_kept as f64);
+        }
+        Ok(())
     }
 }

@@ -11,7 +11,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use super::{sampling, Engine, EngineError, Sampling, Session};
+use super::decode::{self, Decode, End, Steps};
+use super::draft::{DraftOptions, DraftStats};
+use super::{Engine, EngineError, Sampling, Session};
 use crate::model::weights::WeightSource;
 use crate::model::{LayerHook, LogitRows, ModelError};
 use crate::rng::SplitMix64;
@@ -24,6 +26,8 @@ pub struct ReplyOptions<'a> {
     pub stop_ids: Vec<u32>,
     /// Checked between prefill chunks and between tokens (Ctrl-C).
     pub stop: Option<&'a AtomicBool>,
+    /// Draft-and-verify decoding ([`super::draft`]); greedy only.
+    pub draft: Option<DraftOptions>,
 }
 
 /// What one reply did.
@@ -39,6 +43,8 @@ pub struct Reply {
     pub interrupted: bool,
     /// Stopped because the context was full before `max_tokens`.
     pub context_full: bool,
+    /// Decode steps and what drafting guessed and kept.
+    pub draft: DraftStats,
 }
 
 /// The state of one conversation.
@@ -141,32 +147,54 @@ impl ChatSession {
         // The last token is never fed, so a reply may reach one past the capacity.
         let room = capacity - self.ids.len() + 1;
         let steps = opts.max_tokens.min(room);
-        let stopped = || opts.stop.is_some_and(|s| s.load(Ordering::Relaxed));
+        let mut drafter = super::drafter_for(opts.draft.as_ref(), &opts.sampling, false, &self.ids)?;
         let mut rng = SplitMix64::new(opts.sampling.seed);
-        let vocab = engine.model.cfg.vocab_size;
         let decode_start = Instant::now();
-        for step in 0..steps {
-            let logits = &self.sess.logits[..vocab];
-            let next = sampling::sample(logits, &opts.sampling, &mut rng, &mut self.candidates) as u32;
-            out.ids.push(next);
-            self.ids.push(next);
-            let go_on = on_token(next);
-            if opts.stop_ids.contains(&next) {
-                out.stopped_on = Some(next);
-                break;
-            }
-            if step + 1 == steps {
-                out.context_full = steps < opts.max_tokens;
-                break;
-            }
-            if !go_on || stopped() {
-                out.interrupted = true;
-                break;
-            }
-            engine.prefill(&mut self.sess, &[next], LogitRows::Last, None)?;
-            self.fed += 1;
+        let decode = Decode {
+            max: steps,
+            sampling: &opts.sampling,
+            stop_ids: &opts.stop_ids,
+            drafter: drafter.as_mut(),
+            rng: &mut rng,
+            candidates: &mut self.candidates,
+        };
+        let mut io = ReplySteps { engine, stop: opts.stop, reply: &mut out.ids, on_token: &mut on_token };
+        let result = decode::decode(engine, &mut self.sess, decode, &mut self.ids, &mut io);
+        // What was fed stays fed, also when a step failed.
+        self.fed = self.sess.state.pos();
+        let (end, draft) = result?;
+        match end {
+            End::Length => out.context_full = steps < opts.max_tokens,
+            End::Stop(id) => out.stopped_on = Some(id),
+            End::Interrupted => out.interrupted = true,
         }
+        out.draft = draft;
         out.decode_seconds = decode_start.elapsed().as_secs_f64();
         Ok(out)
+    }
+}
+
+/// A reply's side of the decode loop.
+struct ReplySteps<'a, 'f, S: WeightSource + LayerHook> {
+    engine: &'a Engine<S>,
+    stop: Option<&'a AtomicBool>,
+    reply: &'a mut Vec<u32>,
+    on_token: &'a mut (dyn FnMut(u32) -> bool + 'f),
+}
+
+impl<S: WeightSource + LayerHook> Steps for ReplySteps<'_, '_, S> {
+    fn chosen(&mut self, id: u32, _logits: &[f32]) -> bool {
+        self.reply.push(id);
+        (self.on_token)(id)
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.is_some_and(|s| s.load(Ordering::Relaxed))
+    }
+
+    fn run(&mut self, sess: &mut Session, rows: &[u32], _context: &[u32]) -> Result<(), EngineError> {
+        let logit_rows = if rows.len() == 1 { LogitRows::Last } else { LogitRows::All };
+        self.engine.prefill(sess, rows, logit_rows, None)?;
+        Ok(())
     }
 }

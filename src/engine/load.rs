@@ -10,6 +10,7 @@ use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::exit::{Classify, ExitCode};
 use crate::model::attribution::Attribution;
+use crate::model::rewind::Journal;
 use crate::model::weights::{ModelWeights, WeightSource};
 use crate::model::{LayerHook, Model, ModelState, Scratch};
 use crate::pipeline::{Pipeline, PipelineOptions, Prefetcher};
@@ -113,6 +114,9 @@ pub struct StreamingRun {
     /// The memory the budget was derived from, so a preset and its check see one reading
     /// (`None`: read it when planning).
     pub available_memory: Option<crate::memory::Available>,
+    /// Rows of a drafted step (the last token and the guesses; 0 or 1: no drafting): each
+    /// sequence's state then keeps a journal to take rows back ([`crate::model::rewind`]).
+    pub draft_rows: usize,
 }
 
 /// Opens `dir` for streaming from the trunk pack in `trunk_dir` under a memory budget: makes the
@@ -149,7 +153,7 @@ pub fn open_streaming(
         top_k: c.cfg.moe.top_k,
         prefetch_window: run.prefetch_window.unwrap_or(c.cfg.moe.top_k + if spec.enabled { spec.margin } else { 0 }),
         readahead: run.pipeline.mode.readahead(run.store.readahead),
-        states_bytes: ModelState::bytes(&c.cfg, run.context),
+        states_bytes: ModelState::bytes(&c.cfg, run.context) + Journal::bytes(&c.cfg, run.draft_rows),
         sequences: run.sequences,
         scratch_bytes: Scratch::bytes(&c.cfg, chunk, run.context)
             + Prefetcher::scratch_bytes(&c.cfg, chunk)

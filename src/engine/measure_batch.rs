@@ -54,7 +54,12 @@ impl BatchSpec {
     }
 
     pub fn options(&self) -> BatchOptions {
-        BatchOptions { max_batch: self.batch(), prefill_chunk: self.prefill_chunk, context: self.context() }
+        BatchOptions {
+            max_batch: self.batch(),
+            prefill_chunk: self.prefill_chunk,
+            context: self.context(),
+            draft: None,
+        }
     }
 }
 

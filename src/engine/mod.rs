@@ -6,6 +6,9 @@
 
 pub mod batch;
 pub mod chat;
+mod decode;
+use decode::{Decode, End, Steps};
+pub mod draft;
 pub mod load;
 pub mod measure;
 pub mod measure_batch;
@@ -22,6 +25,7 @@ use crate::model::weights::WeightSource;
 use crate::model::{LayerHook, LogitRows, Model, ModelError, ModelState, Probe, Scratch};
 pub use batch::{BatchOptions, BatchRequest, BatchSink, BatchStats, Batcher, FinishReason, Finished, Ticket};
 pub use chat::{ChatSession, Reply, ReplyOptions};
+pub use draft::{DraftError, DraftOptions, DraftStats, Drafter, Replay};
 pub use load::{open_resident, open_streaming, OpenError, Opened, StreamingRun};
 pub use sampling::Sampling;
 pub use state_file::{Fingerprint, StateFileError};
@@ -51,6 +55,8 @@ pub enum EngineError {
     EmptyPrompt,
     #[error(transparent)]
     RouteLog(#[from] crate::storage::stream::cache_sim::TraceError),
+    #[error(transparent)]
+    Draft(#[from] DraftError),
 }
 
 impl Classify for EngineError {
@@ -64,6 +70,7 @@ impl Classify for EngineError {
             | EngineError::SlotTooShort { .. } => ExitCode::Usage,
             EngineError::Threads { .. } => ExitCode::Internal,
             EngineError::RouteLog(e) => e.exit_code(),
+            EngineError::Draft(e) => e.exit_code(),
         }
     }
 }
@@ -90,6 +97,8 @@ pub struct GenerateOptions {
     /// Checked between prefill chunks and between tokens: once set, generation stops and
     /// returns what it has, with [`Generation::interrupted`] (Ctrl-C: [`crate::interrupt::flag`]).
     pub stop: Option<&'static AtomicBool>,
+    /// Draft-and-verify decoding ([`draft`]); greedy only. Ignored with `full_recompute`.
+    pub draft: Option<DraftOptions>,
 }
 
 impl Default for GenerateOptions {
@@ -104,6 +113,7 @@ impl Default for GenerateOptions {
             prompt_logits: false,
             route_log: None,
             stop: None,
+            draft: None,
         }
     }
 }
@@ -126,6 +136,8 @@ pub struct Generation {
     pub prompt_done: usize,
     /// Stopped by [`GenerateOptions::stop`] before the end.
     pub interrupted: bool,
+    /// Decode steps and what drafting guessed and kept (steps only, without drafting).
+    pub draft: DraftStats,
 }
 
 /// Positions a generation of `gen` tokens after `prompt` tokens needs (`prompt + max(gen, 1)`),
@@ -285,6 +297,23 @@ impl<S: WeightSource + LayerHook> Engine<S> {
         Ok(())
     }
 
+    /// Runs a drafted step (`rows`: the last token chosen, then the guesses), leaving every
+    /// row's logits in the session, in row order. The route log holds the step's routes until
+    /// the kept rows are known ([`RouteLog::release`]).
+    fn verify_step(&self, sess: &mut Session, rows: &[u32], log: &mut Option<RouteLog>) -> Result<(), EngineError> {
+        match log {
+            Some(log) => {
+                log.base = sess.state.pos() as u64;
+                log.held = Some(Vec::new());
+                self.prefill(sess, rows, LogitRows::All, Some(log))?;
+            }
+            None => {
+                self.prefill(sess, rows, LogitRows::All, None)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Prefill then decode up to `opts.gen` tokens, calling `on_token` as each is chosen.
     pub fn generate(
         &self,
@@ -325,6 +354,7 @@ impl<S: WeightSource + LayerHook> Engine<S> {
                 )?,
                 base: 0,
                 error: None,
+                held: None,
             }),
             None => None,
         };
@@ -343,36 +373,32 @@ impl<S: WeightSource + LayerHook> Engine<S> {
         }
         out.prefill_seconds = start.elapsed().as_secs_f64();
         let decode_start = Instant::now();
-        let vocab = self.model.cfg.vocab_size;
         let mut context: Vec<u32> = prompt.to_vec();
-        let steps = if out.interrupted { 0 } else { opts.gen };
-        for step in 0..steps {
-            let logits = &sess.logits[..vocab];
-            if opts.keep_logits {
-                out.logits.push(logits.to_vec());
-            }
-            let next = sampling::sample(logits, &opts.sampling, &mut rng, &mut candidates) as u32;
-            out.generated_ids.push(next);
-            on_token(next);
-            if opts.stop_ids.contains(&next) {
-                out.stopped_on = Some(next);
-                break;
-            }
-            if step + 1 == opts.gen {
-                break;
-            }
-            if stopped() {
-                out.interrupted = true;
-                break;
-            }
-            context.push(next);
-            if opts.full_recompute {
-                sess.state.reset();
-                self.prefill(&mut sess, &context, LogitRows::Last, None)?;
-            } else {
-                self.prefill_logged(&mut sess, &[next], &mut log, None)?;
-            }
+        let gen = if out.interrupted { 0 } else { opts.gen };
+        let mut drafter = drafter_for(opts.draft.as_ref(), &opts.sampling, opts.full_recompute, prompt)?;
+        let decode = Decode {
+            max: gen,
+            sampling: &opts.sampling,
+            stop_ids: &opts.stop_ids,
+            drafter: drafter.as_mut(),
+            rng: &mut rng,
+            candidates: &mut candidates,
+        };
+        let mut io = GenerateSteps {
+            engine: self,
+            opts,
+            log: &mut log,
+            logits: &mut out.logits,
+            generated: &mut out.generated_ids,
+            on_token: &mut on_token,
+        };
+        let (end, draft) = decode::decode(self, &mut sess, decode, &mut context, &mut io)?;
+        match end {
+            End::Length => {}
+            End::Stop(id) => out.stopped_on = Some(id),
+            End::Interrupted => out.interrupted = true,
         }
+        out.draft = draft;
         if let Some(log) = log {
             if let Some(e) = log.error {
                 return Err(e.into());
@@ -386,12 +412,96 @@ impl<S: WeightSource + LayerHook> Engine<S> {
     }
 }
 
+/// [`Engine::generate_with`]'s side of the decode loop.
+struct GenerateSteps<'a, 'f, S: WeightSource + LayerHook> {
+    engine: &'a Engine<S>,
+    opts: &'a GenerateOptions,
+    log: &'a mut Option<RouteLog>,
+    logits: &'a mut Vec<Vec<f32>>,
+    generated: &'a mut Vec<u32>,
+    on_token: &'a mut (dyn FnMut(u32) + 'f),
+}
+
+impl<S: WeightSource + LayerHook> Steps for GenerateSteps<'_, '_, S> {
+    fn chosen(&mut self, id: u32, logits: &[f32]) -> bool {
+        if self.opts.keep_logits {
+            self.logits.push(logits.to_vec());
+        }
+        self.generated.push(id);
+        (self.on_token)(id);
+        true
+    }
+
+    fn stopped(&self) -> bool {
+        self.opts.stop.is_some_and(|s| s.load(Ordering::Relaxed))
+    }
+
+    fn run(&mut self, sess: &mut Session, rows: &[u32], context: &[u32]) -> Result<(), EngineError> {
+        if self.opts.full_recompute {
+            sess.state.reset();
+            self.engine.prefill(sess, context, LogitRows::Last, None)?;
+            return Ok(());
+        }
+        if rows.len() == 1 {
+            return self.engine.prefill_logged(sess, rows, self.log, None);
+        }
+        self.engine.verify_step(sess, rows, self.log)
+    }
+
+    fn kept(&mut self, kept: usize) {
+        if let Some(log) = self.log.as_mut() {
+            log.release(kept);
+        }
+    }
+}
+
+/// The drafter a generation asks for: refused with sampling (the CLI's default drafts greedy
+/// runs only) and out-of-range options; none with full recompute.
+pub(crate) fn drafter_for(
+    draft: Option<&DraftOptions>,
+    sampling: &Sampling,
+    full_recompute: bool,
+    prompt: &[u32],
+) -> Result<Option<Drafter>, EngineError> {
+    match draft {
+        None => Ok(None),
+        Some(_) if full_recompute => Ok(None),
+        Some(_) if !sampling.is_greedy() => Err(DraftError::NotGreedy.into()),
+        Some(d) => {
+            d.check()?;
+            Ok(Some(Drafter::new(d.clone(), prompt)))
+        }
+    }
+}
+
 /// Writes the routing of every token (a [`Probe`] that only listens to routes).
 struct RouteLog {
     writer: crate::storage::stream::cache_sim::TraceWriter,
     /// Position of the chunk's first token.
     base: u64,
     error: Option<crate::storage::stream::cache_sim::TraceError>,
+    /// A drafted step's routes (position, layer, experts), written once its kept rows are known.
+    held: Option<Vec<(u64, usize, Vec<usize>)>>,
+}
+
+impl RouteLog {
+    fn write(&mut self, token: u64, layer: usize, experts: &[usize]) {
+        if self.error.is_none() {
+            if let Err(e) = self.writer.record(token, layer, experts) {
+                self.error = Some(e);
+            }
+        }
+    }
+
+    /// Writes the held routes of the step's first `kept` rows, in the order they came.
+    fn release(&mut self, kept: usize) {
+        let end = self.base + kept as u64;
+        for (token, layer, experts) in self.held.take().unwrap_or_default() {
+            if token < end {
+                self.write(token, layer, &experts);
+            }
+        }
+    }
 }
 
 impl Probe for RouteLog {
@@ -399,10 +509,10 @@ impl Probe for RouteLog {
 
     fn routes(&mut self, layer: usize, routes: &[crate::model::moe::Route]) {
         for (i, r) in routes.iter().enumerate() {
-            if self.error.is_none() {
-                if let Err(e) = self.writer.record(self.base + i as u64, layer, &r.experts) {
-                    self.error = Some(e);
-                }
+            let token = self.base + i as u64;
+            match &mut self.held {
+                Some(held) => held.push((token, layer, r.experts.clone())),
+                None => self.write(token, layer, &r.experts),
             }
         }
     }

@@ -58,6 +58,108 @@ impl KdaState {
     }
 }
 
+/// What a KDA layer needs to take back rows of a step (draft verification): the state before
+/// the step, and the recurrence's inputs for the step's rows (raw conv inputs, normalised q and
+/// k, v, alpha, beta), so that the state after any prefix of the rows is recomputed by the same
+/// operations in the same order, without the layer's weights.
+pub struct KdaJournal {
+    s: Vec<f32>,
+    conv: Vec<f32>,
+    raw: [Vec<f32>; 3],
+    qkv: [Vec<f32>; 3],
+    alpha: Vec<f32>,
+    beta: Vec<f32>,
+    heads_out: Vec<f32>,
+    step: Vec<f32>,
+    rows: usize,
+    max_rows: usize,
+}
+
+impl KdaJournal {
+    pub fn new(cfg: &Config, max_rows: usize) -> KdaJournal {
+        let kd = &cfg.kda;
+        let tw = max_rows * kd.width();
+        KdaJournal {
+            s: vec![0.0; kd.n_heads * kd.head_dim * kd.head_dim],
+            conv: vec![0.0; 3 * kd.width() * (kd.conv_kernel_size - 1)],
+            raw: [vec![0.0; tw], vec![0.0; tw], vec![0.0; tw]],
+            qkv: [vec![0.0; tw], vec![0.0; tw], vec![0.0; tw]],
+            alpha: vec![0.0; tw],
+            beta: vec![0.0; max_rows * kd.n_heads],
+            heads_out: vec![0.0; tw],
+            step: vec![0.0; kd.n_heads * kd.head_dim],
+            rows: 0,
+            max_rows,
+        }
+    }
+
+    /// Bytes a journal for `max_rows` rows holds.
+    pub fn bytes(cfg: &Config, max_rows: usize) -> u64 {
+        let kd = &cfg.kda;
+        let tw = (max_rows * kd.width()) as u64;
+        KdaState::bytes(cfg) + 4 * (8 * tw + (max_rows * kd.n_heads + kd.n_heads * kd.head_dim) as u64)
+    }
+
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// Before [`mix`] of the step: keeps the state it starts from.
+    pub fn save(&mut self, st: &KdaState) {
+        self.s.copy_from_slice(&st.s);
+        self.conv.copy_from_slice(&st.conv);
+        self.rows = 0;
+    }
+
+    /// After [`mix`] of the step over `rows`: keeps the recurrence's inputs of those rows.
+    pub fn record(&mut self, cfg: &Config, s: &KdaScratch, rows: std::ops::Range<usize>) {
+        let kd = &cfg.kda;
+        let (width, heads) = (kd.width(), kd.n_heads);
+        let n = rows.len().min(self.max_rows);
+        let span = rows.start * width..(rows.start + n) * width;
+        for i in 0..3 {
+            self.raw[i][..n * width].copy_from_slice(&s.raw[i][span.clone()]);
+            self.qkv[i][..n * width].copy_from_slice(&s.conv[i][span.clone()]);
+        }
+        self.alpha[..n * width].copy_from_slice(&s.gate[span]);
+        self.beta[..n * heads].copy_from_slice(&s.beta[rows.start * heads..(rows.start + n) * heads]);
+        self.rows = n;
+    }
+
+    /// Puts `st` where it would be after only the first `keep` recorded rows: the saved state,
+    /// then the conv history and the recurrence advanced over those rows exactly as [`mix`] did.
+    pub fn rewind(&mut self, k: &Kernels, cfg: &Config, st: &mut KdaState, keep: usize) {
+        let kd = &cfg.kda;
+        let width = kd.width();
+        let keep = keep.min(self.rows);
+        st.s.copy_from_slice(&self.s);
+        st.conv.copy_from_slice(&self.conv);
+        let hist_len = width * (kd.conv_kernel_size - 1);
+        for i in 0..3 {
+            let hist = &mut st.conv[i * hist_len..(i + 1) * hist_len];
+            advance_history(kd.conv_kernel_size, width, keep, &self.raw[i], hist);
+        }
+        if keep > 0 {
+            let [q, kk, v] = &self.qkv;
+            recurrence(
+                k,
+                cfg,
+                st,
+                q,
+                kk,
+                v,
+                &self.alpha,
+                &self.beta,
+                0..keep,
+                keep,
+                &mut self.heads_out,
+                &mut self.step,
+            );
+        }
+        self.rows = keep;
+    }
+}
+
 /// Buffers for a chunk of up to `chunk` tokens.
 pub struct KdaScratch {
     raw: [Vec<f32>; 3],  // [T, W] q, k, v projections before the conv
@@ -242,6 +344,22 @@ fn short_conv(weight: &[u8], kw: usize, width: usize, t: usize, u: &[f32], hist:
             if h > 0 {
                 past[h - 1] = u[tok * width + c];
             }
+        }
+    }
+}
+
+/// The history update of [`short_conv`] alone: after `t` inputs `u` ([t, width]), `hist` holds
+/// the last `kw - 1` inputs per channel, oldest first.
+fn advance_history(kw: usize, width: usize, t: usize, u: &[f32], hist: &mut [f32]) {
+    let h = kw - 1;
+    if h == 0 {
+        return;
+    }
+    for c in 0..width {
+        let past = &mut hist[c * h..(c + 1) * h];
+        for tok in 0..t {
+            past.rotate_left(1);
+            past[h - 1] = u[tok * width + c];
         }
     }
 }

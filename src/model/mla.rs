@@ -64,6 +64,11 @@ impl MlaCache {
         self.data.len() / self.width
     }
 
+    /// Keeps the first `len` positions (rows past it are never read).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

@@ -17,6 +17,7 @@ pub mod hook;
 pub mod kda;
 pub mod mla;
 pub mod moe;
+pub mod rewind;
 pub mod weights;
 
 use kernels::{KernelError, Kernels};
@@ -117,6 +118,8 @@ pub struct ModelState {
     layers: Vec<LayerState>,
     pos: usize,
     capacity: usize,
+    /// Set once the state is armed for draft verification ([`ModelState::arm`]).
+    journal: Option<rewind::Journal>,
 }
 
 impl ModelState {
@@ -130,7 +133,7 @@ impl ModelState {
                 AttnKind::Mla => LayerState::Mla(MlaCache::new(cfg, capacity)),
             })
             .collect();
-        ModelState { layers, pos: 0, capacity }
+        ModelState { layers, pos: 0, capacity, journal: None }
     }
 
     /// Bytes of the states and caches for `capacity` positions.
@@ -284,6 +287,12 @@ impl Model {
             if st.pos + seg.rows.len() > st.capacity {
                 return Err(ModelError::ContextFull { capacity: st.capacity });
             }
+            if st.armed_rows().is_some_and(|max| seg.rows.len() > max) {
+                return Err(ModelError::Internal(format!(
+                    "a step of {} rows on a state armed for fewer",
+                    seg.rows.len()
+                )));
+            }
         }
         let d = self.cfg.hidden_size;
         let meter = self.meter();
@@ -380,10 +389,7 @@ impl Model {
             AttnWeights::Kda(w) => {
                 kda::project(k, meter, cfg, &view, w, &sc.xn, t, &mut sc.kda)?;
                 for seg in segments {
-                    let LayerState::Kda(s) = &mut states[seg.slot].layers[l] else { return Err(disagree()) };
-                    meter.time(OpClass::KdaRecurrence, kda::conv_weight_bytes(&view, w), || {
-                        kda::mix(k, cfg, &view, w, s, seg.rows.clone(), t, &mut sc.kda)
-                    });
+                    self.kda_mix(&view, w, &mut states[seg.slot], l, seg.rows.clone(), t, &mut sc.kda)?;
                 }
                 kda::output(k, meter, cfg, &view, w, t, &mut sc.kda, &mut sc.a)?;
             }
@@ -445,6 +451,36 @@ impl Model {
 }
 
 impl Model {
+    /// The recurrent part of KDA layer `l` for one sequence's rows; an armed state's journal
+    /// keeps what taking rows back needs ([`rewind`]).
+    #[allow(clippy::too_many_arguments)]
+    fn kda_mix(
+        &self,
+        view: &dyn TrunkView,
+        w: &weights::KdaWeights,
+        st: &mut ModelState,
+        l: usize,
+        rows: std::ops::Range<usize>,
+        t: usize,
+        sc: &mut KdaScratch,
+    ) -> Result<(), ModelError> {
+        let (k, cfg) = (&self.kernels, &self.cfg);
+        let LayerState::Kda(s) = &mut st.layers[l] else {
+            return Err(ModelError::Internal(format!("layer {l}: state and weights disagree")));
+        };
+        let mut journal = st.journal.as_mut().and_then(|j| j.kda_mut(l));
+        if let Some(j) = journal.as_deref_mut() {
+            j.save(s);
+        }
+        self.meter().time(OpClass::KdaRecurrence, kda::conv_weight_bytes(view, w), || {
+            kda::mix(k, cfg, view, w, s, rows.clone(), t, sc)
+        });
+        if let Some(j) = journal {
+            j.record(cfg, sc, rows);
+        }
+        Ok(())
+    }
+
     fn meter(&self) -> Meter<'_> {
         Meter::new(self.attribution.as_deref())
     }
@@ -514,6 +550,7 @@ impl ModelState {
         if pos > self.capacity {
             return Err(format!("position {pos} is beyond this session's {} positions", self.capacity));
         }
+        self.commit();
         let r = self.load_layers(bytes, pos);
         match r {
             Ok(()) => self.pos = pos,
@@ -537,6 +574,7 @@ impl ModelState {
 
     /// Forgets the context: zero states, empty caches, position 0. Keeps the allocations.
     pub fn reset(&mut self) {
+        self.commit();
         for l in &mut self.layers {
             match l {
                 LayerState::Kda(s) => s.reset(),

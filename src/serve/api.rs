@@ -554,11 +554,28 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// With drafting: the guesses kept and taken back, in OpenAI's fields for predicted
+    /// outputs, and the decode steps (k3ring's own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_details: Option<CompletionDetails>,
+}
+
+/// `usage.completion_tokens_details` of a drafted sequence.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct CompletionDetails {
+    pub accepted_prediction_tokens: u64,
+    pub rejected_prediction_tokens: u64,
+    pub decode_steps: u64,
 }
 
 impl Usage {
     pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Usage {
-        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            completion_tokens_details: None,
+        }
     }
 }
 

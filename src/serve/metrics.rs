@@ -30,6 +30,10 @@ pub struct Shared {
     pub running: AtomicUsize,
     pub generated_tokens: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    /// Decode steps, guesses made and kept (drafting), of finished sequences.
+    pub decode_steps: AtomicU64,
+    pub drafted_tokens: AtomicU64,
+    pub accepted_tokens: AtomicU64,
     pub cancelled: AtomicU64,
     /// Connections open, and those refused at the cap (`--max-connections`).
     pub connections: AtomicUsize,
@@ -49,6 +53,13 @@ impl Shared {
 
     pub fn set_snapshot(&self, s: Snapshot) {
         *self.snapshot.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = s;
+    }
+
+    /// Adds a finished sequence's decode steps and drafting.
+    pub fn count_draft(&self, d: &crate::engine::DraftStats) {
+        self.decode_steps.fetch_add(d.steps, Ordering::Relaxed);
+        self.drafted_tokens.fetch_add(d.drafted, Ordering::Relaxed);
+        self.accepted_tokens.fetch_add(d.accepted, Ordering::Relaxed);
     }
 
     pub fn shutting_down(&self) -> bool {
@@ -112,6 +123,24 @@ impl Shared {
         );
         metric("k3ring_generated_tokens_total", "counter", "Tokens generated.", &one(load64(&self.generated_tokens)));
         metric("k3ring_prompt_tokens_total", "counter", "Prompt tokens admitted.", &one(load64(&self.prompt_tokens)));
+        metric(
+            "k3ring_decode_steps_total",
+            "counter",
+            "Decode steps of finished sequences (a drafted step may give several tokens).",
+            &one(load64(&self.decode_steps)),
+        );
+        metric(
+            "k3ring_draft_tokens_total",
+            "counter",
+            "Tokens guessed by drafting, of finished sequences.",
+            &one(load64(&self.drafted_tokens)),
+        );
+        metric(
+            "k3ring_draft_accepted_tokens_total",
+            "counter",
+            "Guessed tokens the model confirmed, of finished sequences.",
+            &one(load64(&self.accepted_tokens)),
+        );
         metric(
             "k3ring_cancelled_total",
             "counter",

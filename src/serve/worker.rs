@@ -141,6 +141,8 @@ struct Outputs<'t> {
     tok: &'t Tokenizer,
     seqs: HashMap<Ticket, Sequence<'t>>,
     shared: Arc<Shared>,
+    /// The server drafts (greedy requests): usages report what was guessed and kept.
+    drafting: bool,
 }
 
 impl BatchSink for Outputs<'_> {
@@ -211,7 +213,15 @@ impl BatchSink for Outputs<'_> {
             FinishReason::Length => "length",
             FinishReason::Stop => "stop",
         };
-        let usage = Usage::new(seq.prompt_tokens, f.generated);
+        let mut usage = Usage::new(seq.prompt_tokens, f.generated);
+        if self.drafting {
+            usage.completion_tokens_details = Some(super::api::CompletionDetails {
+                accepted_prediction_tokens: f.draft.accepted,
+                rejected_prediction_tokens: f.draft.drafted - f.draft.accepted,
+                decode_steps: f.draft.steps,
+            });
+        }
+        self.shared.count_draft(&f.draft);
         let _ = seq.events.send(Event::Done { finish_reason, usage });
     }
 }
@@ -244,9 +254,10 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
         let specials = Specials::of(tok).ok();
         let seeds =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let drafting = batcher.options().draft.is_some();
         Worker {
             batcher,
-            out: Outputs { tok, seqs: HashMap::new(), shared },
+            out: Outputs { tok, seqs: HashMap::new(), shared, drafting },
             cfg,
             specials,
             opts,

@@ -123,7 +123,7 @@ impl k3ring::engine::BatchSink for Discard {
 fn batched(dir: &Path) -> Box<dyn std::any::Any> {
     use k3ring::engine::{BatchOptions, BatchRequest, Sampling};
     let o = open_resident(dir, 2, Kernels::detect()).unwrap();
-    let mut b = o.engine.batcher(BatchOptions { max_batch: 4, prefill_chunk: 8, context: 64 }).unwrap();
+    let mut b = o.engine.batcher(BatchOptions { max_batch: 4, prefill_chunk: 8, context: 64, draft: None }).unwrap();
     for i in 0..4u32 {
         let sampling =
             Sampling { temperature: 0.7 * (i % 2) as f32, top_k: Some(40), top_p: Some(0.9), seed: u64::from(i) };
@@ -165,6 +165,7 @@ fn streaming(dir: &Path) -> Box<dyn std::any::Any> {
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
+        draft_rows: 0,
     };
     let (o, _) = k3ring::engine::open_streaming(dir, trunk.path(), &run, Kernels::detect(), |_| {}).unwrap();
     let e = &o.engine;

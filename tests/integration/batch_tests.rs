@@ -111,8 +111,35 @@ fn check_identity<S: WeightSource + LayerHook>(
     n: usize,
     staggered: bool,
 ) {
+    check_identity_with(what, engine, reference, max_batch, n, staggered, None, None, Vec::new());
+}
+
+/// [`check_identity`] with drafting in the batch (solo runs stay plain) and `extra` requests
+/// after the usual ones; with `replay`, the drafts replay each request's solo run corrupted at
+/// that rate. Returns the drafting counts of every sequence, summed.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_identity_with<S: WeightSource + LayerHook>(
+    what: &str,
+    engine: &Engine<S>,
+    reference: &Engine<impl WeightSource + LayerHook>,
+    max_batch: usize,
+    n: usize,
+    staggered: bool,
+    draft: Option<k3ring::engine::DraftOptions>,
+    replay: Option<f64>,
+    extra: Vec<BatchRequest>,
+) -> k3ring::engine::DraftStats {
     let vocab = engine.model.cfg.vocab_size as u32;
     let mut reqs = requests(n, vocab);
+    reqs.extend(extra);
+    let n = reqs.len();
+    let draft = match (draft, replay) {
+        (Some(d), Some(corrupt)) => {
+            let runs = reqs.iter().map(|r| (r.prompt.clone(), solo(reference, r))).collect();
+            Some(k3ring::engine::DraftOptions { replay: Some(k3ring::engine::Replay::new(runs, corrupt, 3)), ..d })
+        }
+        (d, _) => d,
+    };
     // One sequence stops on a stop id and one on the caller's word, both mid-way.
     let mut stop_on = HashMap::new();
     if n > 3 {
@@ -123,8 +150,9 @@ fn check_identity<S: WeightSource + LayerHook>(
         stop_on.insert(2, ids[ids.len() / 2]);
     }
     let arrivals: Vec<u64> = (0..n).map(|i| if staggered { (i as u64 * 3) % 11 } else { 0 }).collect();
-    let opts = BatchOptions { max_batch, prefill_chunk: 8, context: 64 };
+    let opts = BatchOptions { max_batch, prefill_chunk: 8, context: 64, draft };
     let (out, _) = batched(engine, opts, &reqs, &arrivals, &stop_on);
+    let mut stats = k3ring::engine::DraftStats::default();
     for (i, r) in reqs.iter().enumerate() {
         let mut want = solo(reference, r);
         if let Some(&id) = stop_on.get(&i) {
@@ -141,7 +169,10 @@ fn check_identity<S: WeightSource + LayerHook>(
             (reason, want.len(), r.prompt.len()),
             "{what}: request {i}"
         );
+        assert_eq!(f.draft.steps + f.draft.accepted, want.len() as u64 - 1, "{what}: request {i}: {:?}", f.draft);
+        stats.add(&f.draft);
     }
+    stats
 }
 
 #[test]
@@ -168,7 +199,7 @@ fn batched_sequences_equal_their_solo_runs_on_a_synth_model() {
     check_identity("synth", &o.engine, &o.engine, 16, 16, false);
 }
 
-fn streaming_run(budget: u64, sequences: usize) -> StreamingRun {
+pub(crate) fn streaming_run(budget: u64, sequences: usize) -> StreamingRun {
     StreamingRun {
         budget_bytes: budget,
         sequences,
@@ -182,10 +213,11 @@ fn streaming_run(budget: u64, sequences: usize) -> StreamingRun {
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
+        draft_rows: 0,
     }
 }
 
-fn open_streamed(
+pub(crate) fn open_streamed(
     trunk: &Path,
     budget: u64,
     sequences: usize,
@@ -225,7 +257,7 @@ fn a_budget_for_two_sequences_queues_the_rest_and_keeps_the_outputs() {
     assert!(plan.describe().contains("the budget holds no more"), "{}", plan.describe());
     let vocab = o.engine.model.cfg.vocab_size as u32;
     let reqs = requests(7, vocab);
-    let opts = BatchOptions { max_batch: plan.sequences, prefill_chunk: 8, context: 64 };
+    let opts = BatchOptions { max_batch: plan.sequences, prefill_chunk: 8, context: 64, draft: None };
     let b = o.engine.batcher(opts.clone()).unwrap();
     assert_eq!(b.slots(), 2);
     drop(b);
@@ -243,7 +275,7 @@ fn a_budget_for_two_sequences_queues_the_rest_and_keeps_the_outputs() {
 fn a_streamed_step_wider_than_one_slots_context_runs() {
     let trunk = pack(&tiny_dir());
     let reference = open(&tiny_dir(), 2, Isa::best());
-    let opts = BatchOptions { max_batch: 4, prefill_chunk: 12, context: 10 };
+    let opts = BatchOptions { max_batch: 4, prefill_chunk: 12, context: 10, draft: None };
     let run = StreamingRun { context: opts.context, chunk: opts.step_rows(), ..streaming_run(64_000_000, 4) };
     let kernels = Kernels::with_isa(Isa::best()).unwrap();
     let (o, plan) = open_streaming(&tiny_dir(), trunk.path(), &run, kernels, |_| {}).unwrap();
@@ -267,7 +299,7 @@ fn a_streamed_step_wider_than_one_slots_context_runs() {
 #[test]
 fn requests_that_cannot_run_are_refused_at_submission() {
     let o = open(&tiny_dir(), 2, Isa::best());
-    let mut b = o.engine.batcher(BatchOptions { max_batch: 2, prefill_chunk: 8, context: 16 }).unwrap();
+    let mut b = o.engine.batcher(BatchOptions { max_batch: 2, prefill_chunk: 8, context: 16, draft: None }).unwrap();
     let req = |prompt: Vec<u32>, max_tokens| BatchRequest {
         prompt,
         max_tokens,

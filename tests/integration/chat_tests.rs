@@ -38,6 +38,7 @@ fn talk(
             sampling: sampling(seeded, seed),
             stop_ids: conv.specials.end_ids().to_vec(),
             stop: None,
+            draft: None,
         };
         let mut parser = conv.parser(tok);
         let reply = conv

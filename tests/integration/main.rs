@@ -8,6 +8,7 @@ mod checkpoint_tests;
 mod cli_tests;
 mod common;
 mod config_tests;
+mod draft_tests;
 mod fault_tests;
 mod faults_doc_tests;
 mod integrity_tests;

@@ -32,6 +32,7 @@ fn base_run() -> StreamingRun {
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
+        draft_rows: 0,
     }
 }
 

@@ -262,7 +262,7 @@ fn serve_batcher_cancel_frees_the_slot_and_leaves_the_others_alone() {
         stop_ids: Vec::new(),
     };
     let reqs = [req(1, 5), req(2, 7), req(3, 3), req(4, 6)];
-    let opts = k3ring::engine::BatchOptions { max_batch: 2, prefill_chunk: 8, context: 64 };
+    let opts = k3ring::engine::BatchOptions { max_batch: 2, prefill_chunk: 8, context: 64, draft: None };
     let mut b = engine.batcher(opts).unwrap();
     let tickets: Vec<Ticket> = reqs.iter().map(|r| b.submit(r.clone()).unwrap()).collect();
     let mut sink = Collect::default();
@@ -821,6 +821,32 @@ fn serve_streams_from_a_trunk_pack_with_the_storage_metrics() {
     wait_until("bytes read in the metrics", || metric(addr, "k3ring_bytes_read_total") > 0.0);
     let hits = metric(addr, "k3ring_expert_hit_ratio");
     assert!((0.0..=1.0).contains(&hits), "{hits}");
+    let (code, err) = server.stop_with(libc::SIGTERM);
+    assert_eq!(code, 0, "{err}");
+}
+
+/// Drafting in the server (issue 30): greedy requests draft, sampled ones do not, every reply
+/// equals its plain solo run, and the usage and `/metrics` say what was guessed and kept.
+#[test]
+fn serve_drafts_greedy_requests_and_reports_them() {
+    let server = Server::start(&["--draft", "ngram", "--ngram-min", "1"]);
+    let addr = &server.addr;
+    let prompt: Vec<u32> = (0..24u32).map(|i| (i % 3) * 37 + 3).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": true});
+    let (greedy, _, _) = completion_both_ways(addr, body.clone());
+    let list = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    assert_eq!(greedy, solo_run(&["--ids", &list, "--gen", "20", "--ignore-eos", "--no-draft"]));
+    let usage = &post(addr, "/v1/completions", &body).json()["usage"];
+    let details = &usage["completion_tokens_details"];
+    let (kept, steps) =
+        (details["accepted_prediction_tokens"].as_u64().unwrap(), details["decode_steps"].as_u64().unwrap());
+    assert!(details["rejected_prediction_tokens"].is_u64(), "{usage}");
+    assert_eq!(steps + kept, greedy.len() as u64 - 1, "{usage}");
+    let (seeded, _, _) =
+        completion_both_ways(addr, json!({"prompt": "Once upon", "max_tokens": 10, "temperature": 0.9, "seed": 7}));
+    assert_eq!(seeded, solo_run(&["--prompt", "Once upon", "--gen", "10", "--temperature", "0.9", "--seed", "7"]));
+    assert!(metric(addr, "k3ring_decode_steps_total") >= 2.0 * steps as f64);
+    assert!(metric(addr, "k3ring_draft_tokens_total") >= metric(addr, "k3ring_draft_accepted_tokens_total"));
     let (code, err) = server.stop_with(libc::SIGTERM);
     assert_eq!(code, 0, "{err}");
 }

@@ -1,0 +1,62 @@
+//! The drafting flags of `run`, `chat`, `batch` and `serve` (draft-and-verify decoding,
+//! [`crate::engine::draft`]).
+
+use crate::engine::draft::{DraftOptions, DEFAULT_DRAFT_LEN, DEFAULT_NGRAM_MIN};
+use crate::engine::Sampling;
+
+/// Whether greedy runs draft without `--draft`: not until the benchmark shows drafting never
+/// costs more than 5% where nothing is accepted (docs/BENCHMARKS.md, "Drafting").
+pub const DRAFT_BY_DEFAULT: bool = false;
+
+/// Drafting kinds `--draft` accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DraftKind {
+    /// Guess by n-gram lookup in the context (prompt lookup).
+    Ngram,
+    /// No drafting.
+    Off,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct DraftArgs {
+    /// Draft-and-verify decoding (greedy only): guess up to --draft-len tokens by matching the
+    /// context's latest tokens against earlier text, and verify them in one step; the tokens
+    /// are those of plain greedy decoding
+    #[arg(long, value_name = "KIND", value_enum)]
+    pub draft: Option<DraftKind>,
+    /// No drafting (the same as --draft off)
+    #[arg(long, conflicts_with = "draft")]
+    pub no_draft: bool,
+    /// Tokens guessed per step at most (1 to 16)
+    #[arg(long, value_name = "K", default_value_t = DEFAULT_DRAFT_LEN)]
+    pub draft_len: usize,
+    /// Shortest run of the context's latest tokens that must occur earlier to make a guess (1 to 8)
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_NGRAM_MIN)]
+    pub ngram_min: usize,
+}
+
+impl DraftArgs {
+    /// The drafting asked for with `sampling`: `--draft ngram` with sampling is refused (by
+    /// the engine); the default drafts greedy runs only.
+    pub fn options(&self, sampling: &Sampling) -> Option<DraftOptions> {
+        let opts = DraftOptions::ngram(self.draft_len, self.ngram_min);
+        match (self.draft, self.no_draft) {
+            (_, true) | (Some(DraftKind::Off), _) => None,
+            (Some(DraftKind::Ngram), _) => Some(opts),
+            (None, false) => (DRAFT_BY_DEFAULT && sampling.is_greedy()).then_some(opts),
+        }
+    }
+
+    /// The drafting of a batch or a server, whose requests sample or not one by one: the
+    /// greedy ones draft (`--draft ngram`, or the default), the sampled ones decode one token
+    /// per step.
+    pub fn for_requests(&self) -> Option<DraftOptions> {
+        self.options(&Sampling::default())
+    }
+
+    /// Rows of a drafted step (for the memory plan): the last token and the guesses; 0 when
+    /// not drafting.
+    pub fn rows(&self, sampling: &Sampling) -> usize {
+        self.options(sampling).map_or(0, |o| o.len + 1)
+    }
+}

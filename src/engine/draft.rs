@@ -1,0 +1,357 @@
+//! Draft-and-verify decoding with n-gram drafts (prompt lookup). A decode step normally feeds
+//! one token; with a draft it feeds the pending token and up to K guessed continuations as rows
+//! of one step, and keeps the longest prefix of guesses that greedy decoding confirms, plus the
+//! model's own token after it. On a streaming engine a step's cost is mostly its reads, which
+//! barely grow with the rows, so every accepted guess is a token for almost no bytes.
+//!
+//! Exact by construction: each row's logits are the ones a one-row step would give
+//! ([`crate::model::Model::forward_batch`]), a guess is kept only when it equals the greedy
+//! choice, and the state takes back the rows after the last kept one
+//! ([`crate::model::ModelState::rewind`]). Only greedy decoding drafts: a sampled run would need
+//! the accept/reject rule of speculative sampling to keep its distribution, and its seeded
+//! sampler's draws would no longer match a plain run's; the combination is refused.
+#![forbid(unsafe_code)]
+
+use serde::Serialize;
+
+/// Tokens guessed per step at most, when not given.
+pub const DEFAULT_DRAFT_LEN: usize = 4;
+/// Shortest suffix of the context that must recur for a guess, when not given: one token
+/// recurs too often in ordinary text to predict what follows.
+pub const DEFAULT_NGRAM_MIN: usize = 2;
+/// Longest suffix tried: longer matches are rarer and predict no better in practice.
+pub const NGRAM_MAX: usize = 8;
+/// Guessed tokens per step at most (the rows of a step; the session's chunk must hold them).
+pub const MAX_DRAFT_LEN: usize = 16;
+/// Steps without a guess after a guess that was wholly rejected, doubling on each further one
+/// up to this: text that does not repeat itself costs at most one wasted step in this many.
+const MAX_COOLDOWN: usize = 32;
+
+/// How drafts are made.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DraftOptions {
+    /// Tokens guessed per step at most (`--draft-len`).
+    pub len: usize,
+    /// Shortest recurring suffix that makes a guess (`--ngram-min`).
+    pub ngram_min: usize,
+    /// Guess from recorded runs instead of the context (benchmarks and tests).
+    #[serde(skip)]
+    pub replay: Option<Replay>,
+}
+
+impl Default for DraftOptions {
+    fn default() -> Self {
+        DraftOptions { len: DEFAULT_DRAFT_LEN, ngram_min: DEFAULT_NGRAM_MIN, replay: None }
+    }
+}
+
+impl DraftOptions {
+    /// N-gram drafting of up to `len` tokens from suffixes of `ngram_min` tokens or more.
+    pub fn ngram(len: usize, ngram_min: usize) -> DraftOptions {
+        DraftOptions { len, ngram_min, replay: None }
+    }
+}
+
+/// A drafter that knows the answer, for measuring what drafting gains and costs at a chosen
+/// acceptance whatever the model's text (`bench --draft-accept`): it replays the tokens a plain
+/// greedy run chose after the same prompt, each replaced by another token with probability
+/// `corrupt`, decided per position from `seed` (so a position's guess does not depend on when
+/// it is made). A step then keeps its guesses up to the first corrupted one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Replay {
+    /// (prompt, the tokens a plain greedy run chose after it).
+    runs: std::sync::Arc<Vec<(Vec<u32>, Vec<u32>)>>,
+    pub corrupt: f64,
+    pub seed: u64,
+}
+
+impl Replay {
+    pub fn new(runs: Vec<(Vec<u32>, Vec<u32>)>, corrupt: f64, seed: u64) -> Replay {
+        Replay { runs: std::sync::Arc::new(runs), corrupt: corrupt.clamp(0.0, 1.0), seed }
+    }
+
+    /// The recorded tokens after `prompt`, if it was recorded.
+    fn after(&self, prompt: &[u32]) -> Option<&[u32]> {
+        self.runs.iter().find(|(p, _)| p == prompt).map(|(_, t)| t.as_slice())
+    }
+
+    /// The guess for the `at`-th token after the prompt: the recorded one, or (corrupted)
+    /// a neighbouring id, which is never the recorded one and always inside the vocabulary.
+    fn guess(&self, at: usize, recorded: u32) -> u32 {
+        let draw = crate::rng::splitmix64_at(self.seed, at as u64) as f64 / (u64::MAX as f64 + 1.0);
+        if draw >= self.corrupt {
+            recorded
+        } else if recorded > 0 {
+            recorded - 1
+        } else {
+            recorded + 1
+        }
+    }
+}
+
+/// Why drafting options were refused (exit 2).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DraftError {
+    #[error("--draft-len {0} is out of range: give 1 to {MAX_DRAFT_LEN}")]
+    Len(usize),
+    #[error("--ngram-min {0} is out of range: give 1 to {NGRAM_MAX}")]
+    NgramMin(usize),
+    #[error("drafting needs greedy decoding (--temperature 0): a sampled run's tokens would differ from the same run without drafts; add --no-draft to sample")]
+    NotGreedy,
+}
+
+impl crate::exit::Classify for DraftError {
+    fn exit_code(&self) -> crate::exit::ExitCode {
+        crate::exit::ExitCode::Usage
+    }
+}
+
+impl DraftOptions {
+    pub fn check(&self) -> Result<(), DraftError> {
+        if self.len == 0 || self.len > MAX_DRAFT_LEN {
+            return Err(DraftError::Len(self.len));
+        }
+        if self.ngram_min == 0 || self.ngram_min > NGRAM_MAX {
+            return Err(DraftError::NgramMin(self.ngram_min));
+        }
+        Ok(())
+    }
+}
+
+/// Counters of one sequence (or a whole run): what was guessed and what the model confirmed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DraftStats {
+    /// Decode steps of the sequence (with or without a draft).
+    pub steps: u64,
+    /// Steps that carried a draft.
+    pub drafted_steps: u64,
+    /// Tokens guessed.
+    pub drafted: u64,
+    /// Guesses kept.
+    pub accepted: u64,
+}
+
+impl DraftStats {
+    pub fn add(&mut self, other: &DraftStats) {
+        self.steps += other.steps;
+        self.drafted_steps += other.drafted_steps;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+    }
+
+    /// Share of guesses kept (0 when nothing was guessed).
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+
+    /// Tokens each decode step produced on average: one of its own plus its kept guesses.
+    pub fn tokens_per_step(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            (self.steps + self.accepted) as f64 / self.steps as f64
+        }
+    }
+}
+
+/// The guesses of one sequence: n-gram lookup with a back-off after rejected drafts, or a
+/// [`Replay`] of recorded tokens (no back-off: its rate is the point).
+#[derive(Clone, Debug)]
+pub struct Drafter {
+    opts: DraftOptions,
+    /// With a replay: the prompt's length and its recorded tokens.
+    replay: Option<(usize, Vec<u32>)>,
+    /// Steps to skip before the next guess, and the length of the next back-off.
+    skip: usize,
+    cooldown: usize,
+    pub stats: DraftStats,
+}
+
+impl Drafter {
+    /// The drafter of a sequence that starts after `prompt`.
+    pub fn new(opts: DraftOptions, prompt: &[u32]) -> Drafter {
+        let replay = opts.replay.as_ref().map(|r| (prompt.len(), r.after(prompt).unwrap_or_default().to_vec()));
+        Drafter { opts, replay, skip: 0, cooldown: 0, stats: DraftStats::default() }
+    }
+
+    /// Appends to `out` up to `limit` (and `--draft-len`) tokens guessed to follow `context`:
+    /// what followed the most recent earlier occurrence of the longest suffix of `context` (of
+    /// `--ngram-min` to [`NGRAM_MAX`] tokens) that occurs earlier. Nothing while backing off.
+    pub fn propose(&mut self, context: &[u32], limit: usize, out: &mut Vec<u32>) {
+        let limit = limit.min(self.opts.len);
+        if limit == 0 {
+            return;
+        }
+        if let (Some((offset, recorded)), Some(r)) = (&self.replay, &self.opts.replay) {
+            // `context` is the prompt and the tokens chosen so far, the last not yet fed.
+            let at = context.len().saturating_sub(*offset);
+            let end = (at + limit).min(recorded.len());
+            out.extend((at..end.max(at)).map(|i| r.guess(i, recorded[i])));
+            return;
+        }
+        if self.skip > 0 {
+            self.skip -= 1;
+            return;
+        }
+        lookup(context, self.opts.ngram_min, limit, out);
+    }
+
+    /// What the step did with a draft of `drafted` tokens: `accepted` were kept.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        self.stats.steps += 1;
+        if drafted == 0 {
+            return;
+        }
+        self.stats.drafted_steps += 1;
+        self.stats.drafted += drafted as u64;
+        self.stats.accepted += accepted as u64;
+        if self.replay.is_some() {
+            return;
+        }
+        if accepted == 0 {
+            self.cooldown = (self.cooldown * 2).clamp(1, MAX_COOLDOWN);
+            self.skip = self.cooldown;
+        } else {
+            self.cooldown = 0;
+        }
+    }
+}
+
+/// The n-gram lookup of [`Drafter::propose`], without the back-off.
+pub fn lookup(context: &[u32], ngram_min: usize, limit: usize, out: &mut Vec<u32>) {
+    let n = context.len();
+    let longest = NGRAM_MAX.min(n.saturating_sub(1));
+    for len in (ngram_min.max(1)..=longest).rev() {
+        let suffix = &context[n - len..];
+        // The most recent earlier occurrence: recent text predicts the next tokens best.
+        if let Some(start) = (0..n - len).rev().find(|&i| &context[i..i + len] == suffix) {
+            let from = start + len;
+            out.extend_from_slice(&context[from..(from + limit).min(n)]);
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn guess(context: &[u32], min: usize, limit: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        lookup(context, min, limit, &mut out);
+        out
+    }
+
+    #[test]
+    fn the_longest_recurring_suffix_predicts_what_followed_it_last() {
+        // "1 2 3" recurs; what followed its last earlier occurrence is "9 9".
+        assert_eq!(guess(&[1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 7, 1, 2, 3], 2, 4), vec![9, 9, 7, 1]);
+        // A longer suffix wins over a more recent shorter one: "5 6" occurs twice, "4 5 6" once.
+        assert_eq!(guess(&[4, 5, 6, 1, 5, 6, 2, 4, 5, 6], 2, 2), vec![1, 5]);
+        // The continuation stops at the end of the context.
+        assert_eq!(guess(&[7, 8, 7, 8], 2, 4), vec![7, 8]);
+    }
+
+    #[test]
+    fn no_guess_without_a_recurring_suffix_of_the_minimum_length() {
+        assert!(guess(&[1, 2, 3, 4], 2, 4).is_empty());
+        assert!(guess(&[1, 2, 1], 2, 4).is_empty());
+        assert_eq!(guess(&[1, 2, 1], 1, 4), vec![2, 1]);
+        assert!(guess(&[], 1, 4).is_empty());
+        assert!(guess(&[5], 1, 4).is_empty());
+    }
+
+    #[test]
+    fn a_rejected_draft_backs_off_and_an_accepted_one_resets() {
+        let mut d = Drafter::new(DraftOptions::ngram(3, 1), &[]);
+        let ctx = [1, 2, 1, 2, 1];
+        let mut out = Vec::new();
+        d.propose(&ctx, 8, &mut out);
+        assert_eq!(out, vec![2, 1], "what followed [1, 2, 1], up to the end of the context");
+        d.record(2, 0);
+        for _ in 0..1 {
+            out.clear();
+            d.propose(&ctx, 8, &mut out);
+            assert!(out.is_empty());
+            d.record(0, 0);
+        }
+        out.clear();
+        d.propose(&ctx, 8, &mut out);
+        assert_eq!(out.len(), 2);
+        d.record(2, 0);
+        let mut skipped = 0;
+        loop {
+            out.clear();
+            d.propose(&ctx, 8, &mut out);
+            if !out.is_empty() {
+                break;
+            }
+            skipped += 1;
+        }
+        assert_eq!(skipped, 2, "the back-off doubles");
+        d.record(2, 2);
+        out.clear();
+        d.propose(&ctx, 1, &mut out);
+        assert_eq!(out, vec![2], "no back-off after an accepted guess; the limit holds");
+        assert_eq!(d.stats, DraftStats { steps: 4, drafted_steps: 3, drafted: 6, accepted: 2 });
+        assert!((d.stats.tokens_per_step() - 6.0 / 4.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_replay_guesses_the_recorded_tokens_corrupted_at_its_rate() {
+        let recorded: Vec<u32> = (10..1010).collect();
+        let prompt = vec![1, 2, 3];
+        let guesses = |corrupt: f64| {
+            let opts = DraftOptions {
+                replay: Some(Replay::new(vec![(prompt.clone(), recorded.clone())], corrupt, 5)),
+                ..DraftOptions::ngram(4, 2)
+            };
+            let mut d = Drafter::new(opts, &prompt);
+            let mut ctx = prompt.clone();
+            let mut right = 0;
+            for i in 0..recorded.len() {
+                ctx.push(recorded[i]);
+                let mut out = Vec::new();
+                d.propose(&ctx, 1, &mut out);
+                if i + 1 < recorded.len() {
+                    assert_eq!(out.len(), 1);
+                    right += usize::from(out[0] == recorded[i + 1]);
+                } else {
+                    assert!(out.is_empty(), "nothing past the recording");
+                }
+            }
+            right as f64 / (recorded.len() - 1) as f64
+        };
+        assert_eq!(guesses(0.0), 1.0);
+        assert_eq!(guesses(1.0), 0.0);
+        let half = guesses(0.5);
+        assert!((0.45..0.55).contains(&half), "{half}");
+        // No back-off, and another prompt gets no guesses.
+        let opts = DraftOptions {
+            replay: Some(Replay::new(vec![(prompt.clone(), recorded.clone())], 1.0, 5)),
+            ..DraftOptions::ngram(4, 2)
+        };
+        let mut d = Drafter::new(opts.clone(), &prompt);
+        d.record(4, 0);
+        let mut out = Vec::new();
+        d.propose(&[1, 2, 3, 10], 4, &mut out);
+        assert_eq!(out.len(), 4);
+        let mut other = Drafter::new(opts, &[7]);
+        out.clear();
+        other.propose(&[7, 1, 2], 4, &mut out);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn options_are_checked() {
+        assert!(DraftOptions::default().check().is_ok());
+        assert_eq!(DraftOptions::ngram(0, 2).check(), Err(DraftError::Len(0)));
+        assert_eq!(DraftOptions::ngram(17, 2).check(), Err(DraftError::Len(17)));
+        assert_eq!(DraftOptions::ngram(4, 0).check(), Err(DraftError::NgramMin(0)));
+        assert_eq!(DraftOptions::ngram(4, 9).check(), Err(DraftError::NgramMin(9)));
+    }
+}
