@@ -16,6 +16,7 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+mod draft_cells;
 mod print;
 
 use super::bench_batch::{self, BatchReport, BatchWork};
@@ -25,7 +26,8 @@ use super::svg::{line_chart, Series};
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::engine::measure::{
-    drop_page_cache, measure_resident, measure_streaming, triad_bandwidth, warm_page_cache, MeasureSpec, Measurement,
+    drop_page_cache, measure_resident, measure_streaming_drafted, triad_bandwidth, warm_page_cache, MeasureSpec,
+    Measurement,
 };
 use crate::engine::measure_batch::BatchMeasurement;
 use crate::engine::read_tax::ReadTax;
@@ -36,6 +38,7 @@ use crate::pipeline::{IoKind, IoOptions, Mode, PipelineOptions, Speculation};
 use crate::storage::plan::GB;
 use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
+use draft_cells::DraftCells;
 pub(super) use print::or_dash;
 use print::print_report;
 
@@ -106,6 +109,18 @@ pub struct BenchArgs {
     /// the host floors are then not computed.
     #[arg(long)]
     pub no_read_tax: bool,
+    /// Adds a cell per budget that drafts by n-gram lookup (`run --draft ngram`), compared with
+    /// the pipelined cell.
+    #[arg(long)]
+    pub draft_ngram: bool,
+    /// Adds a cell per budget and acceptance (percent, e.g. 0,25,50,75,100) that drafts by
+    /// replaying a recorded plain run corrupted to that acceptance: what drafting gains and
+    /// costs whatever the model's own text.
+    #[arg(long, value_name = "PCT,...", value_delimiter = ',', value_parser = draft_cells::parse_percent)]
+    pub draft_accept: Vec<u32>,
+    /// Tokens guessed per step in the drafted cells.
+    #[arg(long, value_name = "K", default_value_t = crate::engine::draft::DEFAULT_DRAFT_LEN)]
+    pub draft_len: usize,
 }
 
 #[derive(Serialize)]
@@ -174,6 +189,40 @@ struct Report {
     /// The batch cells (`--batch`).
     #[serde(skip_serializing_if = "Option::is_none")]
     batch: Option<BatchReport>,
+    /// Per budget and drafted cell: what drafting did against the pipelined cell.
+    drafting: Vec<DraftGain>,
+}
+
+/// A drafted cell against the pipelined cell of its budget.
+#[derive(Serialize)]
+struct DraftGain {
+    budget_gb: f64,
+    mode: String,
+    /// The measured window's steps and guesses.
+    stats: crate::engine::DraftStats,
+    /// Pipelined s/token over this cell's (above 1: drafting is faster).
+    speedup: f64,
+    /// Pipelined bytes read per token over this cell's (above 1: drafting reads less).
+    bytes_ratio: f64,
+}
+
+/// The drafted cells against their budgets' pipelined cells.
+fn draft_gains(cells: &[Cell]) -> Vec<DraftGain> {
+    let bytes = |c: &Cell| c.m.trunk_bytes_per_token + c.m.expert_bytes_per_token;
+    cells
+        .iter()
+        .filter_map(|c| {
+            let stats = c.m.draft?;
+            let plain = cells.iter().find(|p| p.budget_gb == c.budget_gb && p.mode == "pipelined")?;
+            Some(DraftGain {
+                budget_gb: c.budget_gb,
+                mode: c.mode.clone(),
+                stats,
+                speedup: plain.m.seconds_per_token / c.m.seconds_per_token,
+                bytes_ratio: bytes(plain) / bytes(c).max(1.0),
+            })
+        })
+        .collect()
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
@@ -193,7 +242,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let batch = BatchWork::new(args, &tok, &spec)?;
     let threads =
         if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
-    let cells_total = args.budgets.len() * (args.modes.len() + args.batch.len()) * args.repeats.max(1);
+    let mut drafts = DraftCells::new(args.draft_len, args.draft_ngram, &args.draft_accept)?;
+    let modes: Vec<String> = args.modes.iter().cloned().chain(drafts.modes()).collect();
+    let cells_total = args.budgets.len() * (modes.len() + args.batch.len()) * args.repeats.max(1);
     let bar = progress_bar(cells_total + 4 + usize::from(batch.is_some()));
     let io = bench_io(&args.io)?;
     let host = Host::detect(kernels, io);
@@ -226,15 +277,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         })
         .transpose()?;
     bar.inc(1);
-    let resident_batch = match &batch {
-        Some(work) => {
-            bar.set_message("solo runs and resident batches");
-            let r = bench_batch::measure_resident(args, kernels, work)?;
-            bar.inc(1);
-            Some(r)
-        }
-        None => None,
-    };
+    bar.set_message("a plain run for the replayed drafts, solo runs and resident batches");
+    drafts.record(&args.model, kernels, args.threads, &spec)?;
+    let resident_batch = batch.as_ref().map(|work| bench_batch::measure_resident(args, kernels, work)).transpose()?;
+    bar.inc(u64::from(batch.is_some()));
 
     // This VM's disk varies by 30% or more over minutes, and up to 2x within a run, so each
     // budget's floor uses the device as probed around its own cells (at the engine's queue
@@ -248,7 +294,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         bench_host::device_rate(&files, &ranges, io, cfg.expert_bytes() as usize, qd_probe, args.device_reads, seed)
             .context("measuring the device between cells")
     };
-    let measured = measure_cells(args, io, kernels, &spec, batch.as_ref(), &bar, &mut probe_during)?;
+    let plan = CellPlan { modes: &modes, drafts: &drafts, batch: batch.as_ref() };
+    let measured = measure_cells(args, io, kernels, &spec, &plan, &bar, &mut probe_during)?;
     bar.set_message("device again");
     let device_after = probe_device(1)?;
     bar.finish_and_clear();
@@ -261,8 +308,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let ids_identical = residents_agree && cells.iter().all(|c| c.m.ids == resident.ids);
+    let ids_identical = residents_agree && cells.iter().all(|c| same_ids(&c.m, &resident));
     let (speedups, speculation_gains) = (ratios(args, &cells, "serial"), ratios(args, &cells, "no-spec"));
+    let drafting = draft_gains(&cells);
     let report = Report {
         host,
         read_tax: tax,
@@ -283,9 +331,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         speculation_gains,
         ids_identical,
         batch: batch_report,
+        drafting,
     };
     write_outputs(&report, &cfg, args, json.as_ref())?;
     check_ids(&report)
+}
+
+/// Whether a cell chose the resident run's ids. A drafted cell's last step may choose tokens
+/// past the others' last: its ids start with theirs.
+fn same_ids(cell: &Measurement, resident: &Measurement) -> bool {
+    cell.ids.get(..resident.ids.len()) == Some(&resident.ids[..])
 }
 
 /// Fails the run when any measured output differs: reads, budgets, modes and batches must not
@@ -487,13 +542,19 @@ struct DeviceRate {
 /// `probe_device` (bytes/s at the engine's queue depth) runs before each repeat of a budget and
 /// after its last; that budget's device rate is the better of those probes and of its cells'
 /// busy read rates ([`DeviceRate`]).
-#[allow(clippy::too_many_arguments)]
+/// The cells of each budget: the modes (plain, then drafted) and the batch sizes.
+struct CellPlan<'a> {
+    modes: &'a [String],
+    drafts: &'a DraftCells,
+    batch: Option<&'a BatchWork>,
+}
+
 fn measure_cells(
     args: &BenchArgs,
     io: IoKind,
     kernels: kernels::Kernels,
     spec: &MeasureSpec,
-    batch: Option<&BatchWork>,
+    plan: &CellPlan<'_>,
     bar: &ProgressBar,
     probe_device: &mut dyn FnMut() -> anyhow::Result<f64>,
 ) -> anyhow::Result<Measured> {
@@ -509,17 +570,22 @@ fn measure_cells(
         for rep in 0..repeats {
             bar.set_message(format!("{budget} GB: device ({}/{repeats})", rep + 1));
             best = best.max(probe_device()?);
-            for mode in &args.modes {
+            for mode in plan.modes {
                 bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
                 dropped &= drop_caches && drop_page_cache();
-                let run = cell_run(args, io, spec, budget, mode);
-                let m = measure_streaming(&args.model, &args.trunk, &run, kernels, spec)
+                let draft = plan.drafts.options(mode);
+                let mut run = cell_run(args, io, spec, budget, mode);
+                if let Some(d) = &draft {
+                    run.draft_rows = d.len + 1;
+                    run.context += d.len + 1;
+                }
+                let m = measure_streaming_drafted(&args.model, &args.trunk, &run, kernels, spec, draft.as_ref())
                     .with_context(|| format!("budget {budget} GB, mode {mode}"))
                     .map_err(|e| name_budget_flag(e, &format!("--budgets {budget}")))?;
                 samples.push((budget, mode.clone(), m));
                 bar.inc(1);
             }
-            for (work, &b) in batch.iter().flat_map(|w| w.sizes.iter().map(move |b| (*w, b))) {
+            for (work, &b) in plan.batch.iter().flat_map(|w| w.sizes.iter().map(move |b| (*w, b))) {
                 bar.set_message(format!("{budget} GB batch {b} ({}/{repeats})", rep + 1));
                 dropped &= drop_caches && drop_page_cache();
                 let run = cell_run(args, io, spec, budget, bench_batch::BATCH_MODE);
@@ -544,7 +610,7 @@ fn measure_cells(
     let mut cells = Vec::new();
     for &rate in &device_rate_sources {
         let budget = rate.budget_gb;
-        for mode in &args.modes {
+        for mode in plan.modes {
             let mut runs: Vec<Measurement> =
                 samples.iter().filter(|s| s.0 == budget && &s.1 == mode).map(|s| s.2.clone()).collect();
             runs.sort_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token));
@@ -563,6 +629,8 @@ fn cell_run(args: &BenchArgs, io: IoKind, spec: &MeasureSpec, budget: f64, mode:
     let serial = mode == "serial";
     let speculation = match mode {
         "pipelined" => Speculation::default(),
+        // The drafted cells run the default pipeline.
+        m if m.starts_with("draft-") => Speculation::default(),
         "fixed-spec" => Speculation { adaptive: false, ..Speculation::default() },
         _ => Speculation::OFF,
     };

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::draft::{DraftOptions, DraftStats};
 use super::load::{open_resident, open_streaming, OpenError, StreamingRun};
 use super::sampling::argmax;
 use super::{Engine, EngineError};
@@ -62,6 +63,10 @@ pub struct Measurement {
     /// (issue 19); `k3ring bench` sets it against its triad. `None` for streaming runs.
     #[serde(skip)]
     pub attribution: Option<Window>,
+    /// Drafted cells: the measured window's steps, guesses made and kept (its tokens are
+    /// `steps + accepted`, at least `tokens`; per-token figures are over them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft: Option<DraftStats>,
 }
 
 /// Errors of a measurement: opening or running.
@@ -121,6 +126,91 @@ fn decode<S: WeightSource + crate::model::LayerHook>(
     Ok((ids, start.elapsed().as_secs_f64()))
 }
 
+/// Decodes greedily with drafting: prefill, then steps until `warmup` tokens follow the first
+/// one, then timed steps until at least `tokens` more were chosen (a step may choose several,
+/// so the window ends at the first step boundary past them). Returns the ids, the window's
+/// seconds and its drafting counts (its tokens: `steps + accepted`).
+fn decode_drafted<S: WeightSource + crate::model::LayerHook>(
+    engine: &Engine<S>,
+    spec: &MeasureSpec,
+    draft: &DraftOptions,
+    between: impl FnMut(),
+) -> Result<(Vec<u32>, f64, DraftStats), EngineError> {
+    let max = 1 + spec.warmup + spec.tokens + draft.len;
+    let capacity = spec.prompt.len() + max + 1;
+    let chunk = spec.prefill_chunk.clamp(draft.len + 1, capacity);
+    let mut sess = engine.session(capacity, chunk)?;
+    engine.prefill(&mut sess, &spec.prompt, LogitRows::Last, None)?;
+    let mut drafter = super::Drafter::new(draft.clone(), &spec.prompt);
+    let mut io = DraftWindow {
+        engine,
+        warmup: 1 + spec.warmup,
+        tokens: spec.tokens,
+        ids: Vec::new(),
+        start: None,
+        between,
+        window: DraftStats::default(),
+    };
+    let (sampling, mut rng, mut candidates) = (super::Sampling::default(), crate::rng::SplitMix64::new(0), Vec::new());
+    let d = super::decode::Decode {
+        max,
+        sampling: &sampling,
+        stop_ids: &[],
+        drafter: Some(&mut drafter),
+        rng: &mut rng,
+        candidates: &mut candidates,
+    };
+    let mut context = spec.prompt.clone();
+    super::decode::decode(engine, &mut sess, d, &mut context, &mut io)?;
+    let seconds = io.start.map_or(0.0, |s| s.elapsed().as_secs_f64());
+    Ok((io.ids, seconds, io.window))
+}
+
+/// The timed window of [`decode_drafted`].
+struct DraftWindow<'e, S: WeightSource + crate::model::LayerHook, F: FnMut()> {
+    engine: &'e Engine<S>,
+    /// Tokens chosen before the window opens, and at least in it.
+    warmup: usize,
+    tokens: usize,
+    ids: Vec<u32>,
+    start: Option<Instant>,
+    between: F,
+    window: DraftStats,
+}
+
+impl<S: WeightSource + crate::model::LayerHook, F: FnMut()> super::decode::Steps for DraftWindow<'_, S, F> {
+    fn chosen(&mut self, id: u32, _logits: &[f32]) -> bool {
+        self.ids.push(id);
+        true
+    }
+
+    fn stopped(&self) -> bool {
+        self.start.is_some() && self.window.steps + self.window.accepted >= self.tokens as u64
+    }
+
+    fn run(&mut self, sess: &mut super::Session, rows: &[u32], _context: &[u32]) -> Result<(), EngineError> {
+        if self.start.is_none() && self.ids.len() >= self.warmup {
+            (self.between)();
+            self.start = Some(Instant::now());
+        }
+        if self.start.is_some() {
+            self.window.steps += 1;
+            self.window.drafted += rows.len() as u64 - 1;
+            self.window.drafted_steps += u64::from(rows.len() > 1);
+        }
+        let logit_rows = if rows.len() == 1 { LogitRows::Last } else { LogitRows::All };
+        self.engine.prefill(sess, rows, logit_rows, None)?;
+        Ok(())
+    }
+
+    fn kept(&mut self, kept: usize) {
+        // Called for the step `run` just ran, before the next one.
+        if self.start.is_some() {
+            self.window.accepted += kept as u64 - 1;
+        }
+    }
+}
+
 /// Measures a streaming configuration.
 pub fn measure_streaming(
     model: &Path,
@@ -129,11 +219,26 @@ pub fn measure_streaming(
     kernels: kernels::Kernels,
     spec: &MeasureSpec,
 ) -> Result<Measurement, MeasureError> {
+    measure_streaming_drafted(model, trunk, run, kernels, spec, None)
+}
+
+/// [`measure_streaming`], decoding with `draft` when given.
+pub fn measure_streaming_drafted(
+    model: &Path,
+    trunk: &Path,
+    run: &StreamingRun,
+    kernels: kernels::Kernels,
+    spec: &MeasureSpec,
+    draft: Option<&DraftOptions>,
+) -> Result<Measurement, MeasureError> {
     let (opened, plan) = open_streaming(model, trunk, run, kernels, |_| {})?;
     let engine = &opened.engine;
-    let ((ids, seconds), window) = stream_window(engine, |start| decode(engine, spec, start))?;
+    let ((ids, seconds, drafted), window) = stream_window(engine, |start| match draft {
+        Some(d) => decode_drafted(engine, spec, d, start).map(|(ids, s, w)| (ids, s, Some(w))),
+        None => decode(engine, spec, start).map(|(ids, s)| (ids, s, None)),
+    })?;
     let (before, after, m) = (&window.before, &window.after, &window.metrics);
-    let n = spec.tokens.max(1) as f64;
+    let n = drafted.map_or(spec.tokens, |d| (d.steps + d.accepted) as usize).max(1) as f64;
     let routed = (after.routed_experts - before.routed_experts) as f64;
     Ok(Measurement {
         ids,
@@ -153,7 +258,22 @@ pub fn measure_streaming(
         overlappable_seconds_per_token: None,
         plan: Some(plan),
         attribution: None,
+        draft: drafted,
     })
+}
+
+/// The ids of a plain greedy run of `n` tokens after `prompt`, resident (what a replay drafter
+/// replays: [`super::Replay`]).
+pub fn record_greedy(
+    model: &Path,
+    kernels: kernels::Kernels,
+    threads: usize,
+    prompt: &[u32],
+    n: usize,
+) -> Result<Vec<u32>, MeasureError> {
+    let opened = open_resident(model, threads, kernels)?;
+    let opts = super::GenerateOptions { gen: n, ..super::GenerateOptions::default() };
+    Ok(opened.engine.generate(prompt, &opts, |_| {})?.generated_ids)
 }
 
 /// The storage counters and tracer metrics of the timed part of a streaming measurement.

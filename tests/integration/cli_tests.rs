@@ -296,6 +296,38 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
     assert_read_tax_measured(&v, &out, 1);
 }
 
+/// `bench --draft-ngram --draft-accept`: drafted cells beside the pipelined one, each with its
+/// window's steps and guesses; full acceptance keeps every guess and reads fewer bytes per
+/// token, none keeps none; every cell's ids start with the resident run's.
+#[test]
+fn bench_measures_drafted_cells_at_chosen_acceptances() {
+    let (code, out, err, v) = bench_tiny(&[
+        "--modes",
+        "pipelined",
+        "--draft-ngram",
+        "--draft-accept",
+        "0,100",
+        "--draft-len",
+        "3",
+        "--tokens",
+        "6",
+        "--no-read-tax",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["ids_identical"], true, "{v}");
+    let modes: Vec<&str> = v["cells"].as_array().unwrap().iter().map(|c| c["mode"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["pipelined", "draft-ngram", "draft-replay-0%", "draft-replay-100%"]);
+    let gains = v["drafting"].as_array().unwrap();
+    assert_eq!(gains.len(), 3, "{v}");
+    let gain = |mode: &str| gains.iter().find(|g| g["mode"] == mode).unwrap();
+    let (none, all) = (&gain("draft-replay-0%")["stats"], &gain("draft-replay-100%")["stats"]);
+    assert!(none["drafted"].as_u64().unwrap() > 0 && none["accepted"] == 0, "{none}");
+    assert_eq!(all["accepted"], all["drafted"], "{all}");
+    assert!(all["steps"].as_u64().unwrap() * 2 <= 6, "3 guesses kept per step: {all}");
+    assert!(gain("draft-replay-100%")["bytes_ratio"].as_f64().unwrap() > 1.5, "{v}");
+    assert!(out.contains("drafting at 0.004 GB, draft-replay-100%: 100% of"), "{out}");
+}
+
 /// The read tax of a bench report was measured: `pairs` quiet/loaded pairs, each loaded run
 /// beside a stream that really read, the host named, and every cell's host floors follow their
 /// formula from the measured tax.

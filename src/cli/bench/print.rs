@@ -99,7 +99,7 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
 /// The mode cells' table, the ratios between modes and what the floor columns mean.
 fn print_cells(r: &Report) {
     println!(
-        "{:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7} {:>7} {:>10}",
+        "{:>7} {:>17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>7} {:>7} {:>10}",
         "budget",
         "mode",
         "s/token",
@@ -117,7 +117,7 @@ fn print_cells(r: &Report) {
     );
     for c in &r.cells {
         println!(
-            "{:>6}G {:>10} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {} {} {:>6.0}% {:>9.2}G",
+            "{:>6}G {:>17} {:>9.3} {:>8.2}G {:>8.2}G {:>9.2} {:>9.2} {:>7.0}% {:>8.3} {:>7.2} {} {} {:>6.0}% {:>9.2}G",
             c.budget_gb,
             c.mode,
             c.m.seconds_per_token,
@@ -139,6 +139,18 @@ fn print_cells(r: &Report) {
     }
     for (b, s) in &r.speculation_gains {
         println!("speculation at {b} GB: pipelined is {s:.2}x no-spec");
+    }
+    for g in &r.drafting {
+        println!(
+            "drafting at {} GB, {}: {:.0}% of {} guesses kept, {:.2} tokens per step; {:.2}x fewer bytes read per token and {:.2}x the speed of pipelined",
+            g.budget_gb,
+            g.mode,
+            100.0 * g.stats.acceptance(),
+            g.stats.drafted,
+            g.stats.tokens_per_step(),
+            g.bytes_ratio,
+            g.speedup
+        );
     }
     println!(
         "dev GB/s: the device at the engine's queue depth, the better of the probes around each budget's cells and the \
