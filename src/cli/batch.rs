@@ -136,6 +136,7 @@ struct Summary<'a> {
 }
 
 pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
+    args.drafting.check(&crate::engine::Sampling::default(), false)?;
     let flags = startup_flags!(args);
     if args.pipeline.dump_trace.is_some() {
         return Err(UsageError(

@@ -114,8 +114,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub draft_ngram: bool,
     /// Adds a cell per budget and acceptance (percent, e.g. 0,25,50,75,100) that drafts by
-    /// replaying a recorded plain run corrupted to that acceptance: what drafting gains and
-    /// costs whatever the model's own text.
+    /// replaying a recorded plain run with one guess of each step wrong so that that share of
+    /// the guesses is kept: what drafting gains and costs whatever the model's own text.
     #[arg(long, value_name = "PCT,...", value_delimiter = ',', value_parser = draft_cells::parse_percent)]
     pub draft_accept: Vec<u32>,
     /// Tokens guessed per step in the drafted cells.

@@ -90,6 +90,7 @@ const HELP: &str = "commands: /reset, /save FILE, /load FILE, /system TEXT, /sta
 pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let effort = Effort::parse(&args.thinking_effort).context("--thinking-effort")?;
     let thinking = Thinking { enabled: !args.no_think, effort };
+    args.drafting.check(&Sampling { temperature: args.temperature, ..Sampling::default() }, true)?;
     if args.max_tokens == 0 {
         return Err(UsageError("--max-tokens 0 leaves no room for a reply".into()).into());
     }

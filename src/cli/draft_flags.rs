@@ -36,6 +36,18 @@ pub struct DraftArgs {
 }
 
 impl DraftArgs {
+    /// Refuses, before any work, out-of-range options and `--draft ngram` with `sampling` that
+    /// is not greedy (when `refuse_sampling`: a batch or a server drafts its greedy requests
+    /// only, whatever the others ask).
+    pub fn check(&self, sampling: &Sampling, refuse_sampling: bool) -> Result<(), crate::error::UsageError> {
+        let usage = |e: crate::engine::DraftError| crate::error::UsageError(e.to_string());
+        DraftOptions::ngram(self.draft_len, self.ngram_min).check().map_err(usage)?;
+        if refuse_sampling && self.draft == Some(DraftKind::Ngram) && !sampling.is_greedy() {
+            return Err(usage(crate::engine::DraftError::NotGreedy));
+        }
+        Ok(())
+    }
+
     /// The drafting asked for with `sampling`: `--draft ngram` with sampling is refused (by
     /// the engine); the default drafts greedy runs only.
     pub fn options(&self, sampling: &Sampling) -> Option<DraftOptions> {

@@ -130,6 +130,7 @@ pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> an
         return Ok(());
     };
     warn_unused_sampling_flags(args);
+    args.drafting.check(&run_sampling(args), true)?;
     let outputs = Outputs::open(args)?;
     if args.model.is_none() || super::embedded::has_random_weights(&model_dir) {
         // New users read the reserved-token soup of a random model as a bug: say so first.
@@ -160,7 +161,7 @@ pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> an
     let mut run = streaming_run(&args.pipeline, &args.storage, args.threads, args.prefill_chunk, context)
         .map_err(|e| name_budget_flag(e, &flag))?;
     run.placement = placement;
-    run.draft_rows = args.drafting.rows(&run_sampling(args));
+    run.draft_rows = if args.full_recompute { 0 } else { args.drafting.rows(&run_sampling(args)) };
     let (opened, plan) =
         open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
             .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))
@@ -496,7 +497,8 @@ fn generate_options(args: &RunArgs, cfg: &crate::config::Config, tok: &Tokenizer
     let sampling = run_sampling(args);
     GenerateOptions {
         gen: args.gen,
-        draft: args.drafting.options(&sampling),
+        // Full recompute re-runs the prefix every step: nothing to draft.
+        draft: args.drafting.options(&sampling).filter(|_| !args.full_recompute),
         sampling,
         stop_ids,
         full_recompute: args.full_recompute,

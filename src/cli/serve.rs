@@ -85,6 +85,7 @@ pub struct ServeArgs {
 const DEFAULT_CONTEXT: usize = 4096;
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    args.drafting.check(&crate::engine::Sampling::default(), false)?;
     let kernels = super::kernels_for(&args.isa)?;
     if args.storage.trunk.is_none() && !args.pipeline.print_placement {
         refuse_streaming_flags(&args.given)?;

@@ -362,7 +362,8 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
                 }
                 let rows = self.tokens.len() - row;
                 if rows > 1 {
-                    self.states[slot].arm(cfg, rows);
+                    // Armed for the longest draft, so each slot's journal is allocated once.
+                    self.states[slot].arm(cfg, self.opts.decode_rows());
                 }
                 self.segments.push(Segment { slot, rows: row..row + rows });
                 self.logit_slots.push((slot, self.logit_rows.len(), rows));

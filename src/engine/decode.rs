@@ -93,8 +93,11 @@ pub(super) fn decode<S: WeightSource + LayerHook>(
         if !rows.is_empty() {
             let drafted = rows.len() - 1;
             if drafted > 0 {
-                // Rows past the last one whose token was kept are taken back.
+                // Rows past the last one whose token was kept are taken back; the session's
+                // first logits row then holds the logits after the last token fed, as after a
+                // plain step (a saved state keeps it).
                 sess.state.rewind(kernels, cfg, kept)?;
+                sess.logits.copy_within((kept - 1) * vocab..kept * vocab, 0);
                 io.kept(kept);
             }
             match drafter.as_deref_mut() {
@@ -121,8 +124,9 @@ pub(super) fn decode<S: WeightSource + LayerHook>(
             let left = max - chosen;
             dr.propose(context, left.saturating_sub(1).min(chunk - 1), &mut rows);
         }
-        if rows.len() > 1 {
-            sess.state.arm(cfg, rows.len());
+        if let (true, Some(dr)) = (rows.len() > 1, drafter.as_deref()) {
+            // Armed for the longest draft, so the journal is allocated once.
+            sess.state.arm(cfg, dr.max_rows());
         }
         let step = io.run(sess, &rows, context);
         if step.is_err() {

@@ -54,20 +54,21 @@ impl DraftOptions {
 
 /// A drafter that knows the answer, for measuring what drafting gains and costs at a chosen
 /// acceptance whatever the model's text (`bench --draft-accept`): it replays the tokens a plain
-/// greedy run chose after the same prompt, each replaced by another token with probability
-/// `corrupt`, decided per position from `seed` (so a position's guess does not depend on when
-/// it is made). A step then keeps its guesses up to the first corrupted one.
+/// greedy run chose after the same prompt, with the guess after the first `accept x n` of a
+/// step's `n` guesses replaced by another token (when `accept x n` is not whole, the fraction is
+/// the probability of one more right guess, drawn from `seed` and the step's position). A step
+/// then keeps `accept` of its guesses on average: the share of guesses kept is `accept`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Replay {
     /// (prompt, the tokens a plain greedy run chose after it).
     runs: std::sync::Arc<Vec<(Vec<u32>, Vec<u32>)>>,
-    pub corrupt: f64,
+    pub accept: f64,
     pub seed: u64,
 }
 
 impl Replay {
-    pub fn new(runs: Vec<(Vec<u32>, Vec<u32>)>, corrupt: f64, seed: u64) -> Replay {
-        Replay { runs: std::sync::Arc::new(runs), corrupt: corrupt.clamp(0.0, 1.0), seed }
+    pub fn new(runs: Vec<(Vec<u32>, Vec<u32>)>, accept: f64, seed: u64) -> Replay {
+        Replay { runs: std::sync::Arc::new(runs), accept: accept.clamp(0.0, 1.0), seed }
     }
 
     /// The recorded tokens after `prompt`, if it was recorded.
@@ -75,17 +76,18 @@ impl Replay {
         self.runs.iter().find(|(p, _)| p == prompt).map(|(_, t)| t.as_slice())
     }
 
-    /// The guess for the `at`-th token after the prompt: the recorded one, or (corrupted)
-    /// a neighbouring id, which is never the recorded one and always inside the vocabulary.
-    fn guess(&self, at: usize, recorded: u32) -> u32 {
+    /// The guesses for the tokens `at..` after the prompt, `recorded` being the recorded ones
+    /// from there (as many as guessed): right up to the step's share, then one wrong (a
+    /// neighbouring id: never the recorded one, always inside the vocabulary), then right.
+    fn guesses(&self, at: usize, recorded: &[u32], out: &mut Vec<u32>) {
+        let share = self.accept * recorded.len() as f64;
         let draw = crate::rng::splitmix64_at(self.seed, at as u64) as f64 / (u64::MAX as f64 + 1.0);
-        if draw >= self.corrupt {
-            recorded
-        } else if recorded > 0 {
-            recorded - 1
-        } else {
-            recorded + 1
-        }
+        let right = share.floor() as usize + usize::from(draw < share.fract());
+        out.extend(recorded.iter().enumerate().map(|(i, &t)| match (i == right, t) {
+            (false, _) => t,
+            (true, 0) => 1,
+            (true, t) => t - 1,
+        }));
     }
 }
 
@@ -96,7 +98,7 @@ pub enum DraftError {
     Len(usize),
     #[error("--ngram-min {0} is out of range: give 1 to {NGRAM_MAX}")]
     NgramMin(usize),
-    #[error("drafting needs greedy decoding (--temperature 0): a sampled run's tokens would differ from the same run without drafts; add --no-draft to sample")]
+    #[error("drafting needs greedy decoding (--temperature 0): a sampled run's tokens would differ from the same run without drafts; leave out --draft ngram to sample")]
     NotGreedy,
 }
 
@@ -190,7 +192,7 @@ impl Drafter {
             // `context` is the prompt and the tokens chosen so far, the last not yet fed.
             let at = context.len().saturating_sub(*offset);
             let end = (at + limit).min(recorded.len());
-            out.extend((at..end.max(at)).map(|i| r.guess(i, recorded[i])));
+            r.guesses(at, &recorded[at.min(end)..end], out);
             return;
         }
         if self.skip > 0 {
@@ -198,6 +200,11 @@ impl Drafter {
             return;
         }
         lookup(context, self.opts.ngram_min, limit, out);
+    }
+
+    /// Rows of the longest step this drafter makes: the last token and its guesses.
+    pub fn max_rows(&self) -> usize {
+        self.opts.len + 1
     }
 
     /// What the step did with a draft of `drafted` tokens: `accepted` were kept.
@@ -302,45 +309,42 @@ mod tests {
     }
 
     #[test]
-    fn a_replay_guesses_the_recorded_tokens_corrupted_at_its_rate() {
+    fn a_replay_keeps_its_share_of_each_steps_guesses() {
         let recorded: Vec<u32> = (10..1010).collect();
         let prompt = vec![1, 2, 3];
-        let guesses = |corrupt: f64| {
-            let opts = DraftOptions {
-                replay: Some(Replay::new(vec![(prompt.clone(), recorded.clone())], corrupt, 5)),
-                ..DraftOptions::ngram(4, 2)
-            };
-            let mut d = Drafter::new(opts, &prompt);
-            let mut ctx = prompt.clone();
-            let mut right = 0;
-            for i in 0..recorded.len() {
-                ctx.push(recorded[i]);
-                let mut out = Vec::new();
-                d.propose(&ctx, 1, &mut out);
-                if i + 1 < recorded.len() {
-                    assert_eq!(out.len(), 1);
-                    right += usize::from(out[0] == recorded[i + 1]);
-                } else {
-                    assert!(out.is_empty(), "nothing past the recording");
-                }
-            }
-            right as f64 / (recorded.len() - 1) as f64
-        };
-        assert_eq!(guesses(0.0), 1.0);
-        assert_eq!(guesses(1.0), 0.0);
-        let half = guesses(0.5);
-        assert!((0.45..0.55).contains(&half), "{half}");
-        // No back-off, and another prompt gets no guesses.
-        let opts = DraftOptions {
-            replay: Some(Replay::new(vec![(prompt.clone(), recorded.clone())], 1.0, 5)),
+        let opts = |accept: f64| DraftOptions {
+            replay: Some(Replay::new(vec![(prompt.clone(), recorded.clone())], accept, 5)),
             ..DraftOptions::ngram(4, 2)
         };
-        let mut d = Drafter::new(opts.clone(), &prompt);
-        d.record(4, 0);
+        // The share of 4-token drafts a greedy check would keep: guesses up to the first wrong.
+        let kept_share = |accept: f64| {
+            let mut d = Drafter::new(opts(accept), &prompt);
+            let (mut kept, mut drafted) = (0, 0);
+            for i in 0..recorded.len() - 5 {
+                let ctx: Vec<u32> = prompt.iter().chain(&recorded[..=i]).copied().collect();
+                let mut out = Vec::new();
+                d.propose(&ctx, 8, &mut out);
+                assert_eq!(out.len(), 4);
+                kept += out.iter().zip(&recorded[i + 1..]).take_while(|(g, r)| g == r).count();
+                drafted += 4;
+            }
+            kept as f64 / drafted as f64
+        };
+        assert_eq!(kept_share(1.0), 1.0);
+        assert_eq!(kept_share(0.0), 0.0);
+        assert_eq!(kept_share(0.5), 0.5, "two of four, every step");
+        let third = kept_share(1.0 / 3.0);
+        assert!((0.31..0.36).contains(&third), "{third}");
+        // Nothing past the recording; no back-off; another prompt gets no guesses.
+        let mut d = Drafter::new(opts(0.0), &prompt);
         let mut out = Vec::new();
+        let all: Vec<u32> = prompt.iter().chain(&recorded).copied().collect();
+        d.propose(&all, 4, &mut out);
+        assert!(out.is_empty());
+        d.record(4, 0);
         d.propose(&[1, 2, 3, 10], 4, &mut out);
         assert_eq!(out.len(), 4);
-        let mut other = Drafter::new(opts, &[7]);
+        let mut other = Drafter::new(opts(1.0), &[7]);
         out.clear();
         other.propose(&[7, 1, 2], 4, &mut out);
         assert!(out.is_empty());

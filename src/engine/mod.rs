@@ -215,7 +215,12 @@ impl<S: WeightSource + LayerHook> Engine<S> {
 
     /// Allocates a session after checking it fits in available memory.
     pub fn session(&self, capacity: usize, chunk: usize) -> Result<Session, EngineError> {
-        let need = self.session_bytes(capacity, chunk);
+        self.session_with(capacity, chunk, 0)
+    }
+
+    /// [`Engine::session`], checking room for `extra` bytes more (a drafting journal).
+    fn session_with(&self, capacity: usize, chunk: usize, extra: u64) -> Result<Session, EngineError> {
+        let need = self.session_bytes(capacity, chunk) + extra;
         if let Some(available) = crate::memory::available() {
             if need > available.bytes {
                 return Err(EngineError::Memory {
@@ -338,7 +343,11 @@ impl<S: WeightSource + LayerHook> Engine<S> {
         }
         let capacity = context_needed(&self.model.cfg, prompt.len(), opts.gen)?;
         let chunk = opts.prefill_chunk.clamp(1, capacity);
-        let mut sess = self.session(capacity, chunk)?;
+        // Refused before any work; the journal counts in the memory check.
+        let mut drafter = drafter_for(opts.draft.as_ref(), &opts.sampling, opts.full_recompute, prompt)?;
+        let journal =
+            drafter.as_ref().map_or(0, |d| crate::model::rewind::Journal::bytes(&self.model.cfg, d.max_rows()));
+        let mut sess = self.session_with(capacity, chunk, journal)?;
         let mut out = Generation { prompt_ids: prompt.to_vec(), ..Default::default() };
         let mut rng = crate::rng::SplitMix64::new(opts.sampling.seed);
         let mut candidates = Vec::new();
@@ -375,7 +384,6 @@ impl<S: WeightSource + LayerHook> Engine<S> {
         let decode_start = Instant::now();
         let mut context: Vec<u32> = prompt.to_vec();
         let gen = if out.interrupted { 0 } else { opts.gen };
-        let mut drafter = drafter_for(opts.draft.as_ref(), &opts.sampling, opts.full_recompute, prompt)?;
         let decode = Decode {
             max: gen,
             sampling: &opts.sampling,

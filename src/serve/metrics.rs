@@ -126,7 +126,7 @@ impl Shared {
         metric(
             "k3ring_decode_steps_total",
             "counter",
-            "Decode steps of finished sequences (a drafted step may give several tokens).",
+            "Decode steps of finished sequences, summed per sequence (a batch step of n sequences counts n; a drafted step may give a sequence several tokens).",
             &one(load64(&self.decode_steps)),
         );
         metric(

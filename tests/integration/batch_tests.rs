@@ -115,8 +115,8 @@ fn check_identity<S: WeightSource + LayerHook>(
 }
 
 /// [`check_identity`] with drafting in the batch (solo runs stay plain) and `extra` requests
-/// after the usual ones; with `replay`, the drafts replay each request's solo run corrupted at
-/// that rate. Returns the drafting counts of every sequence, summed.
+/// after the usual ones; with `replay`, the drafts replay each request's solo run, keeping that
+/// share of the guesses. Returns the drafting counts of every sequence, summed.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_identity_with<S: WeightSource + LayerHook>(
     what: &str,
@@ -134,9 +134,9 @@ pub(crate) fn check_identity_with<S: WeightSource + LayerHook>(
     reqs.extend(extra);
     let n = reqs.len();
     let draft = match (draft, replay) {
-        (Some(d), Some(corrupt)) => {
+        (Some(d), Some(accept)) => {
             let runs = reqs.iter().map(|r| (r.prompt.clone(), solo(reference, r))).collect();
-            Some(k3ring::engine::DraftOptions { replay: Some(k3ring::engine::Replay::new(runs, corrupt, 3)), ..d })
+            Some(k3ring::engine::DraftOptions { replay: Some(k3ring::engine::Replay::new(runs, accept, 3)), ..d })
         }
         (d, _) => d,
     };

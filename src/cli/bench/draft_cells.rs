@@ -1,6 +1,6 @@
 //! The drafted cells of `k3ring bench` (issue 30): per budget, decoding with n-gram drafts
-//! (`--draft-ngram`), and with a replay of a recorded plain run corrupted to a chosen
-//! acceptance (`--draft-accept`), so that what drafting gains and what its verify steps cost are
+//! (`--draft-ngram`), and with a replay of a recorded plain run whose guesses are kept at a
+//! chosen share (`--draft-accept`), so that what drafting gains and what its verify steps cost are
 //! known at every acceptance, whatever the model's own text. They run the default pipeline
 //! (prediction on) and are compared with its `pipelined` cell.
 
@@ -73,7 +73,7 @@ impl DraftCells {
         }
         let pct: f64 = mode.strip_prefix(REPLAY_PREFIX)?.strip_suffix('%')?.parse().ok()?;
         let runs = self.recorded.clone().into_iter().collect();
-        Some(DraftOptions { replay: Some(Replay::new(runs, 1.0 - pct / 100.0, REPLAY_SEED)), ..base })
+        Some(DraftOptions { replay: Some(Replay::new(runs, pct / 100.0, REPLAY_SEED)), ..base })
     }
 }
 
@@ -95,9 +95,9 @@ mod tests {
         assert_eq!(cells.modes(), ["draft-ngram", "draft-replay-0%", "draft-replay-50%", "draft-replay-100%"]);
         assert_eq!(cells.options("pipelined"), None);
         assert!(cells.options(NGRAM_MODE).is_some_and(|o| o.replay.is_none() && o.len == 4));
-        let half = cells.options("draft-replay-50%").and_then(|o| o.replay).map(|r| r.corrupt);
+        let half = cells.options("draft-replay-50%").and_then(|o| o.replay).map(|r| r.accept);
         assert_eq!(half, Some(0.5));
-        assert_eq!(cells.options("draft-replay-100%").and_then(|o| o.replay).map(|r| r.corrupt), Some(0.0));
+        assert_eq!(cells.options("draft-replay-100%").and_then(|o| o.replay).map(|r| r.accept), Some(1.0));
         assert_eq!(parse_percent("75"), Ok(75));
         assert!(parse_percent("101").is_err() && parse_percent("x").is_err());
     }

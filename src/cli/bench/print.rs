@@ -142,15 +142,18 @@ fn print_cells(r: &Report) {
     }
     for g in &r.drafting {
         println!(
-            "drafting at {} GB, {}: {:.0}% of {} guesses kept, {:.2} tokens per step; {:.2}x fewer bytes read per token and {:.2}x the speed of pipelined",
+            "drafting at {} GB, {}: {:.0}% of {} guesses kept, {:.2} tokens per step; s/token {:.2}x and bytes read per token {:.2}x pipelined's",
             g.budget_gb,
             g.mode,
             100.0 * g.stats.acceptance(),
             g.stats.drafted,
             g.stats.tokens_per_step(),
-            g.bytes_ratio,
-            g.speedup
+            1.0 / g.speedup,
+            1.0 / g.bytes_ratio
         );
+    }
+    if r.cells.iter().any(|c| c.m.draft.is_some()) && !r.cells.iter().any(|c| c.mode == "pipelined") {
+        println!("drafting: add pipelined to --modes to compare the drafted cells with plain decoding");
     }
     println!(
         "dev GB/s: the device at the engine's queue depth, the better of the probes around each budget's cells and the \
