@@ -109,8 +109,9 @@ pub struct BenchArgs {
     /// the host floors are then not computed.
     #[arg(long)]
     pub no_read_tax: bool,
-    /// Adds a cell per budget that drafts by n-gram lookup (`run --draft ngram`), compared with
-    /// the pipelined cell.
+    /// Adds a cell per budget that drafts by n-gram lookup (`run --draft ngram`), and one whose
+    /// every guess is wrong under the n-gram drafter's back-off (`draft-miss`: what drafting
+    /// costs on text that never repeats itself), compared with the pipelined cell.
     #[arg(long)]
     pub draft_ngram: bool,
     /// Adds a cell per budget and acceptance (percent, e.g. 0,25,50,75,100) that drafts by

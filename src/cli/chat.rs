@@ -145,6 +145,8 @@ struct TurnStats {
     decode_seconds: f64,
     bytes_read: Option<u64>,
     hit_rate: Option<f64>,
+    /// Decode steps and drafting (`None` when not drafting).
+    draft: Option<crate::engine::DraftStats>,
 }
 
 impl TurnStats {
@@ -159,6 +161,15 @@ impl TurnStats {
         }
         if let Some(h) = self.hit_rate {
             s.push_str(&format!(", expert hit rate {:.0}%", 100.0 * h));
+        }
+        if let Some(d) = self.draft {
+            s.push_str(&format!(
+                ", draft: {} of {} guesses kept in {} steps ({:.2} tokens per step)",
+                d.accepted,
+                d.drafted,
+                d.steps,
+                d.tokens_per_step()
+            ));
         }
         s
     }
@@ -327,6 +338,7 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
             decode_seconds: reply.decode_seconds,
             bytes_read,
             hit_rate,
+            draft: opts.draft.is_some().then_some(reply.draft),
         };
         self.persist(conv)
     }

@@ -23,9 +23,13 @@ pub const DEFAULT_NGRAM_MIN: usize = 2;
 pub const NGRAM_MAX: usize = 8;
 /// Guessed tokens per step at most (the rows of a step; the session's chunk must hold them).
 pub const MAX_DRAFT_LEN: usize = 16;
-/// Steps without a guess after a guess that was wholly rejected, doubling on each further one
-/// up to this: text that does not repeat itself costs at most one wasted step in this many.
-const MAX_COOLDOWN: usize = 32;
+/// After a draft that was wholly rejected, the drafter waits this many steps, then guesses one
+/// token only; each further rejection doubles the wait, up to [`MAX_COOLDOWN`]; a kept guess
+/// restores full drafts at once. A wholly rejected step of four guesses costs about one plain
+/// step more, one of one guess much less (docs/BENCHMARKS.md, "Drafting"), so text that never
+/// repeats itself pays a few percent at most.
+const MIN_COOLDOWN: usize = 8;
+const MAX_COOLDOWN: usize = 64;
 
 /// How drafts are made.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -64,11 +68,14 @@ pub struct Replay {
     runs: std::sync::Arc<Vec<(Vec<u32>, Vec<u32>)>>,
     pub accept: f64,
     pub seed: u64,
+    /// Back off after rejected drafts as the n-gram drafter does (`bench`'s `draft-miss` cell:
+    /// what that policy costs where no guess is ever right).
+    pub backoff: bool,
 }
 
 impl Replay {
     pub fn new(runs: Vec<(Vec<u32>, Vec<u32>)>, accept: f64, seed: u64) -> Replay {
-        Replay { runs: std::sync::Arc::new(runs), accept: accept.clamp(0.0, 1.0), seed }
+        Replay { runs: std::sync::Arc::new(runs), accept: accept.clamp(0.0, 1.0), seed, backoff: false }
     }
 
     /// The recorded tokens after `prompt`, if it was recorded.
@@ -161,7 +168,8 @@ impl DraftStats {
 }
 
 /// The guesses of one sequence: n-gram lookup with a back-off after rejected drafts, or a
-/// [`Replay`] of recorded tokens (no back-off: its rate is the point).
+/// [`Replay`] of recorded tokens (no back-off unless [`Replay::backoff`]: its rate is the
+/// point).
 #[derive(Clone, Debug)]
 pub struct Drafter {
     opts: DraftOptions,
@@ -170,6 +178,8 @@ pub struct Drafter {
     /// Steps to skip before the next guess, and the length of the next back-off.
     skip: usize,
     cooldown: usize,
+    /// Guesses of the next draft at most: one after a rejected draft, until one is kept.
+    len_now: usize,
     pub stats: DraftStats,
 }
 
@@ -177,15 +187,21 @@ impl Drafter {
     /// The drafter of a sequence that starts after `prompt`.
     pub fn new(opts: DraftOptions, prompt: &[u32]) -> Drafter {
         let replay = opts.replay.as_ref().map(|r| (prompt.len(), r.after(prompt).unwrap_or_default().to_vec()));
-        Drafter { opts, replay, skip: 0, cooldown: 0, stats: DraftStats::default() }
+        let len_now = opts.len;
+        Drafter { opts, replay, skip: 0, cooldown: 0, len_now, stats: DraftStats::default() }
     }
 
     /// Appends to `out` up to `limit` (and `--draft-len`) tokens guessed to follow `context`:
     /// what followed the most recent earlier occurrence of the longest suffix of `context` (of
     /// `--ngram-min` to [`NGRAM_MAX`] tokens) that occurs earlier. Nothing while backing off.
     pub fn propose(&mut self, context: &[u32], limit: usize, out: &mut Vec<u32>) {
-        let limit = limit.min(self.opts.len);
+        let backoff = self.opts.replay.as_ref().is_none_or(|r| r.backoff);
+        let limit = limit.min(if backoff { self.len_now } else { self.opts.len });
         if limit == 0 {
+            return;
+        }
+        if backoff && self.skip > 0 {
+            self.skip -= 1;
             return;
         }
         if let (Some((offset, recorded)), Some(r)) = (&self.replay, &self.opts.replay) {
@@ -193,10 +209,6 @@ impl Drafter {
             let at = context.len().saturating_sub(*offset);
             let end = (at + limit).min(recorded.len());
             r.guesses(at, &recorded[at.min(end)..end], out);
-            return;
-        }
-        if self.skip > 0 {
-            self.skip -= 1;
             return;
         }
         lookup(context, self.opts.ngram_min, limit, out);
@@ -216,14 +228,13 @@ impl Drafter {
         self.stats.drafted_steps += 1;
         self.stats.drafted += drafted as u64;
         self.stats.accepted += accepted as u64;
-        if self.replay.is_some() {
-            return;
-        }
         if accepted == 0 {
-            self.cooldown = (self.cooldown * 2).clamp(1, MAX_COOLDOWN);
+            self.cooldown = (self.cooldown * 2).clamp(MIN_COOLDOWN, MAX_COOLDOWN);
             self.skip = self.cooldown;
+            self.len_now = 1;
         } else {
             self.cooldown = 0;
+            self.len_now = self.opts.len;
         }
     }
 }
@@ -275,21 +286,29 @@ mod tests {
     #[test]
     fn a_rejected_draft_backs_off_and_an_accepted_one_resets() {
         let mut d = Drafter::new(DraftOptions::ngram(3, 1), &[]);
-        let ctx = [1, 2, 1, 2, 1];
+        let ctx = [1, 2, 3, 1, 2, 3, 1];
         let mut out = Vec::new();
         d.propose(&ctx, 8, &mut out);
-        assert_eq!(out, vec![2, 1], "what followed [1, 2, 1], up to the end of the context");
-        d.record(2, 0);
-        for _ in 0..1 {
-            out.clear();
-            d.propose(&ctx, 8, &mut out);
-            assert!(out.is_empty());
-            d.record(0, 0);
+        assert_eq!(out, vec![2, 3, 1], "what followed [1, 2, 3, 1]");
+        d.record(3, 0);
+        // Waits, then guesses one token; each rejection doubles the wait, up to the cap.
+        let mut waits = Vec::new();
+        for _ in 0..5 {
+            let mut skipped = 0;
+            loop {
+                out.clear();
+                d.propose(&ctx, 8, &mut out);
+                if !out.is_empty() {
+                    break;
+                }
+                d.record(0, 0);
+                skipped += 1;
+            }
+            assert_eq!(out, vec![2], "one guess after a rejection");
+            waits.push(skipped);
+            d.record(1, 0);
         }
-        out.clear();
-        d.propose(&ctx, 8, &mut out);
-        assert_eq!(out.len(), 2);
-        d.record(2, 0);
+        assert_eq!(waits, [MIN_COOLDOWN, 2 * MIN_COOLDOWN, 4 * MIN_COOLDOWN, MAX_COOLDOWN, MAX_COOLDOWN]);
         let mut skipped = 0;
         loop {
             out.clear();
@@ -299,13 +318,16 @@ mod tests {
             }
             skipped += 1;
         }
-        assert_eq!(skipped, 2, "the back-off doubles");
-        d.record(2, 2);
+        assert_eq!(skipped, MAX_COOLDOWN);
+        // A kept guess restores full drafts at once, within the caller's limit.
+        d.record(1, 1);
         out.clear();
-        d.propose(&ctx, 1, &mut out);
-        assert_eq!(out, vec![2], "no back-off after an accepted guess; the limit holds");
-        assert_eq!(d.stats, DraftStats { steps: 4, drafted_steps: 3, drafted: 6, accepted: 2 });
-        assert!((d.stats.tokens_per_step() - 6.0 / 4.0).abs() < 1e-12);
+        d.propose(&ctx, 8, &mut out);
+        assert_eq!(out, vec![2, 3, 1]);
+        out.clear();
+        d.propose(&ctx, 2, &mut out);
+        assert_eq!(out, vec![2, 3]);
+        assert_eq!(d.stats.accepted, 1);
     }
 
     #[test]

@@ -296,6 +296,10 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
     assert_read_tax_measured(&v, &out, 1);
 }
 
+fn gain_of<'a>(gains: &'a [serde_json::Value], mode: &str) -> &'a serde_json::Value {
+    gains.iter().find(|g| g["mode"] == mode).unwrap()
+}
+
 /// `bench --draft-ngram --draft-accept`: drafted cells beside the pipelined one, each with its
 /// window's steps and guesses; full acceptance keeps every guess and reads fewer bytes per
 /// token, none keeps none; every cell's ids start with the resident run's.
@@ -316,10 +320,12 @@ fn bench_measures_drafted_cells_at_chosen_acceptances() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(v["ids_identical"], true, "{v}");
     let modes: Vec<&str> = v["cells"].as_array().unwrap().iter().map(|c| c["mode"].as_str().unwrap()).collect();
-    assert_eq!(modes, ["pipelined", "draft-ngram", "draft-replay-0%", "draft-replay-100%"]);
+    assert_eq!(modes, ["pipelined", "draft-ngram", "draft-miss", "draft-replay-0%", "draft-replay-100%"]);
     let gains = v["drafting"].as_array().unwrap();
-    assert_eq!(gains.len(), 3, "{v}");
-    let gain = |mode: &str| gains.iter().find(|g| g["mode"] == mode).unwrap();
+    assert_eq!(gains.len(), 4, "{v}");
+    let miss = &gain_of(gains, "draft-miss")["stats"];
+    assert!(miss["drafted"].as_u64().unwrap() <= 3 && miss["accepted"] == 0, "one draft, then a wait: {miss}");
+    let gain = |mode: &str| gain_of(gains, mode);
     let (none, all) = (&gain("draft-replay-0%")["stats"], &gain("draft-replay-100%")["stats"]);
     assert!(none["drafted"].as_u64().unwrap() > 0 && none["accepted"] == 0, "{none}");
     assert_eq!(all["accepted"], all["drafted"], "{all}");

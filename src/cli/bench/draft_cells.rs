@@ -12,6 +12,9 @@ use crate::error::UsageError;
 
 /// Mode name of the n-gram cells.
 pub const NGRAM_MODE: &str = "draft-ngram";
+/// Mode name of the cells where every guess is wrong and the drafter backs off as the n-gram
+/// drafter does: what the shipped policy costs on text that never repeats itself.
+pub const MISS_MODE: &str = "draft-miss";
 /// Mode names of the replay cells start with this, then the acceptance in percent.
 const REPLAY_PREFIX: &str = "draft-replay-";
 /// Seed of the replay's corruption (fixed: cells and repeats see the same guesses).
@@ -45,7 +48,7 @@ impl DraftCells {
         threads: usize,
         spec: &MeasureSpec,
     ) -> Result<(), MeasureError> {
-        if !self.accept.is_empty() {
+        if self.ngram || !self.accept.is_empty() {
             let n = self.recording_len(spec.warmup, spec.tokens);
             let ids = record_greedy(model, kernels, threads, &spec.prompt, n)?;
             self.recorded = Some((spec.prompt.clone(), ids));
@@ -61,8 +64,8 @@ impl DraftCells {
 
     /// The mode names of the drafted cells, after the plain modes.
     pub fn modes(&self) -> Vec<String> {
-        let ngram = self.ngram.then(|| NGRAM_MODE.to_owned());
-        ngram.into_iter().chain(self.accept.iter().map(|a| format!("{REPLAY_PREFIX}{a}%"))).collect()
+        let ngram = [NGRAM_MODE, MISS_MODE].into_iter().filter(|_| self.ngram).map(str::to_owned);
+        ngram.chain(self.accept.iter().map(|a| format!("{REPLAY_PREFIX}{a}%"))).collect()
     }
 
     /// The drafting of cell `mode` (`None` for the plain modes).
@@ -71,9 +74,14 @@ impl DraftCells {
         if mode == NGRAM_MODE {
             return Some(base);
         }
+        let runs = || self.recorded.clone().into_iter().collect();
+        if mode == MISS_MODE {
+            let mut replay = Replay::new(runs(), 0.0, REPLAY_SEED);
+            replay.backoff = true;
+            return Some(DraftOptions { replay: Some(replay), ..base });
+        }
         let pct: f64 = mode.strip_prefix(REPLAY_PREFIX)?.strip_suffix('%')?.parse().ok()?;
-        let runs = self.recorded.clone().into_iter().collect();
-        Some(DraftOptions { replay: Some(Replay::new(runs, pct / 100.0, REPLAY_SEED)), ..base })
+        Some(DraftOptions { replay: Some(Replay::new(runs(), pct / 100.0, REPLAY_SEED)), ..base })
     }
 }
 
@@ -92,7 +100,12 @@ mod tests {
     #[test]
     fn modes_name_their_drafting() {
         let cells = DraftCells { len: 4, ngram: true, accept: vec![0, 50, 100], recorded: Some((vec![1], vec![2, 3])) };
-        assert_eq!(cells.modes(), ["draft-ngram", "draft-replay-0%", "draft-replay-50%", "draft-replay-100%"]);
+        assert_eq!(
+            cells.modes(),
+            ["draft-ngram", "draft-miss", "draft-replay-0%", "draft-replay-50%", "draft-replay-100%"]
+        );
+        let miss = cells.options(MISS_MODE).and_then(|o| o.replay);
+        assert!(miss.is_some_and(|r| r.backoff && r.accept == 0.0));
         assert_eq!(cells.options("pipelined"), None);
         assert!(cells.options(NGRAM_MODE).is_some_and(|o| o.replay.is_none() && o.len == 4));
         let half = cells.options("draft-replay-50%").and_then(|o| o.replay).map(|r| r.accept);
