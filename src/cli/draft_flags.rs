@@ -4,9 +4,13 @@
 use crate::engine::draft::{DraftOptions, DEFAULT_DRAFT_LEN, DEFAULT_NGRAM_MIN};
 use crate::engine::Sampling;
 
-/// Whether greedy runs draft without `--draft`: not until the benchmark shows drafting never
-/// costs more than 5% where nothing is accepted (docs/BENCHMARKS.md, "Drafting").
-pub const DRAFT_BY_DEFAULT: bool = false;
+/// Whether greedy `run` and `chat` draft without `--draft`: yes, since `bench` measured that
+/// drafting costs at most a few percent where no guess is kept (`draft-miss`) and reads up to
+/// 2.7x fewer bytes per token where guesses are kept (docs/BENCHMARKS.md, "Drafting"). A batch
+/// or a server drafts only with `--draft ngram`: each of its slots would hold a journal of the
+/// KDA states (435 MB on the release model), which the default should not take from their
+/// contexts.
+pub const DRAFT_BY_DEFAULT: bool = true;
 
 /// Drafting kinds `--draft` accepts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -21,7 +25,8 @@ pub enum DraftKind {
 pub struct DraftArgs {
     /// Draft-and-verify decoding (greedy only): guess up to --draft-len tokens by matching the
     /// context's latest tokens against earlier text, and verify them in one step; the tokens
-    /// are those of plain greedy decoding
+    /// are those of plain greedy decoding. Default: on for greedy `run` and `chat`, off for
+    /// `batch` and `serve`
     #[arg(long, value_name = "KIND", value_enum)]
     pub draft: Option<DraftKind>,
     /// No drafting (the same as --draft off)
@@ -59,11 +64,12 @@ impl DraftArgs {
         }
     }
 
-    /// The drafting of a batch or a server, whose requests sample or not one by one: the
-    /// greedy ones draft (`--draft ngram`, or the default), the sampled ones decode one token
-    /// per step.
+    /// The drafting of a batch or a server, whose requests sample or not one by one: with
+    /// `--draft ngram` the greedy ones draft and the sampled ones decode one token per step;
+    /// off by default ([`DRAFT_BY_DEFAULT`] says why).
     pub fn for_requests(&self) -> Option<DraftOptions> {
-        self.options(&Sampling::default())
+        (self.draft == Some(DraftKind::Ngram) && !self.no_draft)
+            .then(|| DraftOptions::ngram(self.draft_len, self.ngram_min))
     }
 
     /// Rows of a drafted step (for the memory plan): the last token and the guesses; 0 when

@@ -303,6 +303,8 @@ fn a_damaged_split_unit_is_a_data_error_naming_the_unit() {
         "1,2,3",
         "--gen",
         "2",
+        // The minimum above is planned without drafting's journal.
+        "--no-draft",
     ]);
     assert_eq!(code, 3, "{err}");
     // Caught while opening (the pass over split units), not by a piece's first read.
