@@ -178,7 +178,8 @@ pub struct Drafter {
     /// Steps to skip before the next guess, and the length of the next back-off.
     skip: usize,
     cooldown: usize,
-    /// Guesses of the next draft at most: one after a rejected draft, until one is kept.
+    /// Guesses of the next draft at most: one at first and after a rejected draft, until one
+    /// is kept.
     len_now: usize,
     pub stats: DraftStats,
 }
@@ -187,8 +188,9 @@ impl Drafter {
     /// The drafter of a sequence that starts after `prompt`.
     pub fn new(opts: DraftOptions, prompt: &[u32]) -> Drafter {
         let replay = opts.replay.as_ref().map(|r| (prompt.len(), r.after(prompt).unwrap_or_default().to_vec()));
-        let len_now = opts.len;
-        Drafter { opts, replay, skip: 0, cooldown: 0, len_now, stats: DraftStats::default() }
+        // A run starts with one-token guesses: a full draft comes once a guess was kept, so text
+        // that never repeats itself never pays for a full wrong draft.
+        Drafter { opts, replay, skip: 0, cooldown: 0, len_now: 1, stats: DraftStats::default() }
     }
 
     /// Appends to `out` up to `limit` (and `--draft-len`) tokens guessed to follow `context`:
@@ -289,36 +291,34 @@ mod tests {
         let ctx = [1, 2, 3, 1, 2, 3, 1];
         let mut out = Vec::new();
         d.propose(&ctx, 8, &mut out);
-        assert_eq!(out, vec![2, 3, 1], "what followed [1, 2, 3, 1]");
+        assert_eq!(out, vec![2], "one guess until one is kept: what followed [1, 2, 3, 1]");
+        d.record(1, 1);
+        out.clear();
+        d.propose(&ctx, 8, &mut out);
+        assert_eq!(out, vec![2, 3, 1], "then full drafts");
         d.record(3, 0);
-        // Waits, then guesses one token; each rejection doubles the wait, up to the cap.
-        let mut waits = Vec::new();
-        for _ in 0..5 {
+        // Steps without a guess before the next one (left in `out`).
+        let wait = |d: &mut Drafter, out: &mut Vec<u32>| {
             let mut skipped = 0;
             loop {
                 out.clear();
-                d.propose(&ctx, 8, &mut out);
+                d.propose(&ctx, 8, out);
                 if !out.is_empty() {
-                    break;
+                    return skipped;
                 }
                 d.record(0, 0);
                 skipped += 1;
             }
+        };
+        // Waits, then guesses one token; each rejection doubles the wait, up to the cap.
+        let mut waits = Vec::new();
+        for _ in 0..5 {
+            waits.push(wait(&mut d, &mut out));
             assert_eq!(out, vec![2], "one guess after a rejection");
-            waits.push(skipped);
             d.record(1, 0);
         }
         assert_eq!(waits, [MIN_COOLDOWN, 2 * MIN_COOLDOWN, 4 * MIN_COOLDOWN, MAX_COOLDOWN, MAX_COOLDOWN]);
-        let mut skipped = 0;
-        loop {
-            out.clear();
-            d.propose(&ctx, 8, &mut out);
-            if !out.is_empty() {
-                break;
-            }
-            skipped += 1;
-        }
-        assert_eq!(skipped, MAX_COOLDOWN);
+        assert_eq!(wait(&mut d, &mut out), MAX_COOLDOWN);
         // A kept guess restores full drafts at once, within the caller's limit.
         d.record(1, 1);
         out.clear();
@@ -327,7 +327,7 @@ mod tests {
         out.clear();
         d.propose(&ctx, 2, &mut out);
         assert_eq!(out, vec![2, 3]);
-        assert_eq!(d.stats.accepted, 1);
+        assert_eq!(d.stats.accepted, 2);
     }
 
     #[test]
