@@ -55,6 +55,9 @@ const CLASSIFIERS: &[Classifier] = &[
     class_of::<crate::storage::io::IoError>,
     class_of::<crate::interrupt::Interrupted>,
     class_of::<crate::interrupt::InterruptedBatch>,
+    class_of::<crate::serve::ServeError>,
+    class_of::<crate::files::OutputError>,
+    class_of::<crate::files::InputError>,
     class_of::<std::io::Error>,
 ];
 

@@ -3,8 +3,9 @@
 //!
 //! Dependencies point one way: `cli -> engine -> pipeline -> {model, storage} -> kernels`;
 //! `config` and `checkpoint` depend only on `exit` (the exit codes and the `Classify` trait every
-//! error type implements), and so does `interrupt` (the Ctrl-C flag); `exit`, `rng` and `memory`
-//! (what the process may still allocate) depend on nothing.
+//! error type implements) and `files` (how every file is opened, bounded and written), and so
+//! does `interrupt` (the Ctrl-C flag); `exit`, `rng` and `memory` (what the process may still
+//! allocate) depend on nothing.
 
 pub mod chat;
 pub mod checkpoint;
@@ -13,6 +14,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod exit;
+pub mod files;
 pub mod interrupt;
 pub mod memory;
 pub mod model;

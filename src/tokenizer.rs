@@ -35,6 +35,9 @@ pub const K3_PATTERN: &str = concat!(
 );
 
 /// Why a tokenizer could not be loaded or could not encode or decode.
+/// A tokenizer file larger than this is refused unread (the release's vocabulary is ~3 MB).
+pub const TOKENIZER_FILE_MAX: u64 = 256 << 20;
+
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     #[error("cannot read {path}: {source}")]
@@ -49,6 +52,9 @@ pub enum TokenizerError {
     Regex(String),
     #[error("token id {0} is not in the vocabulary")]
     UnknownId(u32),
+    /// Not a regular file, or larger than any tokenizer file (exit 3).
+    #[error(transparent)]
+    Input(#[from] crate::files::InputError),
 }
 
 impl Classify for TokenizerError {
@@ -59,6 +65,7 @@ impl Classify for TokenizerError {
                 ExitCode::Data
             }
             TokenizerError::UnknownId(_) => ExitCode::Usage,
+            TokenizerError::Input(e) => e.exit_code(),
             TokenizerError::Regex(_) => ExitCode::Internal,
         }
     }
@@ -170,6 +177,13 @@ impl Tokenizer {
             regex,
             missing: None,
         })
+    }
+
+    /// Bytes of the longest token (ordinary or added): no text of n tokens is longer than n times
+    /// this, which bounds how much text a context can hold.
+    pub fn max_token_bytes(&self) -> usize {
+        let ranks = self.decoder.iter().map(Vec::len);
+        ranks.chain(self.added_sorted.iter().map(|(s, _)| s.len())).max().unwrap_or(1).max(1)
     }
 
     /// Number of BPE ranks (ids below this are ordinary tokens).
@@ -382,7 +396,11 @@ fn k3_regex() -> Result<Arc<fancy_regex::Regex>, TokenizerError> {
 /// The text of a tokenizer file: a failed read is I/O (exit 4), bytes that are not UTF-8 are bad
 /// data (exit 3) named by line and offset.
 fn read(path: &Path) -> Result<String, TokenizerError> {
-    let bytes = std::fs::read(path).map_err(|source| TokenizerError::Io { path: path.to_owned(), source })?;
+    let bytes =
+        crate::files::input::read_regular(path, TOKENIZER_FILE_MAX, "a tokenizer file").map_err(|e| match e {
+            crate::files::InputError::Io { path, source, .. } => TokenizerError::Io { path, source },
+            e => TokenizerError::Input(e),
+        })?;
     String::from_utf8(bytes).map_err(|e| {
         let offset = e.utf8_error().valid_up_to();
         let line = 1 + e.as_bytes()[..offset].iter().filter(|&&b| b == b'\n').count();

@@ -81,6 +81,10 @@ impl Dtype {
 }
 
 /// Why a checkpoint was refused. I/O failures exit 4, invalid data exits 3.
+/// A `model.safetensors.index.json` larger than this is refused unread (the release's is a
+/// few MB for its ~100k tensors).
+pub const INDEX_BYTES_MAX: u64 = 1 << 30;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("cannot {op} {path}: {source}")]
@@ -107,12 +111,16 @@ pub enum CheckpointError {
     },
     #[error("tensor {tensor}: {message}")]
     Schema { tensor: String, message: String },
+    /// A shard or index that is not a regular file, or an index larger than any (exit 3).
+    #[error(transparent)]
+    Input(#[from] crate::files::InputError),
 }
 
 impl Classify for CheckpointError {
     fn exit_code(&self) -> ExitCode {
         match self {
             CheckpointError::Io { .. } => ExitCode::Io,
+            CheckpointError::Input(e) => e.exit_code(),
             CheckpointError::NoShards { .. }
             | CheckpointError::IndexInvalid { .. }
             | CheckpointError::HeaderLength { .. }
@@ -333,8 +341,10 @@ impl<'de> serde::de::Visitor<'de> for WeightMapVisitor {
 }
 
 fn read_weight_map(path: &Path) -> Result<WeightMap, CheckpointError> {
-    let text =
-        std::fs::read(path).map_err(|source| CheckpointError::Io { path: path.to_owned(), op: "read", source })?;
+    let text = crate::files::input::read_regular(path, INDEX_BYTES_MAX, "a checkpoint index").map_err(|e| match e {
+        crate::files::InputError::Io { path, source, .. } => CheckpointError::Io { path, op: "read", source },
+        e => CheckpointError::Input(e),
+    })?;
     parse_weight_map(&text, path)
 }
 

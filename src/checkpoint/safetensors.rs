@@ -4,7 +4,6 @@
 //! relative to byte 8 + N. Only the header is read, so indexing a 1.56 TB checkpoint costs the
 //! size of its headers.
 
-use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
@@ -68,7 +67,10 @@ pub struct Header {
 /// Reads and parses the header of `path`; `shard` names the file in errors.
 pub fn read_header(path: &Path) -> Result<Header, CheckpointError> {
     let io = |source| CheckpointError::Io { path: path.to_owned(), op: "read header of", source };
-    let mut file = File::open(path).map_err(io)?;
+    let mut file = crate::files::input::open_regular(path, 0).map_err(|e| match e {
+        crate::files::InputError::Io { source, .. } => io(source),
+        e => CheckpointError::Input(e),
+    })?;
     let file_len = file.metadata().map_err(io)?.len();
     let mut len_bytes = [0u8; 8];
     if file_len >= 8 {

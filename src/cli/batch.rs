@@ -6,7 +6,7 @@
 //! sequence's tokens are those of its solo `k3ring run` with the same settings.
 
 use std::collections::HashMap;
-use std::io::{BufWriter, Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -26,6 +26,7 @@ use crate::engine::{
     Finished, Opened, Ticket,
 };
 use crate::error::UsageError;
+use crate::files::{Output, OutputWriter};
 use crate::model::weights::WeightSource;
 use crate::model::LayerHook;
 use crate::storage::plan::Plan;
@@ -46,14 +47,14 @@ pub struct BatchArgs {
     #[arg(long, value_name = "FILE")]
     pub output: PathBuf,
     /// Sequences decoded together at most (fewer when the budget or memory holds fewer).
-    #[arg(long, value_name = "N", default_value_t = 16, value_parser = super::parse_chunk)]
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = super::parse_batch_size)]
     pub max_batch: usize,
     /// Tokens to generate for a request that gives no max_tokens.
     #[arg(long, value_name = "N", default_value_t = 32)]
     pub max_tokens: usize,
     /// Positions of each sequence slot; a request needing more gets an error record
     /// (default: what the longest request needs).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = super::parse_slot_positions)]
     pub context: Option<usize>,
     /// Prompt tokens per step, over all sequences being prefilled.
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = super::parse_chunk)]
@@ -157,7 +158,7 @@ pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
     }
     let cfg = Config::from_model_dir(&model_dir)?;
     let tokenizer = Tokenizer::from_model_dir(&model_dir)?;
-    let text = read_input(&args.input)?;
+    let text = read_input(&args.input, input_line_max(&cfg, &tokenizer))?;
     let mut out = open_output(&args.output)?;
     let (parsed, errors) = parse_requests(&text, args, &cfg, &tokenizer);
     let lines = parsed.len() + errors.len();
@@ -170,6 +171,7 @@ pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
         } else {
             format!("has {lines} requests and every one failed (see the error records)")
         };
+        out.finish()?;
         return Err(UsageError(format!("--input {} {why}", args.input.display())).into());
     }
     let needed = parsed.iter().map(|p| p.request.prompt.len() + p.request.max_tokens.max(1)).max().unwrap_or(1);
@@ -206,26 +208,57 @@ pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
     })
 }
 
-fn read_input(path: &Path) -> anyhow::Result<String> {
-    let bytes = if path == Path::new("-") {
-        let mut buf = Vec::new();
-        std::io::stdin().lock().read_to_end(&mut buf).context("reading --input - (stdin)")?;
-        buf
-    } else {
-        std::fs::read(path).with_context(|| format!("reading --input {}", path.display()))?
-    };
-    String::from_utf8(bytes).map_err(|e| {
-        let at = e.utf8_error().valid_up_to();
-        UsageError(format!("--input {}: not UTF-8 text (invalid byte at offset {at})", path.display())).into()
-    })
+/// The longest request line read: a prompt the context can hold, each byte escaped in JSON at
+/// worst as `\u00XX` (6 bytes), and room for the other fields.
+fn input_line_max(cfg: &Config, tok: &Tokenizer) -> usize {
+    let (_, text) = crate::engine::text_bytes_max(cfg, tok);
+    usize::try_from(text.saturating_mul(6).saturating_add(1 << 16)).unwrap_or(usize::MAX)
 }
 
-fn open_output(path: &Path) -> anyhow::Result<Box<dyn Write>> {
-    if path == Path::new("-") {
-        return Ok(Box::new(std::io::stdout()));
+/// `--input`, line by line, each line at most `line_max` bytes (a longer one is refused naming
+/// it, having read no more than that), so no input can exhaust memory on one line.
+fn read_input(path: &Path, line_max: usize) -> anyhow::Result<String> {
+    use crate::files::input::{read_line_capped, LineRead};
+    let stdin = path == Path::new("-");
+    let mut reader: Box<dyn std::io::BufRead> = if stdin {
+        Box::new(std::io::stdin().lock())
+    } else {
+        let file = std::fs::File::open(path).with_context(|| format!("reading --input {}", path.display()))?;
+        Box::new(std::io::BufReader::new(file))
+    };
+    let (mut text, mut line, mut number) = (String::new(), Vec::new(), 0usize);
+    loop {
+        let read = read_line_capped(&mut reader, &mut line, line_max).with_context(|| {
+            format!("reading --input {}", if stdin { "- (stdin)".into() } else { path.display().to_string() })
+        })?;
+        number += 1;
+        match read {
+            LineRead::End => return Ok(text),
+            LineRead::TooLong => {
+                return Err(UsageError(format!(
+                    "--input {}: line {number} is longer than {line_max} bytes, more than a request for this model's \
+                     context can hold",
+                    path.display()
+                ))
+                .into())
+            }
+            LineRead::Line => {}
+        }
+        let piece = std::str::from_utf8(&line).map_err(|e| {
+            let at = e.valid_up_to();
+            UsageError(format!(
+                "--input {}: line {number} is not UTF-8 text (invalid byte at offset {at} of the line)",
+                path.display()
+            ))
+        })?;
+        text.push_str(piece);
     }
-    let file = std::fs::File::create(path).with_context(|| format!("creating --output {}", path.display()))?;
-    Ok(Box::new(BufWriter::new(file)))
+}
+
+/// `--output`: stdout as records are made, or a file by the output rule, replaced when the batch
+/// ends (also after Ctrl-C or a failed step, with the records made until then).
+fn open_output(path: &Path) -> anyhow::Result<OutputWriter> {
+    Ok(Output::resolve("--output", path, true)?.create()?)
 }
 
 /// One JSON object and a newline, flushed so a reader sees each record as it is made.
@@ -273,7 +306,7 @@ struct Job<'a> {
 /// record when it finishes.
 struct Results<'a> {
     tok: &'a Tokenizer,
-    out: Box<dyn Write>,
+    out: OutputWriter,
     running: HashMap<Ticket, Sequence>,
     write_error: Option<anyhow::Error>,
     succeeded: usize,
@@ -338,7 +371,7 @@ impl Job<'_> {
     fn run<S: WeightSource + LayerHook>(
         self,
         opened: &Opened<S>,
-        out: Box<dyn Write>,
+        out: OutputWriter,
         plan: Option<&Plan>,
         storage: impl Fn(&S) -> Option<StreamStats>,
     ) -> anyhow::Result<()> {
@@ -375,24 +408,20 @@ impl Job<'_> {
                 interrupted = true;
                 break;
             }
-            batcher.step(&mut results)?;
+            if let Err(e) = batcher.step(&mut results) {
+                // The records written so far are whole answers: they are kept.
+                results.out.finish()?;
+                return Err(e.into());
+            }
             if let Some(e) = results.write_error.take() {
                 return Err(e);
             }
-            let stats = batcher.stats();
-            let seconds = start.elapsed().as_secs_f64().max(1e-9);
-            let per_token = per_token_bytes(bytes_read(&engine.src), read_before, stats);
-            bar.set_message(format!(
-                "{:.2} tokens/s, {} sequences running{}",
-                stats.generated as f64 / seconds,
-                batcher.running(),
-                per_token.map_or_else(String::new, |b| format!(
-                    ", {} read per token",
-                    crate::storage::plan::fmt_gb(b as u64)
-                ))
-            ));
+            let per_token = per_token_bytes(bytes_read(&engine.src), read_before, batcher.stats());
+            bar.set_message(progress_message(batcher.stats(), start, batcher.running(), per_token));
         }
         bar.finish_and_clear();
+        let succeeded = results.succeeded;
+        results.out.finish()?;
         let seconds = start.elapsed().as_secs_f64();
         let stats = batcher.stats().clone();
         let bytes_read_per_token = per_token_bytes(bytes_read(&engine.src), read_before, &stats);
@@ -401,7 +430,7 @@ impl Job<'_> {
         let summary = Summary {
             model: self.model_dir.display().to_string(),
             requests: total + self.failed,
-            succeeded: results.succeeded,
+            succeeded,
             failed,
             interrupted,
             slots: batcher.slots(),
@@ -428,7 +457,7 @@ impl Job<'_> {
             print_streaming_summary(s, p, peak, &metrics);
         }
         if let (Some(path), Some(tracer)) = (&self.args.pipeline.trace, &engine.model.tracer) {
-            tracer.write_chrome_json(path).with_context(|| format!("writing --trace {}", path.display()))?;
+            tracer.write_chrome_json(&super::output::create_now("--trace", path)?)?;
             eprintln!("k3ring: trace written to {}", path.display());
         }
         if let Some(out) = &self.json {
@@ -497,6 +526,14 @@ fn submit_all<S: WeightSource + LayerHook>(
         }
     }
     Ok((failed, prompt_tokens))
+}
+
+/// The progress bar's message: throughput, sequences running, bytes read per token.
+fn progress_message(stats: &BatchStats, start: Instant, running: usize, per_token: Option<f64>) -> String {
+    let seconds = start.elapsed().as_secs_f64().max(1e-9);
+    let read =
+        per_token.map_or_else(String::new, |b| format!(", {} read per token", crate::storage::plan::fmt_gb(b as u64)));
+    format!("{:.2} tokens/s, {running} sequences running{read}", stats.generated as f64 / seconds)
 }
 
 fn per_token_bytes(now: Option<u64>, before: Option<u64>, stats: &BatchStats) -> Option<f64> {

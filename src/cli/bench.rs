@@ -472,8 +472,8 @@ fn write_outputs(
                     .collect(),
             })
             .collect();
-        std::fs::write(path, line_chart("k3ring bench: s/token by memory budget", "budget (GB)", "s/token", &series))
-            .with_context(|| format!("writing {}", path.display()))?;
+        let chart = line_chart("k3ring bench: s/token by memory budget", "budget (GB)", "s/token", &series);
+        super::output::create_now("--svg", path)?.write_all(chart.as_bytes())?;
     }
     Ok(())
 }

@@ -6,7 +6,7 @@
 //! replies. After every turn the transcript (`--history`) and the state (`--save-state`) are
 //! written atomically.
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -20,6 +20,7 @@ use crate::chat::template::{Effort, Specials, Thinking};
 use crate::chat::Conversation;
 use crate::engine::{open_resident, open_streaming, ChatSession, Fingerprint, Opened, ReplyOptions, Sampling};
 use crate::error::UsageError;
+use crate::files::input::{read_line_capped, LineRead};
 use crate::model::weights::WeightSource;
 use crate::model::LayerHook;
 use crate::storage::stream::StreamStats;
@@ -100,6 +101,12 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
             args.context, args.max_tokens
         ))
         .into());
+    }
+    // Checked before the model is opened; written after every turn.
+    for (flag, path) in [("--history", &args.history), ("--save-state", &args.save_state)] {
+        if let Some(path) = path {
+            super::output::create_now(flag, path)?;
+        }
     }
     let flags = startup_flags!(args);
     let Some(Started { kernels, model_dir, placement }) = start_up(&flags)? else {
@@ -210,15 +217,31 @@ fn repl<S: WeightSource + LayerHook>(
     if let Some(path) = &args.load_state {
         r.load(&mut conv, path)?;
     }
-    let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let mut stdin = std::io::stdin().lock();
+    // A turn longer than the whole context cannot fit: the read stops there.
+    let line_max = context.saturating_mul(opened.tokenizer.max_token_bytes());
+    let (mut bytes, mut number) = (Vec::new(), 0usize);
     loop {
         // The event loop: one line per turn, until /quit or the end of the input.
         if r.terminal {
             eprint!("> ");
         }
-        let Some(line) = lines.next() else { break };
-        let line = line.context("reading stdin")?;
+        number += 1;
+        match read_line_capped(&mut stdin, &mut bytes, line_max).context("reading stdin")? {
+            LineRead::End => break,
+            LineRead::TooLong => {
+                return Err(UsageError(format!(
+                    "stdin: line {number} is longer than {line_max} bytes, more than the conversation's context of \
+                     {context} positions can hold"
+                ))
+                .into())
+            }
+            LineRead::Line => {}
+        }
+        let line = std::str::from_utf8(&bytes).map_err(|e| {
+            UsageError(format!("stdin: line {number} is not UTF-8 text (invalid byte at offset {})", e.valid_up_to()))
+        })?;
+        let line = line.strip_suffix('\n').unwrap_or(line);
         crate::interrupt::clear();
         let text = line.trim_end_matches('\r');
         if text.trim().is_empty() {
@@ -252,7 +275,10 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
                 eprintln!("k3ring: system message set; the next turn prefills the conversation again");
             }
             ("save" | "load", "") => eprintln!("k3ring: /{name} needs a file name"),
-            ("save", file) => match conv.session.save(Path::new(file), self.fp, &conv.extra_bytes()) {
+            ("save", file) => match crate::files::Output::resolve("/save", Path::new(file), false)
+                .map_err(crate::engine::StateFileError::from)
+                .and_then(|out| conv.session.save(&out, self.fp, &conv.extra_bytes()))
+            {
                 Ok(()) => eprintln!("k3ring: state saved to {file} ({} tokens)", conv.session.ids().len()),
                 Err(e) => eprintln!("k3ring: error: {e}"),
             },
@@ -346,11 +372,10 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
     /// Writes the history and the state, each atomically.
     fn persist(&self, conv: &Conversation) -> anyhow::Result<()> {
         if let Some(path) = &self.args.history {
-            crate::engine::state_file::write_atomic(path, conv.history_jsonl().as_bytes())
-                .with_context(|| format!("writing --history {}", path.display()))?;
+            super::output::create_now("--history", path)?.write_all(conv.history_jsonl().as_bytes())?;
         }
         if let Some(path) = &self.args.save_state {
-            conv.session.save(path, self.fp, &conv.extra_bytes())?;
+            conv.session.save(&super::output::create_now("--save-state", path)?, self.fp, &conv.extra_bytes())?;
         }
         Ok(())
     }

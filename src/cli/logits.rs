@@ -3,10 +3,8 @@
 //! format is in `docs/LOGITS.md`: one JSON header line, then little-endian f32 rows (or, with
 //! `--logits-top N`, N u32 ids then N f32 values per row).
 
-use std::io::Write;
 use std::path::Path;
 
-use anyhow::Context;
 use serde::Serialize;
 
 use crate::engine::{Fingerprint, Generation};
@@ -91,8 +89,7 @@ pub fn write(path: &Path, g: &Generation, vocab: usize, top: Option<usize>, fp: 
             }
         }
     }
-    let mut file = std::fs::File::create(path).with_context(|| format!("writing --logits {}", path.display()))?;
-    file.write_all(&bytes).with_context(|| format!("writing --logits {}", path.display()))
+    Ok(super::output::create_now("--logits", path)?.write_all(&bytes)?)
 }
 
 #[cfg(test)]

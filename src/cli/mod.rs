@@ -266,6 +266,18 @@ fn parse_logits_top(s: &str) -> Result<usize, String> {
     count_in(s, 1..=usize::MAX, "a number of logits per position (1 or more)")
 }
 
+fn parse_batch_size(s: &str) -> Result<usize, String> {
+    count_in(s, 1..=4096, "a number of sequences in 1..=4096")
+}
+
+fn parse_slot_positions(s: &str) -> Result<usize, String> {
+    count_in(s, 2..=usize::MAX, "a number of positions (2 or more: a prompt token and a generated one)")
+}
+
+fn parse_body_bytes(s: &str) -> Result<usize, String> {
+    count_in(s, 1..=usize::MAX, "a number of bytes (1 or more)")
+}
+
 fn parse_chunk(s: &str) -> Result<usize, String> {
     count_in(s, 1..=4096, "a chunk size in 1..=4096")
 }

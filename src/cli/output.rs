@@ -1,53 +1,42 @@
-//! Output files named by flags (`--json`, `--trace`, `--dump-trace`, `--logits`), the same in
-//! every subcommand: each is created when the command starts, before any model is opened, so a
-//! bad path fails at once (exit 4 naming the flag and the path) rather than after minutes of
-//! work; it is written at the end, also after Ctrl-C, with what was done.
+//! Output files named by flags (`--json`, `--trace`, `--dump-trace`, `--logits`, ...), the same
+//! in every subcommand: each is checked by the output rule (`crate::files::output`) when the
+//! command starts, before any model is opened, so a bad path fails at once (exit 2 for what k3ring
+//! refuses to replace, exit 4 for a directory it cannot write, naming the flag and the path)
+//! rather than after minutes of work; it is written at the end, also after Ctrl-C, with what was
+//! done.
 //!
 //! `--json FILE` writes the command's report to FILE; `--json -` writes it to stdout instead of
 //! the text the command would print there (a table, a summary, or `run`'s generated text, which
 //! the report holds).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::error::UsageError;
+pub use crate::files::output::STDOUT;
+use crate::files::Output;
 
-/// The value of a file flag that means stdout.
-pub const STDOUT: &str = "-";
-
-/// Creates (or truncates) the file `flag` names, now. For flags that cannot take `-`.
-pub fn create_now(flag: &str, path: &Path) -> anyhow::Result<()> {
-    if path.as_os_str() == STDOUT {
-        return Err(UsageError(format!("{flag} takes a file name; {flag} - (stdout) is not supported")).into());
-    }
-    // A FIFO or a device (`/dev/stdout`) is opened when it is written: opening a FIFO blocks
-    // until a reader comes, and a device needs no creating.
-    if std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
-        return Ok(());
-    }
-    std::fs::File::create(path).with_context(|| format!("{flag} {}: cannot create the file", path.display()))?;
-    Ok(())
+/// Applies the output rule (`crate::files::output`) to the file `flag` names, now, for a flag
+/// that cannot take `-`: a bad path fails before any work. The file itself is written at the end.
+pub fn create_now(flag: &str, path: &Path) -> anyhow::Result<Output> {
+    Ok(Output::resolve(flag, path, false)?)
 }
 
 /// Where a `--json` report goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JsonOut {
     Stdout,
-    /// A file, created when the command started.
-    File(PathBuf),
+    /// A file (or device) checked when the command started.
+    File(Output),
 }
 
 impl JsonOut {
-    /// Resolves `--json` and creates its file now; `None` when the flag is absent.
+    /// Resolves `--json` by the output rule, now; `None` when the flag is absent.
     pub fn open(path: Option<&Path>) -> anyhow::Result<Option<JsonOut>> {
         let Some(path) = path else { return Ok(None) };
-        if path.as_os_str() == STDOUT {
-            return Ok(Some(JsonOut::Stdout));
-        }
-        create_now("--json", path)?;
-        Ok(Some(JsonOut::File(path.to_path_buf())))
+        let out = Output::resolve("--json", path, true)?;
+        Ok(Some(if out.is_stdout() { JsonOut::Stdout } else { JsonOut::File(out) }))
     }
 
     /// Whether the report replaces the command's text on stdout.
@@ -64,9 +53,7 @@ impl JsonOut {
                 let mut out = std::io::stdout().lock();
                 out.write_all(text.as_bytes()).and_then(|()| out.flush()).context("writing --json - to stdout")
             }
-            JsonOut::File(path) => {
-                std::fs::write(path, text).with_context(|| format!("writing --json {}", path.display()))
-            }
+            JsonOut::File(out) => Ok(out.write_all(text.as_bytes())?),
         }
     }
 }
@@ -83,7 +70,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("r.json");
         let out = JsonOut::open(Some(&path)).unwrap().unwrap();
-        assert!(path.exists(), "created before any work");
+        assert!(!path.exists(), "checked before any work, written at the end");
         out.write(&serde_json::json!({"a": 1})).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\n  \"a\": 1\n}\n");
         assert_eq!(JsonOut::open(Some(Path::new("-"))).unwrap(), Some(JsonOut::Stdout));

@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::budget::name_budget_flag;
-use super::output::JsonOut;
+use super::output::{create_now, JsonOut};
 use super::pipeline_flags::PipelineArgs;
 use super::startup::{start_up, startup_flags, Started};
 use super::{RunArgs, StorageArgs};
@@ -142,7 +142,7 @@ pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> an
     let Some(trunk) = &args.storage.trunk else {
         let opened = open_resident(&model_dir, args.threads, kernels)
             .with_context(|| format!("opening model {}", model_dir.display()))?;
-        let prompt = prompt_ids(args, &opened.tokenizer, opened.engine.model.cfg.bos_token_id)?;
+        let prompt = prompt_ids(args, &opened.tokenizer, &opened.engine.model.cfg)?;
         return generate(args, &outputs, &model_dir, &opened, &prompt, None, |_| None);
     };
     if let Some(p) = &placement {
@@ -151,10 +151,10 @@ pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> an
     // The plan depends on the context length, so the prompt is tokenized first.
     let cfg = crate::config::Config::from_model_dir(&model_dir)?;
     let tokenizer = Tokenizer::from_model_dir_or_ids(&model_dir, cfg.vocab_size)?;
-    let prompt = prompt_ids(args, &tokenizer, cfg.bos_token_id)?;
+    let prompt = prompt_ids(args, &tokenizer, &cfg)?;
     let flag = budget_flag.map_or_else(|| typed_budget_flag(&args.storage), str::to_owned);
     let saved = match &args.load_state {
-        Some(path) => crate::engine::state_file::peek(path)?.ids.len(),
+        Some(path) => crate::engine::state_file::peek(path).context("reading --load-state")?.ids.len(),
         None => 0,
     };
     let context = context_needed(&cfg, saved + prompt.len(), args.gen)?;
@@ -283,6 +283,8 @@ pub(super) fn streaming_run(
 /// The output files of a run, created before the model is opened (see `output`).
 struct Outputs {
     json: Option<JsonOut>,
+    /// `--dump-trace`: the routing trace, written as the run routes.
+    dump_trace: Option<crate::files::Output>,
 }
 
 impl Outputs {
@@ -291,17 +293,14 @@ impl Outputs {
         if args.logits.is_some() && (args.load_state.is_some() || args.save_state.is_some()) {
             return Err(UsageError("--logits does not go with --load-state or --save-state".into()).into());
         }
-        let files = [
-            ("--trace", &args.pipeline.trace),
-            ("--dump-trace", &args.pipeline.dump_trace),
-            ("--logits", &args.logits),
-        ];
+        let files = [("--trace", &args.pipeline.trace), ("--logits", &args.logits), ("--save-state", &args.save_state)];
         for (flag, path) in files {
             if let Some(path) = path {
-                super::output::create_now(flag, path)?;
+                create_now(flag, path)?;
             }
         }
-        Ok(Outputs { json })
+        let dump_trace = args.pipeline.dump_trace.as_deref().map(|p| create_now("--dump-trace", p)).transpose()?;
+        Ok(Outputs { json, dump_trace })
     }
 
     /// `--json -`: the report is stdout's only content (it holds the generated text).
@@ -324,7 +323,7 @@ fn generate<S: WeightSource + LayerHook>(
     if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= cfg.vocab_size) {
         return Err(UsageError(format!("--ids: token {bad} is outside the vocabulary of {}", cfg.vocab_size)).into());
     }
-    let opts = generate_options(args, cfg, tok);
+    let opts = GenerateOptions { route_log: outputs.dump_trace.clone(), ..generate_options(args, cfg, tok) };
     if let Some(path) = tok.missing_vocab() {
         eprintln!("k3ring: no tokenizer ({} is missing): printing token ids as <id>, not text", path.display());
     }
@@ -440,7 +439,7 @@ fn generate_stateful<S: WeightSource + LayerHook>(
     let engine = &opened.engine;
     let fp = Fingerprint::of_dir(model_dir)?;
     let saved = match &args.load_state {
-        Some(path) => state_file::peek(path)?.ids.len(),
+        Some(path) => state_file::peek(path).context("reading --load-state")?.ids.len(),
         None => 0,
     };
     let capacity = context_needed(&engine.model.cfg, saved + prompt.len(), opts.gen)?;
@@ -462,7 +461,7 @@ fn generate_stateful<S: WeightSource + LayerHook>(
         true
     })?;
     if let Some(path) = &args.save_state {
-        sess.save(path, fp, &[])?;
+        sess.save(&create_now("--save-state", path)?, fp, &[])?;
         eprintln!("k3ring: state saved to {} ({} tokens, {} fed)", path.display(), sess.ids().len(), sess.fed());
     }
     let steps = reply.ids.len().saturating_sub(1).max(1);
@@ -505,7 +504,7 @@ fn generate_options(args: &RunArgs, cfg: &crate::config::Config, tok: &Tokenizer
         prefill_chunk: args.prefill_chunk,
         keep_logits: args.logits.is_some(),
         prompt_logits: args.logits.is_some(),
-        route_log: args.pipeline.dump_trace.clone(),
+        route_log: None,
         stop: Some(crate::interrupt::flag()),
     }
 }
@@ -527,12 +526,12 @@ fn prefill_bar(prompt: usize, chunk: usize, terminal: bool) -> Option<ProgressBa
     Some(bar)
 }
 
-/// The prompt's ids; `bos` is the model's `bos_token_id` (config.json), which `--bos` prepends
-/// whether or not the tokenizer names it.
-fn prompt_ids(args: &RunArgs, tok: &Tokenizer, bos: u32) -> anyhow::Result<Vec<u32>> {
+/// The prompt's ids; `--bos` prepends the model's `bos_token_id` (config.json) whether or not
+/// the tokenizer names it. A prompt file is read up to what the model's context can hold.
+fn prompt_ids(args: &RunArgs, tok: &Tokenizer, cfg: &crate::config::Config) -> anyhow::Result<Vec<u32>> {
     let mut ids = Vec::new();
     if args.bos {
-        ids.push(bos);
+        ids.push(cfg.bos_token_id);
     }
     if let Some(list) = &args.ids {
         ids.extend_from_slice(list);
@@ -540,7 +539,7 @@ fn prompt_ids(args: &RunArgs, tok: &Tokenizer, bos: u32) -> anyhow::Result<Vec<u
         let text = match (&args.prompt, &args.prompt_file) {
             (Some(t), _) => t.clone(),
             (None, Some(f)) => {
-                let bytes = read_prompt_file(f)?;
+                let bytes = read_prompt_file(f, crate::engine::text_bytes_max(cfg, tok), tok.max_token_bytes())?;
                 // Not text is a bad argument (exit 2), not a failed read (exit 4).
                 String::from_utf8(bytes).map_err(|e| {
                     let at = e.utf8_error().valid_up_to();
@@ -594,7 +593,7 @@ fn recall(s: &StreamStats) -> Option<f64> {
 /// `--trace FILE`, when given and the run was traced.
 fn write_trace(args: &RunArgs, model: &crate::model::Model) -> anyhow::Result<()> {
     if let (Some(path), Some(tracer)) = (&args.pipeline.trace, &model.tracer) {
-        tracer.write_chrome_json(path).with_context(|| format!("writing --trace {}", path.display()))?;
+        tracer.write_chrome_json(&create_now("--trace", path)?)?;
         eprintln!("k3ring: trace written to {}", path.display());
     }
     Ok(())
@@ -611,15 +610,25 @@ fn print_run_line(g: &Generation, peak: Option<u64>, threads: usize, isa: &str) 
     );
 }
 
-/// `--prompt-file FILE`, or stdin for `-`.
-fn read_prompt_file(f: &std::path::Path) -> anyhow::Result<Vec<u8>> {
-    if f.as_os_str() == super::output::STDOUT {
-        let mut bytes = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::stdin().lock(), &mut bytes)
-            .context("reading --prompt-file - (stdin)")?;
-        return Ok(bytes);
-    }
-    std::fs::read(f).with_context(|| format!("reading --prompt-file {}", f.display()))
+/// `--prompt-file FILE`, or stdin for `-`, read up to `max` bytes (what `positions` can hold at
+/// `per_token` bytes per token at most): anything longer cannot fit and is refused (exit 2)
+/// having read one byte more than that, so a device or an endless pipe ends the read too.
+fn read_prompt_file(f: &std::path::Path, (positions, max): (usize, u64), per_token: usize) -> anyhow::Result<Vec<u8>> {
+    let read = if f.as_os_str() == super::output::STDOUT {
+        crate::files::input::read_bounded(std::io::stdin().lock(), max).context("reading --prompt-file - (stdin)")?
+    } else {
+        let file = std::fs::File::open(f).with_context(|| format!("reading --prompt-file {}", f.display()))?;
+        crate::files::input::read_bounded(file, max)
+            .with_context(|| format!("reading --prompt-file {}", f.display()))?
+    };
+    read.ok_or_else(|| {
+        UsageError(format!(
+            "--prompt-file {}: more than {max} bytes, beyond the model's context of {positions} positions (no token is \
+             longer than {per_token} bytes)",
+            f.display()
+        ))
+        .into()
+    })
 }
 
 /// The decode part of the summary: time per token and tokens per second, or none at all when

@@ -37,7 +37,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 8080)]
     pub port: u16,
     /// Sequences decoded together at most (fewer when the budget or memory holds fewer).
-    #[arg(long, value_name = "N", default_value_t = 8, value_parser = super::parse_chunk)]
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = super::parse_batch_size)]
     pub max_batch: usize,
     /// Requests that may wait for a sequence slot; beyond them a request gets 429.
     #[arg(long, value_name = "N", default_value_t = 64)]
@@ -47,7 +47,7 @@ pub struct ServeArgs {
     pub max_tokens: usize,
     /// Positions of each sequence slot: prompt plus generated tokens (default: 4096, or the
     /// model's context if smaller).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = super::parse_slot_positions)]
     pub context: Option<usize>,
     /// Prompt tokens per step, over all sequences being prefilled.
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = super::parse_chunk)]
@@ -56,7 +56,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
     /// Request body bytes at most (else 413).
-    #[arg(long, value_name = "BYTES", default_value_t = 1 << 20)]
+    #[arg(long, value_name = "BYTES", default_value_t = 1 << 20, value_parser = super::parse_body_bytes)]
     pub max_body: usize,
     /// HTTP connections open at once at most; one more is answered 503 and closed.
     #[arg(long, value_name = "N", default_value_t = 256)]

@@ -407,7 +407,7 @@ fn report(
                 p.same_ids
             );
         }
-        std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
+        super::output::create_now("--csv", path)?.write_all(csv.as_bytes())?;
     }
     if let Some(path) = &args.svg {
         let series: Vec<Series> = args
@@ -428,8 +428,8 @@ fn report(
             })
             .collect();
         let title = format!("k3ring tune at {} GB: s/token by trunk read-ahead", args.mem_gb);
-        std::fs::write(path, line_chart(&title, "trunk read-ahead depth (layers)", "s/token", &series))
-            .with_context(|| format!("writing {}", path.display()))?;
+        let chart = line_chart(&title, "trunk read-ahead depth (layers)", "s/token", &series);
+        super::output::create_now("--svg", path)?.write_all(chart.as_bytes())?;
     }
     Ok(())
 }

@@ -26,6 +26,9 @@ use read::{check_dims, check_supported, layer_plan, tokenizer_context_length};
 
 /// Why a config was refused: exit code 2 (config refused), except [`ConfigError::Read`], which is
 /// an I/O failure (4).
+/// A config.json larger than this is refused unread (release configs are a few KB).
+pub const CONFIG_BYTES_MAX: u64 = 16 << 20;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read (exit 4).
@@ -39,6 +42,9 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
     #[error("{path}: unsupported model variant: {message}")]
     Unsupported { path: PathBuf, message: String },
+    /// Not a regular file, or larger than any config (exit 3).
+    #[error(transparent)]
+    Input(#[from] crate::files::InputError),
 }
 
 impl Classify for ConfigError {
@@ -49,6 +55,7 @@ impl Classify for ConfigError {
             | ConfigError::Keys { .. }
             | ConfigError::Invalid { .. }
             | ConfigError::Unsupported { .. } => ExitCode::Usage,
+            ConfigError::Input(e) => e.exit_code(),
         }
     }
 }
@@ -200,7 +207,11 @@ impl Config {
     }
 
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
-        let bytes = std::fs::read(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let bytes =
+            crate::files::input::read_regular(path, CONFIG_BYTES_MAX, "a config.json").map_err(|e| match e {
+                crate::files::InputError::Io { path, source, .. } => ConfigError::Read { path, source },
+                e => ConfigError::Input(e),
+            })?;
         Config::from_json_bytes(&bytes, path)
     }
 

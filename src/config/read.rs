@@ -328,7 +328,10 @@ fn read_context_length(scopes: &mut [&mut Collector<'_>]) -> Option<ContextLengt
 /// `model_max_length` of a tokenizer_config.json when it is a plausible context length; any
 /// problem with the file is left to the tokenizer's loader.
 pub(super) fn tokenizer_context_length(path: &Path) -> Option<ContextLength> {
-    let text = std::fs::read_to_string(path).ok()?;
+    // Bounded and never blocking (a FIFO is left to the tokenizer's loader to refuse).
+    let bytes =
+        crate::files::input::read_regular(path, crate::tokenizer::TOKENIZER_FILE_MAX, "a tokenizer file").ok()?;
+    let text = String::from_utf8(bytes).ok()?;
     let value: Value = serde_json::from_str(&text).ok()?;
     let n = value.get("model_max_length")?.as_u64().filter(|&n| n > 0 && n <= TOKENIZER_CONTEXT_MAX)?;
     Some(ContextLength {

@@ -268,6 +268,11 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         true
     }
 
+    /// Whether `ticket` waits in the queue (not yet in a slot).
+    pub fn is_queued(&self, ticket: Ticket) -> bool {
+        self.queue.iter().any(|(t, _, _)| *t == ticket)
+    }
+
     /// Requests queued (not yet in a slot).
     pub fn queued(&self) -> usize {
         self.queue.len()

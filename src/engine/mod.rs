@@ -93,7 +93,7 @@ pub struct GenerateOptions {
     /// prompt row; a row's logits do not depend on the other rows, so the tokens are unchanged.
     pub prompt_logits: bool,
     /// Write every routing decision here (`--dump-trace`).
-    pub route_log: Option<std::path::PathBuf>,
+    pub route_log: Option<crate::files::Output>,
     /// Checked between prefill chunks and between tokens: once set, generation stops and
     /// returns what it has, with [`Generation::interrupted`] (Ctrl-C: [`crate::interrupt::flag`]).
     pub stop: Option<&'static AtomicBool>,
@@ -154,6 +154,17 @@ pub fn context_needed(cfg: &crate::config::Config, prompt: usize, gen: usize) ->
         }),
         _ => Ok(total),
     }
+}
+
+/// Positions assumed for bounding text reads when a model states no context length.
+pub const UNSTATED_CONTEXT: usize = 1 << 20;
+
+/// The model's context in positions ([`UNSTATED_CONTEXT`] when it states none), and the most
+/// bytes of text that context can hold: no token is longer than the tokenizer's longest, so text
+/// beyond that many bytes cannot fit and is refused before it is read whole.
+pub fn text_bytes_max(cfg: &crate::config::Config, tok: &crate::tokenizer::Tokenizer) -> (usize, u64) {
+    let positions = cfg.context_length.as_ref().map_or(UNSTATED_CONTEXT, |c| c.positions);
+    (positions, (positions as u64).saturating_mul(tok.max_token_bytes() as u64))
 }
 
 /// A model with its weight store (which is also the model's hook: the streaming pipeline

@@ -11,7 +11,6 @@
 //! its first sampled token comes from the very floats the saved session had.
 #![forbid(unsafe_code)]
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -49,6 +48,10 @@ pub enum StateFileError {
     TooLong { path: PathBuf, positions: usize, capacity: usize },
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error(transparent)]
+    Input(#[from] crate::files::InputError),
+    #[error(transparent)]
+    Output(#[from] crate::files::OutputError),
 }
 
 impl Classify for StateFileError {
@@ -57,6 +60,8 @@ impl Classify for StateFileError {
             StateFileError::Io { .. } => ExitCode::Io,
             StateFileError::TooLong { .. } => ExitCode::Usage,
             StateFileError::Engine(e) => e.exit_code(),
+            StateFileError::Input(e) => e.exit_code(),
+            StateFileError::Output(e) => e.exit_code(),
             _ => ExitCode::Data,
         }
     }
@@ -92,30 +97,38 @@ impl Fingerprint {
     }
 }
 
-/// Writes `bytes` to `path` atomically: a temp file beside it, fsync, rename, fsync of the
-/// directory; a crash leaves the old file or the new one, never a mix.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
-        _ => PathBuf::from("."),
-    };
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-        return result;
+/// Reads a state file: a regular file (never a FIFO or a device), whose size is checked against
+/// the length its header announces before the rest is read, so no input can make the read
+/// larger than the file it claims to be.
+pub fn read_state_file(path: &Path) -> Result<Vec<u8>, StateFileError> {
+    use std::io::Read;
+    let io = |op, source| StateFileError::Io { path: path.to_owned(), op, source };
+    let mut file = crate::files::input::open_regular(path, 0)?;
+    let size = file.metadata().map_err(|e| io("reading", e))?.len();
+    let mut prefix = Vec::with_capacity(PREFIX_BYTES);
+    (&mut file).take(PREFIX_BYTES as u64).read_to_end(&mut prefix).map_err(|e| io("reading", e))?;
+    let version = |p: &[u8]| u32::from_le_bytes([p[8], p[9], p[10], p[11]]);
+    if prefix.len() < PREFIX_BYTES || prefix[..8] != STATE_MAGIC || version(&prefix) != STATE_VERSION {
+        // Too short for a header, not a state file, or another version: the header check says which.
+        let why = || StateFileError::Corrupt { path: path.to_owned(), why: "its header cannot be read".into() };
+        return Err(read_header(path, &prefix).err().unwrap_or_else(why));
     }
-    // The rename is durable only once the directory is; a failure here loses nothing written.
-    if let Ok(d) = std::fs::File::open(&dir) {
-        let _ = d.sync_all();
+    let mut total = [0u8; 8];
+    total.copy_from_slice(&prefix[12..PREFIX_BYTES]);
+    let total = u64::from_le_bytes(total);
+    if size < total {
+        return Err(StateFileError::Truncated { path: path.to_owned(), have: size, want: total });
     }
-    Ok(())
+    if size > total {
+        let why = format!("{} bytes past the {total} it was written with", size - total);
+        return Err(StateFileError::Corrupt { path: path.to_owned(), why });
+    }
+    let mut bytes = prefix;
+    let rest = crate::files::input::read_bounded(file, total - PREFIX_BYTES as u64)
+        .map_err(|e| io("reading", e))?
+        .ok_or_else(|| StateFileError::Corrupt { path: path.to_owned(), why: "it grew while being read".into() })?;
+    bytes.extend_from_slice(&rest);
+    Ok(bytes)
 }
 
 /// What a state file holds besides the layer states.
@@ -153,10 +166,9 @@ impl ChatSession {
         out
     }
 
-    /// Saves the session to `path` atomically.
-    pub fn save(&self, path: &Path, fp: Fingerprint, extra: &[u8]) -> Result<(), StateFileError> {
-        let bytes = self.to_state_bytes(fp, extra);
-        write_atomic(path, &bytes).map_err(|source| StateFileError::Io { path: path.to_owned(), op: "writing", source })
+    /// Saves the session to `out` by the output rule (a regular file is replaced atomically).
+    pub fn save(&self, out: &crate::files::Output, fp: Fingerprint, extra: &[u8]) -> Result<(), StateFileError> {
+        Ok(out.write_all(&self.to_state_bytes(fp, extra))?)
     }
 
     /// Restores the session from `path`, refusing another model, version, a truncated or a
@@ -168,11 +180,7 @@ impl ChatSession {
         path: &Path,
         fp: Fingerprint,
     ) -> Result<Vec<u8>, StateFileError> {
-        let bytes = std::fs::read(path).map_err(|source| StateFileError::Io {
-            path: path.to_owned(),
-            op: "reading",
-            source,
-        })?;
+        let bytes = read_state_file(path)?;
         self.restore_bytes(engine, path, &bytes, fp)
     }
 
@@ -274,7 +282,6 @@ pub fn read_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<(StateHeader, &'a
 
 /// The header of a state file, checked (for sizing a run before the model is opened).
 pub fn peek(path: &Path) -> Result<StateHeader, StateFileError> {
-    let bytes =
-        std::fs::read(path).map_err(|source| StateFileError::Io { path: path.to_owned(), op: "reading", source })?;
+    let bytes = read_state_file(path)?;
     read_header(path, &bytes).map(|(h, _)| h)
 }

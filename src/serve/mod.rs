@@ -15,6 +15,7 @@
 
 pub mod api;
 pub mod connections;
+mod http;
 pub mod metrics;
 pub mod routes;
 pub mod worker;
@@ -129,6 +130,9 @@ pub fn serve<S: WeightSource + LayerHook>(
     on_ready(&Ready { addr, slots, context });
     let overlap = || engine.model.tracer.as_ref().map(|t| t.metrics().overlap_fraction);
     let result = worker.run(&rx, storage, &engine.src, &overlap);
+    if let Err(e) = &result {
+        tracing::error!("stopping the server: the engine failed while serving: {e}");
+    }
     // The model loop is over (shutdown, or the engine failed): stop admitting, and give the
     // network side a moment to finish the responses in flight.
     shared.shutting_down.store(true, Ordering::Relaxed);
@@ -169,7 +173,8 @@ fn network_thread(
             shutdown_signal(&signal_shared, int, term).await;
             signal_shared.shutting_down.store(true, Ordering::Relaxed);
         };
-        axum::serve(listener, routes::router(app)).with_graceful_shutdown(stop).await
+        http::serve(listener, routes::router(app), stop).await;
+        Ok::<(), std::io::Error>(())
     });
     shared.shutting_down.store(true, Ordering::Relaxed);
     r

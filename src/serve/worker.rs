@@ -315,7 +315,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                 break;
             }
             if let Err(e) = self.batcher.step(&mut self.out) {
-                self.abort_all(ApiError::internal(format!("the engine failed: {e}")));
+                self.stop_after_fault(&e);
                 return Err(e);
             }
             self.publish(storage, src, overlap);
@@ -452,6 +452,22 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
     }
 
     /// Cancels everything, telling each handler why.
+    /// A step failed (a damaged expert, a failed read): the sequences in it cannot go on, since
+    /// the pass that failed left their states part-way; each gets a 500 naming the fault. The
+    /// requests still queued get 503 as on SIGTERM, and nothing new is admitted.
+    fn stop_after_fault(&mut self, fault: &EngineError) {
+        self.out.shared.shutting_down.store(true, Ordering::Relaxed);
+        let failed = ApiError::internal(format!("the engine failed: {fault}"));
+        let stopping = ApiError::unavailable(format!("the server is stopping after a fault: {fault}"));
+        for (ticket, seq) in self.out.seqs.drain() {
+            let why = if self.batcher.is_queued(ticket) { stopping.clone() } else { failed.clone() };
+            self.batcher.cancel(ticket);
+            self.out.shared.release();
+            self.out.shared.cancelled.fetch_add(1, Ordering::Relaxed);
+            let _ = seq.events.send(Event::Aborted(why));
+        }
+    }
+
     fn abort_all(&mut self, why: ApiError) {
         for (ticket, seq) in self.out.seqs.drain() {
             self.batcher.cancel(ticket);

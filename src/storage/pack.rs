@@ -20,7 +20,6 @@ pub mod lock;
 pub mod verify;
 
 use std::fs::File;
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -52,6 +51,10 @@ const EXPERT_LAYERS_MAX: usize = 4096;
 const COPY_THREADS: usize = 4;
 
 /// Why a pack could not be written or read.
+/// A manifest larger than this is refused unread (the release's, with a checksum per expert, is
+/// a few MB).
+pub const MANIFEST_BYTES_MAX: u64 = 1 << 30;
+
 #[derive(Debug, thiserror::Error)]
 pub enum PackError {
     #[error("cannot {op} {path}: {source}")]
@@ -68,6 +71,10 @@ pub enum PackError {
     Busy { dir: PathBuf, lock: PathBuf },
     #[error("`k3ring pack --verify` found {count} mismatch(es) in the trunk pack in {dir} or its checkpoint (to pack again, remove {dir}/trunk.manifest.json first); the first: {first}")]
     Verify { dir: PathBuf, count: usize, first: String },
+    #[error(transparent)]
+    Output(#[from] crate::files::OutputError),
+    #[error(transparent)]
+    Input(#[from] crate::files::InputError),
 }
 
 /// 4 for I/O failures and a directory another pack holds, 3 for a pack that is corrupt, stale
@@ -80,6 +87,8 @@ impl Classify for PackError {
             | PackError::Stale { .. }
             | PackError::Checksum { .. }
             | PackError::Verify { .. } => ExitCode::Data,
+            PackError::Output(e) => e.exit_code(),
+            PackError::Input(e) => e.exit_code(),
         }
     }
 }
@@ -216,6 +225,9 @@ pub fn write_pack(
     let start = std::time::Instant::now();
     std::fs::create_dir_all(out_dir).map_err(io_err("create", out_dir))?;
     let _lock = PackLock::acquire(out_dir)?;
+    // The output rule: the pack's files are regular files (or links to them), replaced whole.
+    let pack_out = crate::files::Output::resolve("--out", &out_dir.join(PACK_FILE), false)?;
+    let manifest_out = crate::files::Output::resolve("--out", &out_dir.join(MANIFEST_FILE), false)?;
     let fp = fingerprint(model_dir, index)?;
     let manifest_path = out_dir.join(MANIFEST_FILE);
     if let Ok(m) = Manifest::load(out_dir) {
@@ -239,9 +251,10 @@ pub fn write_pack(
     }
     let alignment = unit_alignment(out_dir);
     let (units, pack_len) = layout(cfg, index, alignment)?;
-    let partial = PartialFile(out_dir.join(format!("{PACK_FILE}{PARTIAL_SUFFIX}")));
+    let pack_path = pack_out.target().map_or_else(|| out_dir.join(PACK_FILE), Path::to_path_buf);
+    let partial = PartialFile(pack_path.with_file_name(format!("{PACK_FILE}{PARTIAL_SUFFIX}")));
     let (units, experts) = write_partial(cfg, index, units, pack_len, alignment, &partial.0, progress)?;
-    std::fs::rename(&partial.0, out_dir.join(PACK_FILE)).map_err(io_err("rename", &partial.0))?;
+    std::fs::rename(&partial.0, &pack_path).map_err(io_err("rename", &partial.0))?;
     let manifest = Manifest {
         format: FORMAT.to_owned(),
         version: VERSION,
@@ -262,7 +275,7 @@ pub fn write_pack(
         seconds: 0.0,
         alignment,
     };
-    write_synced(&manifest_path, &serde_json::to_vec_pretty(&manifest).unwrap_or_default())?;
+    manifest_out.write_all(&serde_json::to_vec_pretty(&manifest).unwrap_or_default())?;
     sync_dir(out_dir)?;
     Ok(PackReport { seconds: start.elapsed().as_secs_f64(), ..report })
 }
@@ -495,14 +508,6 @@ pub fn checksum(bytes: &[u8]) -> String {
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), PackError> {
-    let tmp = PartialFile(path.with_extension("json.partial"));
-    let mut f = File::create(&tmp.0).map_err(io_err("create", &tmp.0))?;
-    f.write_all(bytes).map_err(io_err("write", &tmp.0))?;
-    f.sync_all().map_err(io_err("sync", &tmp.0))?;
-    std::fs::rename(&tmp.0, path).map_err(io_err("rename", &tmp.0))
-}
-
 fn sync_dir(dir: &Path) -> Result<(), PackError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("sync", dir))
 }
@@ -512,10 +517,14 @@ impl Manifest {
     /// non-overlapping units, tensors inside their unit.
     pub fn load(dir: &Path) -> Result<Manifest, PackError> {
         let path = dir.join(MANIFEST_FILE);
-        let text = std::fs::read(&path).map_err(|source| match source.kind() {
-            std::io::ErrorKind::NotFound => PackError::NoManifest { dir: dir.to_owned() },
-            _ => io_err("read", &path)(source),
-        })?;
+        let text =
+            crate::files::input::read_regular(&path, MANIFEST_BYTES_MAX, "a trunk manifest").map_err(|e| match e {
+                crate::files::InputError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                    PackError::NoManifest { dir: dir.to_owned() }
+                }
+                crate::files::InputError::Io { source, .. } => io_err("read", &path)(source),
+                e => PackError::Input(e),
+            })?;
         let pack = dir.join(PACK_FILE);
         let pack_file_len = || Ok(std::fs::metadata(&pack).map_err(io_err("stat", &pack))?.len());
         Manifest::parse(&text, &path, &pack, pack_file_len)

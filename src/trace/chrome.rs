@@ -5,9 +5,8 @@
 //! much as they hold.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{self, BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::io::{self, Write};
+use std::path::PathBuf;
 
 use serde::Serialize;
 
@@ -17,6 +16,7 @@ use super::kind::{SpanKind, Stage};
 use super::recorder::{Event, EventKind};
 use super::Tracer;
 use crate::exit::{Classify, ExitCode};
+use crate::files::{Output, OutputError};
 
 /// Errors from writing a trace file.
 #[derive(Debug, thiserror::Error)]
@@ -27,12 +27,8 @@ pub enum TraceError {
         path.display()
     )]
     DetailOff { path: PathBuf },
-    #[error("cannot write trace {}: check that its directory exists and is writable", path.display())]
-    Write {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error("cannot write trace: {0}")]
+    Write(#[from] OutputError),
 }
 
 impl Classify for TraceError {
@@ -41,7 +37,7 @@ impl Classify for TraceError {
             // The CLI keeps events whenever it will write them, so reaching this from the CLI is a
             // bug; the message still tells a library caller what to change.
             TraceError::DetailOff { .. } => ExitCode::Internal,
-            TraceError::Write { .. } => ExitCode::Io,
+            TraceError::Write(e) => e.exit_code(),
         }
     }
 }
@@ -84,15 +80,18 @@ struct SortArg {
 
 impl Tracer {
     /// See [`Tracer::write_chrome_json`].
-    pub(super) fn write_chrome_file(&self, path: &Path) -> Result<(), TraceError> {
+    pub(super) fn write_chrome_file(&self, out: &Output) -> Result<(), TraceError> {
         if !self.keep_events {
-            return Err(TraceError::DetailOff { path: path.to_path_buf() });
+            return Err(TraceError::DetailOff { path: out.path().to_path_buf() });
         }
-        let err = |source| TraceError::Write { path: path.to_path_buf(), source };
-        let file = File::create(path).map_err(err)?;
-        let mut out = BufWriter::new(file);
-        self.write_chrome_events(&mut out).map_err(err)?;
-        out.flush().map_err(err)
+        let mut w = out.create()?;
+        self.write_chrome_events(&mut w).map_err(|source| OutputError::Io {
+            flag: out.flag().to_owned(),
+            path: out.path().to_owned(),
+            op: "writing",
+            source,
+        })?;
+        Ok(w.finish()?)
     }
 
     /// Writes `{"traceEvents":[metadata..., events sorted by ts...],"displayTimeUnit":"ms"}`.
@@ -436,19 +435,18 @@ mod tests {
     fn trace_write_without_detail_is_refused() {
         let t = Tracer::new(false);
         t.complete(SpanKind::Io("read"), 0.0, 1.0, SpanArgs::new());
-        let err = t.write_chrome_json(Path::new("/nonexistent/trace.json")).unwrap_err();
+        let out = Output::resolve("--trace", std::path::Path::new("/dev/null"), false).unwrap();
+        let err = t.write_chrome_json(&out).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "cannot write trace /nonexistent/trace.json: this tracer keeps no events (it was created \
+            "cannot write trace /dev/null: this tracer keeps no events (it was created \
              with detail off); pass --trace FILE at startup so events are kept"
         );
         assert_eq!(err.exit_code(), ExitCode::Internal);
+        // With detail on, the same output takes the trace.
         let t = Tracer::new(true);
-        let err = t.write_chrome_json(Path::new("/nonexistent/trace.json")).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "cannot write trace /nonexistent/trace.json: check that its directory exists and is writable"
-        );
-        assert_eq!(err.exit_code(), ExitCode::Io);
+        t.complete(SpanKind::Io("read"), 0.0, 1.0, SpanArgs::new());
+        let full = Output::resolve("--trace", std::path::Path::new("/dev/null"), false).unwrap();
+        t.write_chrome_json(&full).unwrap();
     }
 }

@@ -43,7 +43,6 @@ mod recorder;
 #[cfg(test)]
 mod testing;
 
-use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
@@ -273,7 +272,7 @@ impl Tracer {
 
     /// Writes every kept event as Chrome trace-event JSON (open it in Perfetto or
     /// chrome://tracing). Needs `detail`.
-    pub fn write_chrome_json(&self, path: &Path) -> Result<(), TraceError> {
-        self.write_chrome_file(path)
+    pub fn write_chrome_json(&self, out: &crate::files::Output) -> Result<(), TraceError> {
+        self.write_chrome_file(out)
     }
 }

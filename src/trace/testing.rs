@@ -15,6 +15,6 @@ pub(super) fn set_now(t: &Tracer, now_us: f64) {
 pub(super) fn write_and_parse(t: &Tracer) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("trace.json");
-    t.write_chrome_json(&path).unwrap();
+    t.write_chrome_json(&crate::files::Output::resolve("--trace", &path, false).unwrap()).unwrap();
     serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
 }

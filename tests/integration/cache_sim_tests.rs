@@ -31,7 +31,14 @@ fn write_trace(dir: &Path, name: &str, skew: f64, seed: u64) -> PathBuf {
             p
         })
         .collect();
-    let mut w = TraceWriter::create_sized(&path, LAYERS + 1, EXPERTS, TOP_K, Some(17_500_000)).unwrap();
+    let mut w = TraceWriter::create_sized(
+        &k3ring::files::Output::resolve("--dump-trace", &path, false).unwrap(),
+        LAYERS + 1,
+        EXPERTS,
+        TOP_K,
+        Some(17_500_000),
+    )
+    .unwrap();
     for token in 0..TOKENS {
         for (layer, ranks) in ranks.iter().enumerate() {
             let mut picked: Vec<usize> = Vec::new();

@@ -95,7 +95,10 @@ fn a_restored_session_continues_byte_identically() {
         let want = talk(&opened, &mut whole, &TURNS, seeded);
         let mut first = conversation(&opened, 16);
         talk(&opened, &mut first, &TURNS[..1], seeded);
-        first.session.save(&path, fp, &first.extra_bytes()).unwrap();
+        first
+            .session
+            .save(&k3ring::files::Output::resolve("--save-state", &path, false).unwrap(), fp, &first.extra_bytes())
+            .unwrap();
         drop(first);
         let mut resumed = conversation(&opened, 8);
         let extra = resumed.session.restore(&opened.engine, &path, fp).unwrap();

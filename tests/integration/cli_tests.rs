@@ -584,11 +584,11 @@ fn output_files_are_created_before_the_work_starts() {
         assert!(err.contains(&format!("{flag} {bad}: cannot create the file")), "{args:?}: {err}");
         assert!(out.is_empty(), "{args:?}: nothing generated before the refusal: {out}");
     }
-    // A directory is no output file: refused at once too.
+    // A directory is no output file: refused at once too, as a usage error (the output rule).
     let tmp = tempfile::tempdir().unwrap();
     let (code, out, err) = k3ring(&[&run[..], &["--json", tmp.path().to_str().unwrap()]].concat());
-    assert_eq!(code, 4, "{err}");
-    assert!(err.contains("cannot create the file") && out.is_empty(), "{err}");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(&format!("--json {}: is a directory", tmp.path().display())) && out.is_empty(), "{err}");
     let (code, _, err) = k3ring(&["batch", "--model", d, "--input", "-", "--output", "-", "--json", "-"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--json - and --output - would both write stdout"), "{err}");

@@ -208,14 +208,14 @@ fn ctrl_c_prints_the_summary_so_far_and_exits_130() {
 
 /// A child memory cgroup of this process's own (so it stays inside whatever limits this test
 /// runs under), removed on drop.
-struct TestCgroup {
+pub(crate) struct TestCgroup {
     version: u8,
     dir: PathBuf,
 }
 
 impl TestCgroup {
     /// `Err` says why no cgroup could be made (the caller skips).
-    fn create(name: &str, limit: u64) -> Result<TestCgroup, String> {
+    pub(crate) fn create(name: &str, limit: u64) -> Result<TestCgroup, String> {
         let own = k3ring::memory::cgroup::own_memory_cgroups();
         let mut why = vec![format!("own memory cgroups: {own:?}")];
         for cg in own {
@@ -237,10 +237,20 @@ impl TestCgroup {
     /// Runs the binary inside the cgroup: (exit code, stdout, stderr). A run still going after
     /// two minutes is killed (code -1), so a limit that fails to bind cannot hang the test.
     fn run(&self, args: &[&str]) -> (i32, String, String) {
+        self.run_with_stdin(args, None)
+    }
+
+    /// [`Self::run`] with stdin from the file `stdin` (none: empty).
+    pub(crate) fn run_with_stdin(&self, args: &[&str], stdin: Option<&Path>) -> (i32, String, String) {
         let procs = self.dir.join("cgroup.procs");
+        let input = match stdin {
+            Some(p) => Stdio::from(std::fs::File::open(p).unwrap()),
+            None => Stdio::null(),
+        };
         let mut child = Command::new("sh")
             .args(["-c", "echo $$ > \"$0\" && exec \"$@\"", procs.to_str().unwrap(), BIN])
             .args(args)
+            .stdin(input)
             .env_remove("RUST_LOG")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

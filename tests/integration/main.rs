@@ -11,6 +11,7 @@ mod config_tests;
 mod draft_tests;
 mod fault_tests;
 mod faults_doc_tests;
+mod hostile_tests;
 mod integrity_tests;
 mod limits_tests;
 mod oracle_tests;

@@ -28,7 +28,11 @@ pub struct Server {
 impl Server {
     /// Starts the server on the tiny model and waits (30 s at most) for its address.
     pub fn start(extra: &[&str]) -> Server {
-        let dir = tiny_dir();
+        Server::start_on(&tiny_dir(), extra)
+    }
+
+    /// Starts the server on the model in `dir`.
+    pub fn start_on(dir: &std::path::Path, extra: &[&str]) -> Server {
         let mut args = vec!["serve", "--model", dir.to_str().unwrap(), "--port", "0", "--threads", "1"];
         args.extend_from_slice(extra);
         let mut child = Command::new(env!("CARGO_BIN_EXE_k3ring"))
@@ -68,10 +72,15 @@ impl Server {
     }
 
     /// Sends `signal` and waits (30 s at most) for the exit code.
-    pub fn stop_with(mut self, signal: i32) -> (i32, String) {
+    pub fn stop_with(self, signal: i32) -> (i32, String) {
         let pid = self.child.id() as i32;
         // SAFETY: kill(2) on our own child's pid, with a valid signal number.
         unsafe { libc::kill(pid, signal) };
+        self.wait_exit()
+    }
+
+    /// Waits (30 s at most) for the server to exit by itself: (exit code, stderr).
+    pub fn wait_exit(mut self) -> (i32, String) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {

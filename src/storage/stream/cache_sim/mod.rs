@@ -70,6 +70,9 @@ pub enum TraceError {
     /// A trace shape or record given in code is invalid (exit 3).
     #[error("expert trace: {reason}")]
     Invalid { reason: String },
+    /// The output file was refused or could not be written (exit 2 or 4).
+    #[error("expert trace: {0}")]
+    Output(#[from] crate::files::OutputError),
 }
 
 /// The documented exit code: 4 for I/O, 3 for invalid data.
@@ -78,6 +81,7 @@ impl Classify for TraceError {
         match self {
             TraceError::Io { .. } => ExitCode::Io,
             TraceError::Malformed { .. } | TraceError::Invalid { .. } => ExitCode::Data,
+            TraceError::Output(e) => e.exit_code(),
         }
     }
 }

@@ -149,7 +149,8 @@ fn trace_push_rejects_bad_records() {
 fn writer_reorders_a_layer_major_prefill_and_reads_back() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.trace");
-    let mut w = TraceWriter::create(&path, 3, 8, 2).unwrap();
+    let mut w =
+        TraceWriter::create(&crate::files::Output::resolve("--dump-trace", &path, false).unwrap(), 3, 8, 2).unwrap();
     // Prefill of tokens 0..3 over MoE layers 1 and 2, layer-major; then decode of 3 and 4.
     for layer in 1..3 {
         for token in 0..3u64 {
@@ -178,7 +179,8 @@ fn writer_reorders_a_layer_major_prefill_and_reads_back() {
 fn writer_refuses_a_record_that_would_be_written_out_of_order() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.trace");
-    let mut w = TraceWriter::create(&path, 4, 8, 1).unwrap();
+    let mut w =
+        TraceWriter::create(&crate::files::Output::resolve("--dump-trace", &path, false).unwrap(), 4, 8, 1).unwrap();
     w.record(5, 3, &[1]).unwrap();
     // Token 6 at layer 0 ends the pass of token 5, which is written.
     w.record(6, 0, &[1]).unwrap();

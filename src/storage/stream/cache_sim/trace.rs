@@ -2,7 +2,10 @@
 //! writer that orders a run's records by token and layer.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, BufReader, Write};
+
+use crate::files::input::{read_line_capped, LineRead};
+use crate::files::{Output, OutputWriter};
 use std::path::{Path, PathBuf};
 
 use rustc_hash::FxHashSet;
@@ -174,6 +177,9 @@ fn check_record(
     Ok(())
 }
 
+/// The longest line a trace may have: a record of a top-k of thousands fits many times over.
+const TRACE_LINE_MAX: usize = 1 << 20;
+
 /// Reads a trace written by [`TraceWriter`] (or by hand, in the same format).
 pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
     let file = File::open(path).map_err(|source| TraceError::Io { op: "opening", path: path.to_owned(), source })?;
@@ -188,13 +194,16 @@ pub fn read_trace_from(mut reader: impl BufRead, path: &Path) -> Result<Trace, T
     let mut buf = Vec::new();
     let mut line_number = 0;
     let mut trace: Option<Trace> = None;
-    // Bounded by the file: one iteration per line.
+    // Bounded by the file: one iteration per line, each line read up to its cap.
     loop {
-        buf.clear();
-        if reader.read_until(b'\n', &mut buf).map_err(io("reading"))? == 0 {
-            break;
-        }
         line_number += 1;
+        match read_line_capped(&mut reader, &mut buf, TRACE_LINE_MAX).map_err(io("reading"))? {
+            LineRead::End => break,
+            LineRead::TooLong => {
+                return Err(malformed(line_number, format!("the line is longer than {TRACE_LINE_MAX} bytes")));
+            }
+            LineRead::Line => {}
+        }
         let text =
             std::str::from_utf8(&buf).map_err(|_| malformed(line_number, "the line is not UTF-8 text".to_owned()))?;
         let text = text.trim();
@@ -289,7 +298,7 @@ fn clip(s: &str) -> String {
 /// [`finish`]: TraceWriter::finish
 pub struct TraceWriter {
     path: PathBuf,
-    out: BufWriter<File>,
+    out: OutputWriter,
     layers: usize,
     experts: usize,
     top_k: usize,
@@ -303,26 +312,25 @@ pub struct TraceWriter {
 }
 
 impl TraceWriter {
-    /// Creates (or truncates) `path` and writes the header (without the expert size).
-    pub fn create(path: &Path, layers: usize, experts: usize, top_k: usize) -> Result<TraceWriter, TraceError> {
-        TraceWriter::create_sized(path, layers, experts, top_k, None)
+    /// Starts writing `out` (replaced when [`TraceWriter::finish`] succeeds) with the header
+    /// (without the expert size).
+    pub fn create(out: &Output, layers: usize, experts: usize, top_k: usize) -> Result<TraceWriter, TraceError> {
+        TraceWriter::create_sized(out, layers, experts, top_k, None)
     }
 
     /// [`TraceWriter::create`], writing `expert_bytes=` in the header when given, so that
     /// `cache-sim` turns misses into bytes with the model's own expert size.
     pub fn create_sized(
-        path: &Path,
+        out: &Output,
         layers: usize,
         experts: usize,
         top_k: usize,
         expert_bytes: Option<u64>,
     ) -> Result<TraceWriter, TraceError> {
         check_shape(layers, experts, top_k).map_err(|reason| TraceError::Invalid { reason })?;
-        let file =
-            File::create(path).map_err(|source| TraceError::Io { op: "creating", path: path.to_owned(), source })?;
         let mut w = TraceWriter {
-            path: path.to_owned(),
-            out: BufWriter::new(file),
+            path: out.path().to_owned(),
+            out: out.create()?,
             layers,
             experts,
             top_k,
@@ -365,11 +373,10 @@ impl TraceWriter {
         Ok(())
     }
 
-    /// Writes the held records and flushes the file.
+    /// Writes the held records and replaces the output file with what was written.
     pub fn finish(mut self) -> Result<(), TraceError> {
         self.flush_held()?;
-        let path = self.path.clone();
-        self.out.flush().map_err(|source| TraceError::Io { op: "writing", path, source })
+        Ok(self.out.finish()?)
     }
 
     fn flush_held(&mut self) -> Result<(), TraceError> {
