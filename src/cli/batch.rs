@@ -261,7 +261,8 @@ fn open_output(path: &Path) -> anyhow::Result<OutputWriter> {
     Ok(Output::resolve("--output", path, true)?.create()?)
 }
 
-/// One JSON object and a newline, flushed so a reader sees each record as it is made.
+/// One JSON object and a newline, flushed so a reader of stdout or a FIFO sees each record as it
+/// is made (a file is replaced whole when the batch ends: the output rule).
 fn write_line(out: &mut dyn Write, record: &impl Serialize) -> anyhow::Result<()> {
     let mut line = serde_json::to_vec(record)?;
     line.push(b'\n');

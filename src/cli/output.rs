@@ -66,7 +66,7 @@ mod tests {
     use crate::exit::ExitCode;
 
     #[test]
-    fn json_out_creates_its_file_at_once_and_names_a_bad_path() {
+    fn json_out_checks_its_file_at_once_and_names_a_bad_path() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("r.json");
         let out = JsonOut::open(Some(&path)).unwrap().unwrap();

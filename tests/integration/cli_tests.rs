@@ -564,7 +564,7 @@ fn json_takes_a_file_or_dash_for_stdout_in_every_subcommand() {
 
 /// A bad output path fails before any work (exit 4 naming the flag and path); stdout is empty.
 #[test]
-fn output_files_are_created_before_the_work_starts() {
+fn output_files_are_checked_before_the_work_starts() {
     let dir = tiny_dir();
     let d = dir.to_str().unwrap();
     let bad = "/nonexistent-k3ring-dir/out.json";
