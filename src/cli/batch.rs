@@ -208,6 +208,10 @@ pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
     })
 }
 
+/// Bytes of requests one batch reads at most: all are held (and their prompts tokenized) before
+/// the first step, so an endless input must end somewhere.
+const INPUT_BYTES_MAX: usize = 1 << 30;
+
 /// The longest request line read: a prompt the context can hold, each byte escaped in JSON at
 /// worst as `\u00XX` (6 bytes), and room for the other fields.
 fn input_line_max(cfg: &Config, tok: &Tokenizer) -> usize {
@@ -243,6 +247,14 @@ fn read_input(path: &Path, line_max: usize) -> anyhow::Result<String> {
                 .into())
             }
             LineRead::Line => {}
+        }
+        if text.len() + line.len() > INPUT_BYTES_MAX {
+            return Err(UsageError(format!(
+                "--input {}: more than {INPUT_BYTES_MAX} bytes of requests by line {number}; split the input into \
+                 several batches",
+                path.display()
+            ))
+            .into());
         }
         let piece = std::str::from_utf8(&line).map_err(|e| {
             let at = e.valid_up_to();

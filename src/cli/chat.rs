@@ -105,7 +105,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     // Checked before the model is opened; written after every turn.
     for (flag, path) in [("--history", &args.history), ("--save-state", &args.save_state)] {
         if let Some(path) = path {
-            super::output::create_now(flag, path)?;
+            super::output::create_file_now(flag, path)?;
         }
     }
     let flags = startup_flags!(args);
@@ -275,7 +275,7 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
                 eprintln!("k3ring: system message set; the next turn prefills the conversation again");
             }
             ("save" | "load", "") => eprintln!("k3ring: /{name} needs a file name"),
-            ("save", file) => match crate::files::Output::resolve("/save", Path::new(file), false)
+            ("save", file) => match crate::files::Output::resolve_file("/save", Path::new(file))
                 .map_err(crate::engine::StateFileError::from)
                 .and_then(|out| conv.session.save(&out, self.fp, &conv.extra_bytes()))
             {
@@ -372,10 +372,10 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
     /// Writes the history and the state, each atomically.
     fn persist(&self, conv: &Conversation) -> anyhow::Result<()> {
         if let Some(path) = &self.args.history {
-            super::output::create_now("--history", path)?.write_all(conv.history_jsonl().as_bytes())?;
+            super::output::create_file_now("--history", path)?.write_all(conv.history_jsonl().as_bytes())?;
         }
         if let Some(path) = &self.args.save_state {
-            conv.session.save(&super::output::create_now("--save-state", path)?, self.fp, &conv.extra_bytes())?;
+            conv.session.save(&super::output::create_file_now("--save-state", path)?, self.fp, &conv.extra_bytes())?;
         }
         Ok(())
     }

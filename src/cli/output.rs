@@ -23,6 +23,12 @@ pub fn create_now(flag: &str, path: &Path) -> anyhow::Result<Output> {
     Ok(Output::resolve(flag, path, false)?)
 }
 
+/// [`create_now`] for a file meant to be read back whole (`--save-state`, `--history`): a FIFO
+/// is refused too.
+pub fn create_file_now(flag: &str, path: &Path) -> anyhow::Result<Output> {
+    Ok(Output::resolve_file(flag, path)?)
+}
+
 /// Where a `--json` report goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JsonOut {

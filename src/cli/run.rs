@@ -293,11 +293,14 @@ impl Outputs {
         if args.logits.is_some() && (args.load_state.is_some() || args.save_state.is_some()) {
             return Err(UsageError("--logits does not go with --load-state or --save-state".into()).into());
         }
-        let files = [("--trace", &args.pipeline.trace), ("--logits", &args.logits), ("--save-state", &args.save_state)];
+        let files = [("--trace", &args.pipeline.trace), ("--logits", &args.logits)];
         for (flag, path) in files {
             if let Some(path) = path {
                 create_now(flag, path)?;
             }
+        }
+        if let Some(path) = &args.save_state {
+            super::output::create_file_now("--save-state", path)?;
         }
         let dump_trace = args.pipeline.dump_trace.as_deref().map(|p| create_now("--dump-trace", p)).transpose()?;
         Ok(Outputs { json, dump_trace })
@@ -461,7 +464,7 @@ fn generate_stateful<S: WeightSource + LayerHook>(
         true
     })?;
     if let Some(path) = &args.save_state {
-        sess.save(&create_now("--save-state", path)?, fp, &[])?;
+        sess.save(&super::output::create_file_now("--save-state", path)?, fp, &[])?;
         eprintln!("k3ring: state saved to {} ({} tokens, {} fed)", path.display(), sess.ids().len(), sess.fed());
     }
     let steps = reply.ids.len().saturating_sub(1).max(1);

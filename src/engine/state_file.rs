@@ -124,7 +124,8 @@ pub fn read_state_file(path: &Path) -> Result<Vec<u8>, StateFileError> {
         return Err(StateFileError::Corrupt { path: path.to_owned(), why });
     }
     let mut bytes = prefix;
-    let rest = crate::files::input::read_bounded(file, total - PREFIX_BYTES as u64)
+    // `total` equals the size, which held the prefix: no underflow.
+    let rest = crate::files::input::read_bounded(file, total.saturating_sub(PREFIX_BYTES as u64))
         .map_err(|e| io("reading", e))?
         .ok_or_else(|| StateFileError::Corrupt { path: path.to_owned(), why: "it grew while being read".into() })?;
     bytes.extend_from_slice(&rest);

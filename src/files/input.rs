@@ -41,9 +41,15 @@ impl Classify for InputError {
 /// once the file is known to be regular (io_uring would otherwise answer `EAGAIN`).
 pub fn open_regular(path: &Path, flags: i32) -> Result<File, InputError> {
     let io = |op, source| InputError::Io { path: path.to_owned(), op, source };
+    // Refused before any open where possible (opening a socket fails with ENXIO, a device's open
+    // may act); the check after the open covers what changed in between.
+    let meta = std::fs::metadata(path).map_err(|e| io("cannot open", e))?;
+    if !meta.is_file() {
+        return Err(InputError::NotRegular { path: path.to_owned(), kind: super::kind_of(&meta) });
+    }
     let file = File::options()
         .read(true)
-        .custom_flags(flags | libc::O_NONBLOCK)
+        .custom_flags(flags | libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
         .map_err(|e| io("cannot open", e))?;
     let meta = file.metadata().map_err(|e| io("cannot stat", e))?;
@@ -133,6 +139,11 @@ mod tests {
         let err = read_regular(Path::new("/dev/zero"), 1 << 20, "a config.json").unwrap_err();
         assert!(err.to_string().contains("is a character device"), "{err}");
         assert!(matches!(open_regular(dir.path(), 0), Err(InputError::NotRegular { kind: "a directory", .. })));
+        let socket = dir.path().join("tiktoken.model");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let err = open_regular(&socket, 0).unwrap_err();
+        assert_eq!(err.exit_code(), ExitCode::Data);
+        assert!(err.to_string().contains("is a socket, not a regular file"), "{err}");
         let err = open_regular(&dir.path().join("missing"), 0).unwrap_err();
         assert_eq!(err.exit_code(), ExitCode::Io);
     }

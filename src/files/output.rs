@@ -26,9 +26,6 @@ use crate::exit::{Classify, ExitCode};
 /// The value of a file flag that means stdout.
 pub const STDOUT: &str = "-";
 
-/// Devices written in place (by the path as given), since writing to them is their use.
-const IN_PLACE: &[&str] = &["/dev/stdout", "/dev/stderr", "/dev/null"];
-
 /// Symbolic links followed at most, as the kernel's own limit (`ELOOP`).
 const MAX_LINKS: usize = 40;
 
@@ -78,6 +75,18 @@ pub struct Output {
 impl Output {
     /// Applies the rule to `path`, given to `flag`; `stdout_ok` says whether the flag takes `-`.
     pub fn resolve(flag: &str, path: &Path, stdout_ok: bool) -> Result<Output, OutputError> {
+        Output::resolve_as(flag, path, stdout_ok, true)
+    }
+
+    /// [`Output::resolve`] for files meant to be read back whole (state files, histories, the
+    /// trunk pack's files): a FIFO is refused too, since nothing could read them back from it
+    /// and a FIFO without a reader would hold the command at its end.
+    pub fn resolve_file(flag: &str, path: &Path) -> Result<Output, OutputError> {
+        Output::resolve_as(flag, path, false, false)
+    }
+
+    fn resolve_as(flag: &str, path: &Path, stdout_ok: bool, fifo_ok: bool) -> Result<Output, OutputError> {
+        use std::os::unix::fs::FileTypeExt;
         let refused = |why: String| OutputError::Refused { flag: flag.to_owned(), path: path.to_owned(), why };
         let make = |target| Ok(Output { flag: flag.to_owned(), given: path.to_owned(), target });
         if path.as_os_str() == STDOUT {
@@ -89,33 +98,47 @@ impl Output {
         match path.to_str() {
             Some("/dev/stdout") => return make(Target::Stdout),
             Some("/dev/stderr") => return make(Target::Stderr),
-            Some(p) if IN_PLACE.contains(&p) => return make(Target::InPlace(path.to_owned())),
             _ => {}
         }
+        // The kernel's view first: it resolves links such as `/dev/fd/63` (a pipe from `>(cmd)`)
+        // that name no path, which are written where they are.
+        let meta = std::fs::metadata(path);
+        let what = match &meta {
+            Ok(m) if m.is_file() => None,
+            Ok(m) if m.file_type().is_fifo() && fifo_ok => return make(Target::InPlace(path.to_owned())),
+            Ok(m)
+                if m.file_type().is_char_device()
+                    && std::fs::canonicalize(path).is_ok_and(|c| c == Path::new("/dev/null")) =>
+            {
+                return make(Target::InPlace(path.to_owned()));
+            }
+            Ok(m) => Some(super::kind_of(m)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(_) => None,
+        };
+        if let Some(kind) = what {
+            let stdout = if stdout_ok { "- for stdout, " } else { "" };
+            let fifo = if fifo_ok { "a FIFO, " } else { "" };
+            return Err(refused(format!(
+                "is {kind}; k3ring writes only regular files (replacing them whole), {stdout}{fifo}or /dev/null, and \
+                 refuses to write here; name a file"
+            )));
+        }
         let target = follow_links(path).map_err(&refused)?;
-        match std::fs::metadata(&target) {
-            Ok(meta) if meta.is_file() => {}
-            Ok(meta) if std::os::unix::fs::FileTypeExt::is_fifo(&meta.file_type()) => {
-                return make(Target::InPlace(target));
-            }
-            Ok(meta) => {
-                let via = if target == path { String::new() } else { format!(" (a link to {})", target.display()) };
-                return Err(refused(format!(
-                    "is {}{via}; k3ring writes only regular files (replacing them whole), {}/dev/null, and \
-                     refuses to write here; name a file",
-                    super::kind_of(&meta),
-                    if stdout_ok { "- for stdout or " } else { "or " },
-                )));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(OutputError::Io { flag: flag.to_owned(), path: path.to_owned(), op: "cannot stat", source })
+        if let Err(source) = meta {
+            if source.kind() != std::io::ErrorKind::NotFound {
+                return Err(OutputError::Io {
+                    flag: flag.to_owned(),
+                    path: path.to_owned(),
+                    op: "cannot stat",
+                    source,
+                });
             }
         }
         let out = Output { flag: flag.to_owned(), given: path.to_owned(), target: Target::Replace(target) };
-        // Proves the directory writable now: create and remove the temporary file.
-        let tmp = out.temp_path();
-        File::options().write(true).create_new(true).open(&tmp).map_err(|e| out.io("cannot create the file", e))?;
+        // Proves the directory writable now: create and remove a temporary file.
+        let (tmp, file) = out.create_temp().map_err(|e| out.io("cannot create the file", e))?;
+        drop(file);
         let _ = std::fs::remove_file(&tmp);
         Ok(out)
     }
@@ -162,13 +185,7 @@ impl Output {
                 Sink::File(BufWriter::new(file))
             }
             Target::Replace(target) => {
-                let tmp = self.temp_path();
-                let file = File::options()
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .open(&tmp)
-                    .map_err(|e| self.io("cannot create the file", e))?;
+                let (tmp, file) = self.create_temp().map_err(|e| self.io("cannot create the file", e))?;
                 if let Ok(meta) = std::fs::metadata(target) {
                     let _ = file.set_permissions(meta.permissions());
                 }
@@ -186,11 +203,27 @@ impl Output {
         OutputError::Io { flag: self.flag.clone(), path: self.given.clone(), op, source }
     }
 
-    /// The temporary file beside the target (only for [`Target::Replace`]).
-    fn temp_path(&self) -> PathBuf {
-        let Target::Replace(target) = &self.target else { return PathBuf::new() };
+    /// A new temporary file beside the target (only for [`Target::Replace`]): a name no other
+    /// process or earlier run can hold (pid, a counter, the clock), created exclusively so that
+    /// nothing planted at that name is followed.
+    fn create_temp(&self) -> std::io::Result<(PathBuf, File)> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let Target::Replace(target) = &self.target else {
+            return Err(std::io::Error::other("not a file to replace"));
+        };
         let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        parent_dir(target).join(format!(".{name}.k3ring-{}.tmp", std::process::id()))
+        let dir = parent_dir(target);
+        loop {
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let nanos =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+            let tmp = dir.join(format!(".{name}.k3ring-{}-{n}-{nanos:x}.tmp", std::process::id()));
+            match File::options().write(true).create_new(true).open(&tmp) {
+                Ok(file) => return Ok((tmp, file)),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+        }
     }
 }
 
@@ -247,7 +280,7 @@ impl Write for OutputWriter {
             Sink::Stderr(s) => s.flush(),
             // A file's bytes are flushed (and synced) by `finish`; flushing a temporary file
             // early would only cost writes.
-            Sink::File(f) if self.pending.is_some() => Ok(()),
+            Sink::File(_) if self.pending.is_some() => Ok(()),
             Sink::File(f) => f.flush(),
         }
     }
@@ -270,6 +303,14 @@ impl OutputWriter {
             }
         }
         let Some((tmp, target)) = self.pending.take() else { return Ok(()) };
+        // The target was checked when the command started; something else may stand there now.
+        if let Ok(meta) = std::fs::symlink_metadata(&target) {
+            if !meta.is_file() {
+                let _ = std::fs::remove_file(&tmp);
+                let why = format!("became {} while the command ran; nothing was written there", super::kind_of(&meta));
+                return Err(OutputError::Refused { flag: out.flag.clone(), path: out.given.clone(), why });
+            }
+        }
         if let Err(e) = std::fs::rename(&tmp, &target) {
             let _ = std::fs::remove_file(&tmp);
             return Err(out.io("cannot replace the file", e));
@@ -335,7 +376,23 @@ mod tests {
         let link = dir.path().join("to-socket");
         std::os::unix::fs::symlink(&socket, &link).unwrap();
         let err = Output::resolve("--json", &link, true).unwrap_err();
-        assert!(err.to_string().contains("is a socket (a link to"), "{err}");
+        assert!(err.to_string().contains("is a socket;"), "{err}");
+        // Only files meant to be read back refuse a FIFO.
+        let fifo2 = dir.path().join("fifo2");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo2).status().unwrap().success());
+        let err = Output::resolve_file("--save-state", &fifo2).unwrap_err();
+        assert!(err.to_string().contains("is a FIFO; k3ring writes only regular files"), "{err}");
+        // A link to /dev/null is /dev/null.
+        let null = dir.path().join("null");
+        std::os::unix::fs::symlink("/dev/null", &null).unwrap();
+        Output::resolve("--json", &null, true).unwrap().write_all(b"x").unwrap();
+        // A target replaced by something else while the command ran is not replaced.
+        let later = dir.path().join("later");
+        let out = Output::resolve("--json", &later, true).unwrap();
+        let w = out.create().unwrap();
+        std::fs::create_dir(&later).unwrap();
+        assert!(matches!(w.finish(), Err(OutputError::Refused { .. })));
+        assert!(std::fs::metadata(&later).unwrap().is_dir());
         // A FIFO is written in place (its reader gets the bytes), never replaced.
         let fifo = dir.path().join("fifo");
         assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());

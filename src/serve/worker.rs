@@ -451,7 +451,6 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
         }
     }
 
-    /// Cancels everything, telling each handler why.
     /// A step failed (a damaged expert, a failed read): the sequences in it cannot go on, since
     /// the pass that failed left their states part-way; each gets a 500 naming the fault. The
     /// requests still queued get 503 as on SIGTERM, and nothing new is admitted.
@@ -468,6 +467,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
         }
     }
 
+    /// Cancels everything, telling each handler why.
     fn abort_all(&mut self, why: ApiError) {
         for (ticket, seq) in self.out.seqs.drain() {
             self.batcher.cancel(ticket);

@@ -226,8 +226,8 @@ pub fn write_pack(
     std::fs::create_dir_all(out_dir).map_err(io_err("create", out_dir))?;
     let _lock = PackLock::acquire(out_dir)?;
     // The output rule: the pack's files are regular files (or links to them), replaced whole.
-    let pack_out = crate::files::Output::resolve("--out", &out_dir.join(PACK_FILE), false)?;
-    let manifest_out = crate::files::Output::resolve("--out", &out_dir.join(MANIFEST_FILE), false)?;
+    let pack_out = crate::files::Output::resolve_file("--out", &out_dir.join(PACK_FILE))?;
+    let manifest_out = crate::files::Output::resolve_file("--out", &out_dir.join(MANIFEST_FILE))?;
     let fp = fingerprint(model_dir, index)?;
     let manifest_path = out_dir.join(MANIFEST_FILE);
     if let Ok(m) = Manifest::load(out_dir) {
@@ -244,6 +244,8 @@ pub fn write_pack(
             });
         }
     }
+    // The manifest goes first (a pack without one is incomplete); through a link, its target.
+    let manifest_path = manifest_out.target().map_or(manifest_path, Path::to_path_buf);
     match std::fs::remove_file(&manifest_path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

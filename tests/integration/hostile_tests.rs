@@ -137,6 +137,14 @@ fn output_flags_refuse_what_is_not_a_regular_file_and_follow_links() {
             assert!(out.is_empty() && secs < 30.0, "{flag}: refused before any work ({secs:.1} s)");
         }
     }
+    // batch's --output too.
+    let model = tiny_dir();
+    for (node, kind) in &nodes {
+        let args = ["batch", "--model", s(&model), "--input", "-", "--output", s(node)];
+        let (code, _, err, _) = run_bounded(&args, Some(Path::new("/dev/null")), 60);
+        assert_eq!(code, 2, "--output {kind}: {err}");
+        assert!(err.contains(&format!("--output {}: is {kind}", node.display())), "{err}");
+    }
     assert_eq!(listing(dir), before, "nothing in the directory changed");
     // chat's files, before the model is opened.
     let tiny = tiny_dir();
@@ -158,6 +166,20 @@ fn output_flags_refuse_what_is_not_a_regular_file_and_follow_links() {
     let report: serde_json::Value = serde_json::from_slice(&reader.join().unwrap()).unwrap();
     assert_eq!(report["generated_ids"].as_array().unwrap().len(), 2);
     assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "still a FIFO");
+    // A file meant to be read back refuses a FIFO, at once (no reader is waited for).
+    let (code, _, err, secs) = run_tiny(&["--save-state", s(&fifo)]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(&format!("--save-state {}: is a FIFO", fifo.display())) && secs < 30.0, "{err}");
+    // A pipe passed as /dev/fd/N (as `--json >(jq .)` does) is written in place.
+    let script = r#"exec "$0" "$@" --json /dev/fd/3 3>&1 1>/dev/null"#;
+    let out = Command::new("sh")
+        .args(["-c", script, BIN, "run", "--model", s(&tiny), "--prompt", "Once upon a time", "--gen", "2"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["generated_ids"].as_array().unwrap().len(), 2);
     // A link is followed: the state lands in its target, and the link stays a link.
     let target = dir.join("state.bin");
     let link = dir.join("state-link");
@@ -322,6 +344,14 @@ fn a_state_file_is_checked_against_its_announced_size_before_it_is_read() {
 
 #[test]
 fn a_model_file_that_is_a_fifo_is_refused_instead_of_blocking() {
+    // A socket cannot even be opened (ENXIO): it is refused by its type first.
+    let (_tmp, model) = copy_tiny();
+    let file = model.join("tiktoken.model");
+    std::fs::remove_file(&file).unwrap();
+    let _listener = std::os::unix::net::UnixListener::bind(&file).unwrap();
+    let (code, _, err, _) = run_bounded(&["run", "--model", s(&model), "--prompt", "hi", "--gen", "1"], None, 60);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains(&format!("{}: is a socket, not a regular file", file.display())), "{err}");
     for name in ["config.json", "model-00002-of-00003.safetensors", "model.safetensors.index.json", "tiktoken.model"] {
         let (_tmp, model) = copy_tiny();
         let file = model.join(name);
