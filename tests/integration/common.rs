@@ -99,3 +99,32 @@ pub fn k3ring_stdin(args: &[&str], stdin: &str) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Waits for `child` (spawned with piped stdout and stderr), killing it after `limit`: (exit
+/// code, stdout, stderr); code -1 when it had to be killed.
+pub fn wait_bounded(mut child: std::process::Child, limit: std::time::Duration) -> (i32, String, String) {
+    use std::io::Read;
+    let deadline = std::time::Instant::now() + limit;
+    let (mut stdout, mut stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let out = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    let err = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            break child.wait().unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    (status.code().unwrap_or(-1), out.join().unwrap(), err.join().unwrap())
+}

@@ -33,7 +33,7 @@ fn run_bounded(args: &[&str], stdin: Option<&Path>, secs: u64) -> (i32, String, 
         Some(p) => Stdio::from(std::fs::File::open(p).unwrap()),
         None => Stdio::null(),
     };
-    let mut child = Command::new(BIN)
+    let child = Command::new(BIN)
         .args(args)
         .env_remove("RUST_LOG")
         .stdin(input)
@@ -41,29 +41,8 @@ fn run_bounded(args: &[&str], stdin: Option<&Path>, secs: u64) -> (i32, String, 
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let out = std::thread::spawn(move || {
-        let mut t = String::new();
-        let _ = out.read_to_string(&mut t);
-        t
-    });
-    let err = std::thread::spawn(move || {
-        let mut t = String::new();
-        let _ = err.read_to_string(&mut t);
-        t
-    });
-    let deadline = start + Duration::from_secs(secs);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            child.kill().unwrap();
-            break child.wait().unwrap();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    (status.code().unwrap_or(-1), out.join().unwrap(), err.join().unwrap(), start.elapsed().as_secs_f64())
+    let (code, out, err) = wait_bounded(child, Duration::from_secs(secs));
+    (code, out, err, start.elapsed().as_secs_f64())
 }
 
 /// The names and kinds of a directory's entries, to show a refusal changed nothing there.

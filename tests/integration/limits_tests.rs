@@ -247,7 +247,7 @@ impl TestCgroup {
             Some(p) => Stdio::from(std::fs::File::open(p).unwrap()),
             None => Stdio::null(),
         };
-        let mut child = Command::new("sh")
+        let child = Command::new("sh")
             .args(["-c", "echo $$ > \"$0\" && exec \"$@\"", procs.to_str().unwrap(), BIN])
             .args(args)
             .stdin(input)
@@ -256,29 +256,7 @@ impl TestCgroup {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let (mut stdout, mut stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-        let out = std::thread::spawn(move || {
-            let mut text = String::new();
-            stdout.read_to_string(&mut text).unwrap();
-            text
-        });
-        let err = std::thread::spawn(move || {
-            let mut text = String::new();
-            stderr.read_to_string(&mut text).unwrap();
-            text
-        });
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                child.kill().unwrap();
-                break child.wait().unwrap();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        (status.code().unwrap_or(-1), out.join().unwrap(), err.join().unwrap())
+        wait_bounded(child, Duration::from_secs(120))
     }
 
     /// The cgroup's peak charge (v1 `memory.max_usage_in_bytes`, v2 `memory.peak`).
