@@ -119,9 +119,14 @@ pub struct BenchArgs {
     /// the guesses is kept: what drafting gains and costs whatever the model's own text.
     #[arg(long, value_name = "PCT,...", value_delimiter = ',', value_parser = draft_cells::parse_percent)]
     pub draft_accept: Vec<u32>,
-    /// Tokens guessed per step in the drafted cells.
+    /// Tokens guessed per step in the drafted cells (at most, with --draft-adaptive).
     #[arg(long, value_name = "K", default_value_t = crate::engine::draft::DEFAULT_DRAFT_LEN)]
     pub draft_len: usize,
+    /// The --draft-accept cells choose their draft length as the shipped drafter does (by tokens
+    /// per second, up to --draft-len; named draft-adaptive-P%) rather than drafting --draft-len
+    /// tokens every step (the verify pass's cost at that length).
+    #[arg(long)]
+    pub draft_adaptive: bool,
 }
 
 #[derive(Serialize)]
@@ -243,7 +248,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let batch = BatchWork::new(args, &tok, &spec)?;
     let threads =
         if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
-    let mut drafts = DraftCells::new(args.draft_len, args.draft_ngram, &args.draft_accept)?;
+    let mut drafts = DraftCells::new(args.draft_len, args.draft_ngram, &args.draft_accept, args.draft_adaptive)?;
     let modes: Vec<String> = args.modes.iter().cloned().chain(drafts.modes()).collect();
     let cells_total = args.budgets.len() * (modes.len() + args.batch.len()) * args.repeats.max(1);
     let bar = progress_bar(cells_total + 4 + usize::from(batch.is_some()));

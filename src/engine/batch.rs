@@ -299,12 +299,13 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         let engine = self.engine;
         let (states, segments, scratch) = (&mut self.states, &self.segments, &mut self.scratch);
         let (tokens, logit_rows, logits) = (&self.tokens, &self.logit_rows, &mut self.logits);
+        let started = Instant::now();
         engine.pool.install(|| {
             let (src, hook) = (&engine.src, &engine.src as &dyn LayerHook);
             engine.model.forward_batch(src, hook, states, segments, scratch, tokens, logit_rows, logits, None)
         })?;
         self.stats.steps += 1;
-        self.choose(sink)?;
+        self.choose(sink, started.elapsed().as_secs_f64())?;
         Ok(true)
     }
 
@@ -402,8 +403,9 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
 
     /// Samples each sequence's next token from its rows of logits (with a draft: from each row
     /// in turn while the token chosen is the next row's guess, then the rows after are taken
-    /// back); finishes the sequences that are done and frees their slots.
-    fn choose(&mut self, sink: &mut dyn BatchSink) -> Result<(), EngineError> {
+    /// back); finishes the sequences that are done and frees their slots. `step_seconds` is how
+    /// long the step took: each drafter picks its next length by it.
+    fn choose(&mut self, sink: &mut dyn BatchSink, step_seconds: f64) -> Result<(), EngineError> {
         let (cfg, kernels) = (&self.engine.model.cfg, &self.engine.model.kernels);
         let vocab = cfg.vocab_size;
         let (mut guessed, mut guesses_kept) = (0, 0);
@@ -440,7 +442,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             }
             if decoding {
                 match &mut run.drafter {
-                    Some((d, _)) => d.record(rows - 1, kept - 1),
+                    Some((d, _)) => d.record(rows - 1, kept - 1, step_seconds),
                     None => run.steps += 1,
                 }
                 guessed += rows - 1;

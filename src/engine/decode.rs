@@ -70,6 +70,8 @@ pub(super) fn decode<S: WeightSource + LayerHook>(
     // step would have given, so the next token is chosen from them too.
     let mut rows: Vec<u32> = Vec::new();
     let (mut chosen, mut last) = (0, 0);
+    // How long the last step took: the drafter picks its length by tokens per second.
+    let mut step_seconds = 0.0;
     loop {
         let (mut kept, mut end) = (0, None);
         for i in 0..rows.len().max(1) {
@@ -102,7 +104,7 @@ pub(super) fn decode<S: WeightSource + LayerHook>(
             }
             match drafter.as_deref_mut() {
                 Some(dr) => {
-                    dr.record(drafted, kept - 1);
+                    dr.record(drafted, kept - 1, step_seconds);
                     if let Some(t) = &engine.model.tracer {
                         t.counter("draft: tokens guessed", drafted as f64);
                         t.counter("draft: guesses kept", (kept - 1) as f64);
@@ -128,7 +130,9 @@ pub(super) fn decode<S: WeightSource + LayerHook>(
             // Armed for the longest draft, so the journal is allocated once.
             sess.state.arm(cfg, dr.max_rows());
         }
+        let started = std::time::Instant::now();
         let step = io.run(sess, &rows, context);
+        step_seconds = started.elapsed().as_secs_f64();
         if step.is_err() {
             sess.state.commit();
         }

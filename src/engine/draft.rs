@@ -14,8 +14,9 @@
 
 use serde::Serialize;
 
-/// Tokens guessed per step at most, when not given.
-pub const DEFAULT_DRAFT_LEN: usize = 4;
+/// Tokens guessed per step at most, when not given. The drafter finds the best length up to it
+/// as it goes ([`Drafter::record`]), so a longer cap costs little where long drafts do not pay.
+pub const DEFAULT_DRAFT_LEN: usize = 8;
 /// Shortest suffix of the context that must recur for a guess, when not given: one token
 /// recurs too often in ordinary text to predict what follows.
 pub const DEFAULT_NGRAM_MIN: usize = 2;
@@ -30,6 +31,12 @@ pub const MAX_DRAFT_LEN: usize = 16;
 /// repeats itself pays a few percent at most.
 const MIN_COOLDOWN: usize = 8;
 const MAX_COOLDOWN: usize = 64;
+/// Drafted steps after which the rates of other lengths are forgotten and the best length's
+/// neighbours measured again (a step each): what a row costs changes with the cache and the text.
+const RATE_MEMORY_STEPS: usize = 32;
+/// A longer draft is tried while the longest one measured makes at least this share of the best
+/// rate: one guess kept of one can beat one of two while eight of sixteen beat both.
+const CLIMB_SHARE: f64 = 0.9;
 
 /// How drafts are made.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -71,11 +78,21 @@ pub struct Replay {
     /// Back off after rejected drafts as the n-gram drafter does (`bench`'s `draft-miss` cell:
     /// what that policy costs where no guess is ever right).
     pub backoff: bool,
+    /// Choose the draft length as the n-gram drafter does (`bench --draft-adaptive`: what the
+    /// default policy gives at this acceptance); otherwise every draft is `--draft-len` long (the
+    /// verify pass's cost at that length).
+    pub adaptive: bool,
 }
 
 impl Replay {
     pub fn new(runs: Vec<(Vec<u32>, Vec<u32>)>, accept: f64, seed: u64) -> Replay {
-        Replay { runs: std::sync::Arc::new(runs), accept: accept.clamp(0.0, 1.0), seed, backoff: false }
+        Replay {
+            runs: std::sync::Arc::new(runs),
+            accept: accept.clamp(0.0, 1.0),
+            seed,
+            backoff: false,
+            adaptive: false,
+        }
     }
 
     /// The recorded tokens after `prompt`, if it was recorded.
@@ -179,8 +196,14 @@ pub struct Drafter {
     skip: usize,
     cooldown: usize,
     /// Guesses of the next draft at most: one at first and after a rejected draft, until one
-    /// is kept.
+    /// is kept; then the length whose recent steps made the most tokens per second.
     len_now: usize,
+    /// Tokens per second of recent drafted steps, by draft length (0: not measured lately).
+    rates: [f64; MAX_DRAFT_LEN + 1],
+    /// Drafted steps since the rates were last forgotten.
+    rated_steps: usize,
+    /// Lengths to draft next, a step each, before choosing again.
+    probes: Vec<usize>,
     pub stats: DraftStats,
 }
 
@@ -190,7 +213,17 @@ impl Drafter {
         let replay = opts.replay.as_ref().map(|r| (prompt.len(), r.after(prompt).unwrap_or_default().to_vec()));
         // A run starts with one-token guesses: a full draft comes once a guess was kept, so text
         // that never repeats itself never pays for a full wrong draft.
-        Drafter { opts, replay, skip: 0, cooldown: 0, len_now: 1, stats: DraftStats::default() }
+        Drafter {
+            opts,
+            replay,
+            skip: 0,
+            cooldown: 0,
+            len_now: 1,
+            rates: [0.0; MAX_DRAFT_LEN + 1],
+            rated_steps: 0,
+            probes: Vec::new(),
+            stats: DraftStats::default(),
+        }
     }
 
     /// Appends to `out` up to `limit` (and `--draft-len`) tokens guessed to follow `context`:
@@ -198,7 +231,8 @@ impl Drafter {
     /// `--ngram-min` to [`NGRAM_MAX`] tokens) that occurs earlier. Nothing while backing off.
     pub fn propose(&mut self, context: &[u32], limit: usize, out: &mut Vec<u32>) {
         let backoff = self.opts.replay.as_ref().is_none_or(|r| r.backoff);
-        let limit = limit.min(if backoff { self.len_now } else { self.opts.len });
+        let adaptive = self.opts.replay.as_ref().is_none_or(|r| r.adaptive);
+        let limit = limit.min(if backoff || adaptive { self.len_now } else { self.opts.len });
         if limit == 0 {
             return;
         }
@@ -221,8 +255,16 @@ impl Drafter {
         self.opts.len + 1
     }
 
-    /// What the step did with a draft of `drafted` tokens: `accepted` were kept.
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
+    /// What the step did with a draft of `drafted` tokens: `accepted` were kept; the step took
+    /// `seconds`. Picks the next draft's length: after a wholly rejected draft, one token after
+    /// a wait (the back-off); otherwise the length (up to `--draft-len`) whose recent steps made
+    /// the most tokens (kept guesses and the model's own) per second. Lengths double from one
+    /// while the longest tried is nearly the best; every 32 drafted steps the best's neighbours
+    /// (half and twice it) are measured again, a step each. Longer drafts pay where a
+    /// step's cost is its reads (a streamed trunk) and cost where it is compute (a resident
+    /// trunk, rows that each add experts): the rates tell which, on this host and budget.
+    /// Exactness does not depend on it: every length gives the same tokens.
+    pub fn record(&mut self, drafted: usize, accepted: usize, seconds: f64) {
         self.stats.steps += 1;
         if drafted == 0 {
             return;
@@ -230,14 +272,57 @@ impl Drafter {
         self.stats.drafted_steps += 1;
         self.stats.drafted += drafted as u64;
         self.stats.accepted += accepted as u64;
-        if accepted == 0 {
+        let backoff = self.opts.replay.as_ref().is_none_or(|r| r.backoff);
+        if accepted == 0 && backoff {
             self.cooldown = (self.cooldown * 2).clamp(MIN_COOLDOWN, MAX_COOLDOWN);
             self.skip = self.cooldown;
             self.len_now = 1;
-        } else {
-            self.cooldown = 0;
-            self.len_now = self.opts.len;
+            return;
         }
+        self.cooldown = 0;
+        self.adapt(drafted, accepted, seconds);
+    }
+
+    /// The choice of [`Self::record`] among draft lengths, by tokens per second.
+    fn adapt(&mut self, drafted: usize, accepted: usize, seconds: f64) {
+        let drafted = drafted.min(MAX_DRAFT_LEN);
+        if seconds > 0.0 && seconds.is_finite() {
+            let rate = (1 + accepted) as f64 / seconds;
+            let r = &mut self.rates[drafted];
+            *r = if *r > 0.0 { 0.5 * (*r + rate) } else { rate };
+        }
+        self.rated_steps += 1;
+        if let Some(n) = self.probes.pop() {
+            self.len_now = n;
+            return;
+        }
+        let max = self.opts.len.clamp(1, MAX_DRAFT_LEN);
+        let measured = || (1..=max).filter(|&n| self.rates[n] > 0.0);
+        // Ties keep the longer draft.
+        let best = measured().fold(drafted, |b, n| if self.rates[n] >= self.rates[b] { n } else { b });
+        // Climb: twice the longest length measured, while that one makes nearly the best rate
+        // (the rate need not rise at every doubling: one guess kept of one can beat one of two,
+        // and eight of sixteen beat both).
+        let top = measured().max().unwrap_or(drafted);
+        let next = (top * 2).min(max);
+        if next > top && self.rates[next] <= 0.0 && self.rates[top] >= CLIMB_SHARE * self.rates[best] {
+            self.len_now = next;
+            return;
+        }
+        if self.rated_steps >= RATE_MEMORY_STEPS {
+            // Measure the best's neighbours again (one step each); the rest is forgotten.
+            self.rated_steps = 0;
+            let keep = self.rates[best];
+            self.rates = [0.0; MAX_DRAFT_LEN + 1];
+            self.rates[best] = keep;
+            let (down, up) = ((best / 2).max(1), (best * 2).min(max));
+            self.probes = [down, up].into_iter().filter(|&n| n != best).collect();
+            if let Some(n) = self.probes.pop() {
+                self.len_now = n;
+                return;
+            }
+        }
+        self.len_now = best;
     }
 }
 
@@ -292,11 +377,11 @@ mod tests {
         let mut out = Vec::new();
         d.propose(&ctx, 8, &mut out);
         assert_eq!(out, vec![2], "one guess until one is kept: what followed [1, 2, 3, 1]");
-        d.record(1, 1);
+        d.record(1, 1, 1.0);
         out.clear();
         d.propose(&ctx, 8, &mut out);
-        assert_eq!(out, vec![2, 3, 1], "then full drafts");
-        d.record(3, 0);
+        assert_eq!(out, vec![2, 3], "then longer drafts, twice the length first");
+        d.record(2, 0, 1.0);
         // Steps without a guess before the next one (left in `out`).
         let wait = |d: &mut Drafter, out: &mut Vec<u32>| {
             let mut skipped = 0;
@@ -306,7 +391,7 @@ mod tests {
                 if !out.is_empty() {
                     return skipped;
                 }
-                d.record(0, 0);
+                d.record(0, 0, 1.0);
                 skipped += 1;
             }
         };
@@ -315,19 +400,53 @@ mod tests {
         for _ in 0..5 {
             waits.push(wait(&mut d, &mut out));
             assert_eq!(out, vec![2], "one guess after a rejection");
-            d.record(1, 0);
+            d.record(1, 0, 1.0);
         }
         assert_eq!(waits, [MIN_COOLDOWN, 2 * MIN_COOLDOWN, 4 * MIN_COOLDOWN, MAX_COOLDOWN, MAX_COOLDOWN]);
         assert_eq!(wait(&mut d, &mut out), MAX_COOLDOWN);
-        // A kept guess restores full drafts at once, within the caller's limit.
-        d.record(1, 1);
+        // A kept guess restores longer drafts at once, within the caller's limit.
+        d.record(1, 1, 1.0);
         out.clear();
         d.propose(&ctx, 8, &mut out);
-        assert_eq!(out, vec![2, 3, 1]);
-        out.clear();
-        d.propose(&ctx, 2, &mut out);
         assert_eq!(out, vec![2, 3]);
+        out.clear();
+        d.propose(&ctx, 1, &mut out);
+        assert_eq!(out, vec![2]);
         assert_eq!(d.stats.accepted, 2);
+    }
+
+    /// Runs `steps` drafted steps of a drafter allowed 16 guesses, where a draft of n keeps
+    /// `kept(n)` and a step of r rows takes `seconds(r)`; returns the lengths it drafted.
+    fn climb(kept: impl Fn(usize) -> usize, seconds: impl Fn(usize) -> f64, steps: usize) -> Vec<usize> {
+        let ctx: Vec<u32> = (0..40).map(|i| i % 20).collect();
+        let mut d = Drafter::new(DraftOptions::ngram(16, 1), &[]);
+        let mut lens = Vec::new();
+        for _ in 0..steps {
+            let mut out = Vec::new();
+            d.propose(&ctx, 16, &mut out);
+            let n = out.len();
+            lens.push(n);
+            d.record(n, kept(n).max(1), seconds(n + 1));
+        }
+        lens
+    }
+
+    #[test]
+    fn the_draft_length_follows_tokens_per_second() {
+        // A step costs its reads, rows add little: at half the guesses kept, the longest wins.
+        let lens = climb(|n| n / 2, |rows| 1.0 + 0.02 * rows as f64, 200);
+        assert_eq!(&lens[..5], [1, 2, 4, 8, 16], "it climbs, one doubling a step");
+        let at_16 = lens[100..].iter().filter(|&&n| n == 16).count();
+        assert!(at_16 >= 85, "{at_16} of 100 at 16: {lens:?}");
+        // A step costs its rows (compute): drafts that keep half their guesses lose; the
+        // shortest draft stays.
+        let lens = climb(|n| n / 2, |rows| rows as f64, 200);
+        let at_1 = lens[100..].iter().filter(|&&n| n == 1).count();
+        assert!(at_1 >= 85, "{at_1} of 100 at 1: {lens:?}");
+        // Rows cost in between: the best length is inside, and found.
+        let lens = climb(|n| n, |rows| 1.0 + (rows as f64 / 5.0).powi(2), 200);
+        let at_4 = lens[100..].iter().filter(|&&n| n == 4).count();
+        assert!(at_4 >= 80, "{at_4} of 100 at 4: {lens:?}");
     }
 
     #[test]
@@ -363,7 +482,7 @@ mod tests {
         let all: Vec<u32> = prompt.iter().chain(&recorded).copied().collect();
         d.propose(&all, 4, &mut out);
         assert!(out.is_empty());
-        d.record(4, 0);
+        d.record(4, 0, 1.0);
         d.propose(&[1, 2, 3, 10], 4, &mut out);
         assert_eq!(out.len(), 4);
         let mut other = Drafter::new(opts(1.0), &[7]);

@@ -161,7 +161,13 @@ pub fn measure_read_tax(
         // The stream's rate over the timed tokens only (loading the model and the warm-up ran
         // beside it too, at whatever rate they left it).
         let window_seconds = loaded.seconds_per_token * spec.tokens.max(1) as f64;
-        let rate = window_bytes as f64 / window_seconds.max(1e-9);
+        let rate = if window_bytes > 0 {
+            window_bytes as f64 / window_seconds.max(1e-9)
+        } else {
+            // A window shorter than one read (a tiny model) saw none complete: the stream's own
+            // rate while it was busy stands in.
+            totals.bytes as f64 / totals.busy_seconds.max(1e-9)
+        };
         samples.push(TaxSample {
             quiet_seconds_per_token: quiet.seconds_per_token,
             loaded_seconds_per_token: loaded.seconds_per_token,

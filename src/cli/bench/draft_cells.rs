@@ -17,6 +17,8 @@ pub const NGRAM_MODE: &str = "draft-ngram";
 pub const MISS_MODE: &str = "draft-miss";
 /// Mode names of the replay cells start with this, then the acceptance in percent.
 const REPLAY_PREFIX: &str = "draft-replay-";
+/// Mode names of the replay cells whose length the drafter chooses (`--draft-adaptive`).
+const ADAPTIVE_PREFIX: &str = "draft-adaptive-";
 /// Seed of the replay's corruption (fixed: cells and repeats see the same guesses).
 const REPLAY_SEED: u64 = 0x0d7a_f7ed;
 
@@ -26,14 +28,16 @@ pub struct DraftCells {
     pub ngram: bool,
     /// Acceptance rates in percent.
     pub accept: Vec<u32>,
+    /// The replay cells choose their length as the n-gram drafter does.
+    pub adaptive: bool,
     /// The prompt and a plain greedy run after it, long enough for every replayed guess.
     pub recorded: Option<(Vec<u32>, Vec<u32>)>,
 }
 
 impl DraftCells {
     /// The cells `--draft-ngram`, `--draft-accept` and `--draft-len` ask for.
-    pub fn new(len: usize, ngram: bool, accept: &[u32]) -> Result<DraftCells, UsageError> {
-        let cells = DraftCells { len, ngram, accept: accept.to_vec(), recorded: None };
+    pub fn new(len: usize, ngram: bool, accept: &[u32], adaptive: bool) -> Result<DraftCells, UsageError> {
+        let cells = DraftCells { len, ngram, accept: accept.to_vec(), adaptive, recorded: None };
         if cells.ngram || !cells.accept.is_empty() {
             DraftOptions::ngram(len, DEFAULT_NGRAM_MIN).check().map_err(|e| UsageError(e.to_string()))?;
         }
@@ -65,7 +69,8 @@ impl DraftCells {
     /// The mode names of the drafted cells, after the plain modes.
     pub fn modes(&self) -> Vec<String> {
         let ngram = [NGRAM_MODE, MISS_MODE].into_iter().filter(|_| self.ngram).map(str::to_owned);
-        ngram.chain(self.accept.iter().map(|a| format!("{REPLAY_PREFIX}{a}%"))).collect()
+        let prefix = if self.adaptive { ADAPTIVE_PREFIX } else { REPLAY_PREFIX };
+        ngram.chain(self.accept.iter().map(|a| format!("{prefix}{a}%"))).collect()
     }
 
     /// The drafting of cell `mode` (`None` for the plain modes).
@@ -77,11 +82,17 @@ impl DraftCells {
         let runs = || self.recorded.clone().into_iter().collect();
         if mode == MISS_MODE {
             let mut replay = Replay::new(runs(), 0.0, REPLAY_SEED);
-            replay.backoff = true;
+            (replay.backoff, replay.adaptive) = (true, true);
             return Some(DraftOptions { replay: Some(replay), ..base });
         }
-        let pct: f64 = mode.strip_prefix(REPLAY_PREFIX)?.strip_suffix('%')?.parse().ok()?;
-        Some(DraftOptions { replay: Some(Replay::new(runs(), pct / 100.0, REPLAY_SEED)), ..base })
+        let (adaptive, rest) = match mode.strip_prefix(ADAPTIVE_PREFIX) {
+            Some(rest) => (true, rest),
+            None => (false, mode.strip_prefix(REPLAY_PREFIX)?),
+        };
+        let pct: f64 = rest.strip_suffix('%')?.parse().ok()?;
+        let mut replay = Replay::new(runs(), pct / 100.0, REPLAY_SEED);
+        replay.adaptive = adaptive;
+        Some(DraftOptions { replay: Some(replay), ..base })
     }
 }
 
@@ -99,7 +110,13 @@ mod tests {
 
     #[test]
     fn modes_name_their_drafting() {
-        let cells = DraftCells { len: 4, ngram: true, accept: vec![0, 50, 100], recorded: Some((vec![1], vec![2, 3])) };
+        let mut cells = DraftCells {
+            len: 4,
+            ngram: true,
+            accept: vec![0, 50, 100],
+            adaptive: false,
+            recorded: Some((vec![1], vec![2, 3])),
+        };
         assert_eq!(
             cells.modes(),
             ["draft-ngram", "draft-miss", "draft-replay-0%", "draft-replay-50%", "draft-replay-100%"]
@@ -113,5 +130,9 @@ mod tests {
         assert_eq!(cells.options("draft-replay-100%").and_then(|o| o.replay).map(|r| r.accept), Some(1.0));
         assert_eq!(parse_percent("75"), Ok(75));
         assert!(parse_percent("101").is_err() && parse_percent("x").is_err());
+        cells.adaptive = true;
+        assert_eq!(cells.modes()[2..], ["draft-adaptive-0%", "draft-adaptive-50%", "draft-adaptive-100%"]);
+        let half = cells.options("draft-adaptive-50%").and_then(|o| o.replay);
+        assert!(half.is_some_and(|r| r.adaptive && !r.backoff && r.accept == 0.5));
     }
 }
