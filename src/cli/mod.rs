@@ -87,6 +87,10 @@ pub struct PackArgs {
     /// against its checksum (exit 3 naming every mismatch).
     #[arg(long)]
     pub verify: bool,
+    /// Pack again even when the pack is up to date (without it, a pack of the same checkpoint is
+    /// re-packed only when a unit fails its checksum).
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Debug, clap::Args)]

@@ -8,7 +8,7 @@ use super::PackArgs;
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::storage::pack::verify::{verify, verify_bytes};
-use crate::storage::pack::{write_pack, Manifest};
+use crate::storage::pack::{write_pack_forced, Manifest};
 
 /// Mismatches printed one per line before the error (the rest are counted).
 const MISMATCHES_SHOWN: usize = 20;
@@ -35,7 +35,7 @@ pub fn run(args: &PackArgs) -> anyhow::Result<()> {
     let index = CheckpointIndex::open(&args.model).with_context(|| format!("indexing {}", args.model.display()))?;
     index.validate(&cfg)?;
     let progress = bar("packing trunk, checksumming experts");
-    let report = write_pack(&args.model, &cfg, &index, &args.out, |done, total| {
+    let report = write_pack_forced(&args.model, &cfg, &index, &args.out, args.force, |done, total| {
         progress.set_length(total);
         progress.set_position(done);
     })?;
@@ -48,6 +48,9 @@ pub fn run(args: &PackArgs) -> anyhow::Result<()> {
             mib(report.bytes)
         );
     } else {
+        if let Some(why) = &report.repacked {
+            eprintln!("k3ring: the trunk pack in {} was packed again: {why}", args.out.display());
+        }
         println!(
             "packed {} tensors in {} units into {} ({:.1} MB, units aligned to {} bytes) and checksummed {} experts \
              ({:.1} MB) in {:.2} s ({:.0} MB/s)",

@@ -165,6 +165,8 @@ pub struct Manifest {
 #[derive(Clone, Debug, Serialize)]
 pub struct PackReport {
     pub up_to_date: bool,
+    /// Why an existing pack of the same checkpoint was packed again (damaged, or `--force`).
+    pub repacked: Option<String>,
     pub units: usize,
     pub tensors: usize,
     pub bytes: u64,
@@ -222,6 +224,20 @@ pub fn write_pack(
     out_dir: &Path,
     progress: impl FnMut(u64, u64) + Send,
 ) -> Result<PackReport, PackError> {
+    write_pack_forced(model_dir, cfg, index, out_dir, false, progress)
+}
+
+/// [`write_pack`]; with `force`, an up-to-date pack is written again too (`pack --force`).
+/// Without it, a pack whose manifest matches the checkpoint is up to date only if every unit
+/// still matches its checksum (the trunk is read once): a damaged pack is packed again.
+pub fn write_pack_forced(
+    model_dir: &Path,
+    cfg: &Config,
+    index: &CheckpointIndex,
+    out_dir: &Path,
+    force: bool,
+    progress: impl FnMut(u64, u64) + Send,
+) -> Result<PackReport, PackError> {
     let start = std::time::Instant::now();
     std::fs::create_dir_all(out_dir).map_err(io_err("create", out_dir))?;
     let _lock = PackLock::acquire(out_dir)?;
@@ -230,10 +246,15 @@ pub fn write_pack(
     let manifest_out = crate::files::Output::resolve_file("--out", &out_dir.join(MANIFEST_FILE))?;
     let fp = fingerprint(model_dir, index)?;
     let manifest_path = out_dir.join(MANIFEST_FILE);
+    let mut repacked = force.then(|| "--force".to_owned());
     if let Ok(m) = Manifest::load(out_dir) {
-        if m.fingerprint == fp {
+        let damaged = if m.fingerprint == fp && !force { first_damaged_unit(out_dir, &m)? } else { None };
+        if damaged.is_some() {
+            repacked = damaged;
+        } else if m.fingerprint == fp && !force {
             return Ok(PackReport {
                 up_to_date: true,
+                repacked: None,
                 units: m.units.len(),
                 tensors: m.units.iter().map(|u| u.tensors.len()).sum(),
                 bytes: m.pack_len,
@@ -269,6 +290,7 @@ pub fn write_pack(
     };
     let report = PackReport {
         up_to_date: false,
+        repacked,
         units: manifest.units.len(),
         tensors: manifest.units.iter().map(|u| u.tensors.len()).sum(),
         bytes: pack_len,
@@ -280,6 +302,32 @@ pub fn write_pack(
     manifest_out.write_all(&serde_json::to_vec_pretty(&manifest).unwrap_or_default())?;
     sync_dir(out_dir)?;
     Ok(PackReport { seconds: start.elapsed().as_secs_f64(), ..report })
+}
+
+/// The first unit of the pack in `dir` that does not match its checksum in `m`, in words
+/// (`None`: every unit matches). Reads the whole pack once, a window at a time.
+fn first_damaged_unit(dir: &Path, m: &Manifest) -> Result<Option<String>, PackError> {
+    const WINDOW: usize = 8 << 20;
+    let path = dir.join(PACK_FILE);
+    let pack = crate::files::input::open_regular(&path, 0)?;
+    let mut buf = vec![0u8; WINDOW];
+    for u in &m.units {
+        let mut hash = Xxh3::new();
+        let mut at = 0u64;
+        while at < u.len {
+            let n = ((u.len - at) as usize).min(WINDOW);
+            if let Err(e) = pack.read_exact_at(&mut buf[..n], u.offset + at) {
+                return Ok(Some(format!("unit {} cannot be read whole ({e})", u.unit)));
+            }
+            hash.update(&buf[..n]);
+            at += n as u64;
+        }
+        let sum = format!("{:016x}", hash.digest());
+        if sum != u.checksum {
+            return Ok(Some(format!("unit {} fails its checksum (manifest {}, file {sum})", u.unit, u.checksum)));
+        }
+    }
+    Ok(None)
 }
 
 /// A partial file (the pack, the manifest), removed when dropped unless renamed into place

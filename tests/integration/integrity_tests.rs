@@ -378,3 +378,37 @@ fn a_damaged_cached_copy_of_the_embedded_model_is_rewritten() {
     assert!(err.contains("k3ring: warning: the cached copy of the embedded tiny model in "), "{err}");
     assert!(err.contains(&format!("was damaged ({} differed", shard.file_name().unwrap().to_str().unwrap())), "{err}");
 }
+
+/// The dead end of issue 35: a damaged pack makes `run` say "run `k3ring pack` again", and `pack`
+/// then re-packs it (it used to answer "up to date; nothing to do"); `--force` re-packs an
+/// intact one; the advice, followed, makes the run succeed.
+#[test]
+fn pack_repacks_a_damaged_pack_and_force_repacks_an_intact_one() {
+    let trunk = pack(&tiny_dir());
+    let (code, clean, err) = streamed(&tiny_dir(), trunk.path(), &[]);
+    assert_eq!(code, 0, "{err}");
+    let m = Manifest::load(trunk.path()).unwrap();
+    let unit = m.units.iter().max_by_key(|u| u.len).unwrap();
+    flip(&trunk.path().join("trunk.pack"), unit.offset + 5);
+    let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &[]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("run `k3ring pack` again"), "{err}");
+    let repack =
+        |extra: &[&str]| k3ring(&[&["pack", "--model", s(&tiny_dir()), "--out", s(trunk.path())][..], extra].concat());
+    let (code, out, err) = repack(&[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("up to date"), "{out}");
+    let want = format!(
+        "k3ring: the trunk pack in {} was packed again: unit {} fails its checksum",
+        trunk.path().display(),
+        unit.unit
+    );
+    assert!(err.contains(&want), "{err}");
+    let (code, again, err) = streamed(&tiny_dir(), trunk.path(), &[]);
+    assert_eq!((code, again), (0, clean), "{err}");
+    let (code, out, _) = repack(&[]);
+    assert!(code == 0 && out.contains("is up to date"), "{out}");
+    let (code, out, err) = repack(&["--force"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("packed ") && err.contains("was packed again: --force"), "{out} {err}");
+}
