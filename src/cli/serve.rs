@@ -23,6 +23,9 @@ use crate::storage::stream::StreamStats;
 
 #[derive(Debug, clap::Args)]
 #[command(allow_negative_numbers = true, args_override_self = true)]
+// A server runs until stopped and serves many sequences: it writes no trace of either kind, and
+// refuses the flags (exit 2, naming what to use instead), so its help does not offer them.
+#[command(mut_arg("trace", |a| a.hide(true)), mut_arg("dump_trace", |a| a.hide(true)))]
 pub struct ServeArgs {
     /// Model directory; without it, the tiny K3 model built into the binary.
     #[arg(long, value_name = "DIR")]

@@ -588,6 +588,15 @@ fn serve_refuses_trace_flags_and_bad_limits_at_start() {
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
     }
+    // Nor does its help offer them (run's does).
+    let (code, help, _) = k3ring_stdin(&["serve", "--help"], "");
+    assert_eq!(code, 0);
+    assert!(
+        help.contains("--max-connections") && !help.contains("--trace") && !help.contains("--dump-trace"),
+        "{help}"
+    );
+    let (_, help, _) = k3ring_stdin(&["run", "--help"], "");
+    assert!(help.contains("--trace <FILE>") && help.contains("--dump-trace <FILE>"), "{help}");
 }
 
 /// A streamed request whose first event has arrived, still open.
