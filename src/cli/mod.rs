@@ -88,7 +88,7 @@ pub struct PackArgs {
     #[arg(long)]
     pub verify: bool,
     /// Pack again even when the pack is up to date (without it, a pack of the same checkpoint is
-    /// re-packed only when a unit fails its checksum).
+    /// re-packed only when a unit fails its checksum; with --verify, never: the damage is reported).
     #[arg(long)]
     pub force: bool,
 }

@@ -35,7 +35,7 @@ pub fn run(args: &PackArgs) -> anyhow::Result<()> {
     let index = CheckpointIndex::open(&args.model).with_context(|| format!("indexing {}", args.model.display()))?;
     index.validate(&cfg)?;
     let progress = bar("packing trunk, checksumming experts");
-    let report = write_pack_forced(&args.model, &cfg, &index, &args.out, args.force, |done, total| {
+    let report = write_pack_forced(&args.model, &cfg, &index, &args.out, (args.force, args.verify), |done, total| {
         progress.set_length(total);
         progress.set_position(done);
     })?;

@@ -69,7 +69,7 @@ pub enum PackError {
     Checksum { path: PathBuf, unit: String, want: String, got: String },
     #[error("another `k3ring pack` is writing into {dir} (it holds {lock}); wait for it to finish, or pack into another --out")]
     Busy { dir: PathBuf, lock: PathBuf },
-    #[error("`k3ring pack --verify` found {count} mismatch(es) in the trunk pack in {dir} or its checkpoint (to pack again, remove {dir}/trunk.manifest.json first); the first: {first}")]
+    #[error("`k3ring pack --verify` found {count} mismatch(es) in the trunk pack in {dir} or its checkpoint (`k3ring pack --force` writes it again); the first: {first}")]
     Verify { dir: PathBuf, count: usize, first: String },
     #[error(transparent)]
     Output(#[from] crate::files::OutputError),
@@ -224,18 +224,20 @@ pub fn write_pack(
     out_dir: &Path,
     progress: impl FnMut(u64, u64) + Send,
 ) -> Result<PackReport, PackError> {
-    write_pack_forced(model_dir, cfg, index, out_dir, false, progress)
+    write_pack_forced(model_dir, cfg, index, out_dir, (false, false), progress)
 }
 
 /// [`write_pack`]; with `force`, an up-to-date pack is written again too (`pack --force`).
 /// Without it, a pack whose manifest matches the checkpoint is up to date only if every unit
-/// still matches its checksum (the trunk is read once): a damaged pack is packed again.
+/// still matches its checksum (the trunk is read once; not with `keep_damaged`, which
+/// `pack --verify` sets so that it reports the damage rather than mend it): a damaged pack is
+/// packed again.
 pub fn write_pack_forced(
     model_dir: &Path,
     cfg: &Config,
     index: &CheckpointIndex,
     out_dir: &Path,
-    force: bool,
+    (force, keep_damaged): (bool, bool),
     progress: impl FnMut(u64, u64) + Send,
 ) -> Result<PackReport, PackError> {
     let start = std::time::Instant::now();
@@ -248,7 +250,8 @@ pub fn write_pack_forced(
     let manifest_path = out_dir.join(MANIFEST_FILE);
     let mut repacked = force.then(|| "--force".to_owned());
     if let Ok(m) = Manifest::load(out_dir) {
-        let damaged = if m.fingerprint == fp && !force { first_damaged_unit(out_dir, &m)? } else { None };
+        let check = m.fingerprint == fp && !force && !keep_damaged;
+        let damaged = if check { first_damaged_unit(out_dir, &m)? } else { None };
         if damaged.is_some() {
             repacked = damaged;
         } else if m.fingerprint == fp && !force {
