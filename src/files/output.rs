@@ -199,7 +199,8 @@ impl Output {
         Ok(OutputWriter { out: self.clone(), sink, pending: None })
     }
 
-    fn io(&self, op: &'static str, source: std::io::Error) -> OutputError {
+    /// The error of `op` failing on this output, naming its flag and path.
+    pub fn io(&self, op: &'static str, source: std::io::Error) -> OutputError {
         OutputError::Io { flag: self.flag.clone(), path: self.given.clone(), op, source }
     }
 

@@ -251,7 +251,7 @@ pub fn write_pack_forced(
     let mut repacked = force.then(|| "--force".to_owned());
     if let Ok(m) = Manifest::load(out_dir) {
         let check = m.fingerprint == fp && !force && !keep_damaged;
-        let damaged = if check { first_damaged_unit(out_dir, &m)? } else { None };
+        let damaged = if check { verify::first_damaged_unit(out_dir, &m)? } else { None };
         if damaged.is_some() {
             repacked = damaged;
         } else if m.fingerprint == fp && !force {
@@ -305,32 +305,6 @@ pub fn write_pack_forced(
     manifest_out.write_all(&serde_json::to_vec_pretty(&manifest).unwrap_or_default())?;
     sync_dir(out_dir)?;
     Ok(PackReport { seconds: start.elapsed().as_secs_f64(), ..report })
-}
-
-/// The first unit of the pack in `dir` that does not match its checksum in `m`, in words
-/// (`None`: every unit matches). Reads the whole pack once, a window at a time.
-fn first_damaged_unit(dir: &Path, m: &Manifest) -> Result<Option<String>, PackError> {
-    const WINDOW: usize = 8 << 20;
-    let path = dir.join(PACK_FILE);
-    let pack = crate::files::input::open_regular(&path, 0)?;
-    let mut buf = vec![0u8; WINDOW];
-    for u in &m.units {
-        let mut hash = Xxh3::new();
-        let mut at = 0u64;
-        while at < u.len {
-            let n = ((u.len - at) as usize).min(WINDOW);
-            if let Err(e) = pack.read_exact_at(&mut buf[..n], u.offset + at) {
-                return Ok(Some(format!("unit {} cannot be read whole ({e})", u.unit)));
-            }
-            hash.update(&buf[..n]);
-            at += n as u64;
-        }
-        let sum = format!("{:016x}", hash.digest());
-        if sum != u.checksum {
-            return Ok(Some(format!("unit {} fails its checksum (manifest {}, file {sum})", u.unit, u.checksum)));
-        }
-    }
-    Ok(None)
 }
 
 /// A partial file (the pack, the manifest), removed when dropped unless renamed into place

@@ -85,12 +85,7 @@ impl Tracer {
             return Err(TraceError::DetailOff { path: out.path().to_path_buf() });
         }
         let mut w = out.create()?;
-        self.write_chrome_events(&mut w).map_err(|source| OutputError::Io {
-            flag: out.flag().to_owned(),
-            path: out.path().to_owned(),
-            op: "writing",
-            source,
-        })?;
+        self.write_chrome_events(&mut w).map_err(|e| out.io("writing", e))?;
         Ok(w.finish()?)
     }
 

@@ -101,6 +101,32 @@ pub fn verify(
     })
 }
 
+/// The first unit of the pack in `dir` that does not match its checksum in `m`, in words
+/// (`None`: every unit matches). Reads the whole pack once, a window at a time.
+pub(super) fn first_damaged_unit(dir: &Path, m: &Manifest) -> Result<Option<String>, PackError> {
+    const WINDOW: usize = 8 << 20;
+    let path = dir.join(PACK_FILE);
+    let pack = crate::files::input::open_regular(&path, 0)?;
+    let mut buf = vec![0u8; WINDOW];
+    for u in &m.units {
+        let mut hash = Xxh3::new();
+        let mut at = 0u64;
+        while at < u.len {
+            let n = ((u.len - at) as usize).min(WINDOW);
+            if let Err(e) = pack.read_exact_at(&mut buf[..n], u.offset + at) {
+                return Ok(Some(format!("unit {} cannot be read whole ({e})", u.unit)));
+            }
+            hash.update(&buf[..n]);
+            at += n as u64;
+        }
+        let sum = format!("{:016x}", hash.digest());
+        if sum != u.checksum {
+            return Ok(Some(format!("unit {} fails its checksum (manifest {}, file {sum})", u.unit, u.checksum)));
+        }
+    }
+    Ok(None)
+}
+
 /// Checks one unit window by window: the pack's bytes against the unit's checksum (and the
 /// embedding's rows against theirs), and against the window assembled from the shards.
 #[allow(clippy::too_many_arguments)]
