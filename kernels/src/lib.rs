@@ -43,8 +43,8 @@
 //! checks and the dispatch; `scalar.rs` is the definition; `avx2.rs` and `avx512.rs` hold
 //! `#[target_feature]` functions, reached only through a [`Kernels`] built after detection.
 //! This machine class has no AVX-512: `tools/avx512-bochs` runs the twin tests on an emulated
-//! AVX-512 CPU. Spec sections refer to
-//! `docs/k3-model-spec.md`.
+//! AVX-512 CPU. Spec sections refer to the model contract, `docs/MODEL.md` at the workspace
+//! root.
 
 #![warn(missing_docs)]
 

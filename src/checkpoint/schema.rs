@@ -133,6 +133,33 @@ fn moe_tensors(cfg: &Config, l: usize, p: &str, out: &mut Vec<ExpectedTensor>) {
     }
 }
 
+impl CheckpointIndex {
+    /// The index a release checkpoint of `cfg` would have, with no file behind it: one virtual
+    /// shard holding every tensor the config requires, in [`expected_tensors`] order, each at
+    /// its canonical shape. For sizing (`k3ring plan`); nothing can be read through it.
+    pub fn for_config(cfg: &Config) -> Result<CheckpointIndex, CheckpointError> {
+        let mut at = 0u64;
+        let entries = expected_tensors(cfg)
+            .into_iter()
+            .map(|t| {
+                let shape = t.shapes.into_iter().next().unwrap_or_default();
+                let len = shape.iter().product::<u64>() * t.dtype.size();
+                let entry = super::safetensors::RawEntry {
+                    dtype: super::safetensors::RawDtype::Known(t.dtype),
+                    shape,
+                    data_offsets: [at, at + len],
+                };
+                at += len;
+                (t.name, entry)
+            })
+            .collect();
+        let dir = std::path::PathBuf::from("(from config.json)");
+        let shard = dir.join("model-00001-of-00001.safetensors");
+        let header = super::safetensors::Header { file_len: at, data_start: 0, entries };
+        CheckpointIndex::assemble(&dir, vec![shard], vec![header], None)
+    }
+}
+
 /// Trunk and expert bytes of one layer.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct LayerCensus {

@@ -74,6 +74,10 @@ pub struct BatchArgs {
     pub pipeline: PipelineArgs,
     #[command(flatten)]
     pub drafting: super::draft_flags::DraftArgs,
+    /// Sequences that may carry a draft in one step. Each holds a journal of the KDA states
+    /// while its step runs (about 0.5 GB on the release model), taken from the budget once
+    #[arg(long, value_name = "N", default_value_t = crate::engine::draft::DEFAULT_DRAFT_SEQUENCES, value_parser = super::parse_batch_size)]
+    pub draft_sequences: usize,
     /// Write the summary as JSON to FILE ("-": to stdout, when --output is a file). Created
     /// before the model is opened.
     #[arg(long, value_name = "FILE")]
@@ -190,12 +194,17 @@ pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
         max_batch: args.max_batch,
         prefill_chunk: args.prefill_chunk,
         context,
-        draft: args.drafting.for_requests(),
+        draft: args.drafting.for_requests(args.draft_sequences),
     };
     let mut run = streaming_run(&args.pipeline, &args.storage, args.threads, shape.step_rows(), context)
         .map_err(|e| name_budget_flag(e, &flag))?;
     run.sequences = args.max_batch;
-    run.draft_rows = if shape.draft.is_some() { shape.decode_rows() } else { 0 };
+    run.drafting = crate::engine::DraftPlan {
+        rows: if shape.draft.is_some() { shape.decode_rows() } else { 0 },
+        sequences: shape.drafting_sequences(),
+        step_rows: shape.step_decode_rows() - shape.max_batch.max(1),
+        optional: args.drafting.draft.is_none(),
+    };
     run.placement = placement;
     let (opened, plan) =
         open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
@@ -395,7 +404,11 @@ impl Job<'_> {
             max_batch,
             prefill_chunk: self.args.prefill_chunk,
             context: self.context,
-            draft: self.args.drafting.for_requests(),
+            draft: self
+                .args
+                .drafting
+                .for_requests(self.args.draft_sequences)
+                .filter(|_| plan.is_none_or(|p| p.draft_journals > 0)),
         };
         let mut batcher = engine.batcher(opts)?;
         if batcher.slots() < slots_asked {

@@ -582,7 +582,8 @@ fn measure_cells(
                 let draft = plan.drafts.options(mode);
                 let mut run = cell_run(args, io, spec, budget, mode);
                 if let Some(d) = &draft {
-                    run.draft_rows = d.len + 1;
+                    run.drafting =
+                        crate::engine::DraftPlan { rows: d.len + 1, sequences: 1, step_rows: 0, optional: false };
                     run.context += d.len + 1;
                 }
                 let m = measure_streaming_drafted(&args.model, &args.trunk, &run, kernels, spec, draft.as_ref())
@@ -641,7 +642,7 @@ fn cell_run(args: &BenchArgs, io: IoKind, spec: &MeasureSpec, budget: f64, mode:
         _ => Speculation::OFF,
     };
     StreamingRun {
-        draft_rows: 0,
+        drafting: Default::default(),
         budget_bytes: (budget * GB) as u64,
         sequences: 1,
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,

@@ -27,7 +27,7 @@ use crate::storage::stream::StreamStats;
 use crate::tokenizer::StreamDecoder;
 
 /// `k3ring chat`: talk to the model through its chat template.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 #[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct ChatArgs {
     /// Model directory (default: the embedded tiny model).
@@ -135,11 +135,14 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     run.placement = placement;
     // The seed does not matter for the plan: only whether the replies are greedy.
     let sampling = Sampling { temperature: args.temperature, ..Sampling::default() };
-    run.draft_rows = args.drafting.rows(&sampling);
-    let (opened, _plan) =
+    run.drafting = args.drafting.plan(&sampling);
+    let (opened, plan) =
         open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
             .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))
             .map_err(|e| name_budget_flag(e, &flag))?;
+    let mut args = args.clone();
+    args.drafting.yield_to(&plan);
+    let args = &args;
     repl(args, &opened, fp, thinking, context, |src| Some(src.stats()))
 }
 

@@ -4,12 +4,12 @@
 use crate::engine::draft::{DraftOptions, DEFAULT_DRAFT_LEN, DEFAULT_NGRAM_MIN};
 use crate::engine::Sampling;
 
-/// Whether greedy `run` and `chat` draft without `--draft`: yes, since `bench` measured that
-/// drafting costs at most a few percent where no guess is kept (`draft-miss`) and reads up to
-/// 2.7x fewer bytes per token where guesses are kept (docs/BENCHMARKS.md, "Drafting"). A batch
-/// or a server drafts only with `--draft ngram`: each of its slots would hold a journal of the
-/// KDA states (435 MB on the release model), which the default should not take from their
-/// contexts.
+/// Whether greedy requests draft without `--draft`: yes, since `bench` measured that drafting
+/// costs at most a few percent where no guess is kept (`draft-miss`) and reads up to 2.6x fewer
+/// bytes per token where guesses are kept (docs/BENCHMARKS.md, "Drafting"). A batch or a server
+/// lends a pool of `--draft-sequences` journals of the KDA states (435-507 MB each on the
+/// release model) to the sequences that guess in a step, so its slots' contexts keep their
+/// memory ([`crate::engine::draft::DEFAULT_DRAFT_SEQUENCES`]).
 pub const DRAFT_BY_DEFAULT: bool = true;
 
 /// Drafting kinds `--draft` accepts.
@@ -25,8 +25,8 @@ pub enum DraftKind {
 pub struct DraftArgs {
     /// Draft-and-verify decoding (greedy only): guess up to --draft-len tokens by matching the
     /// context's latest tokens against earlier text, and verify them in one step; the tokens
-    /// are those of plain greedy decoding. Default: on for greedy `run` and `chat`, off for
-    /// `batch` and `serve`
+    /// are those of plain greedy decoding. Default: on for greedy requests (sampled ones
+    /// decode one token per step)
     #[arg(long, value_name = "KIND", value_enum)]
     pub draft: Option<DraftKind>,
     /// No drafting (the same as --draft off)
@@ -64,17 +64,30 @@ impl DraftArgs {
         }
     }
 
-    /// The drafting of a batch or a server, whose requests sample or not one by one: with
-    /// `--draft ngram` the greedy ones draft and the sampled ones decode one token per step;
-    /// off by default ([`DRAFT_BY_DEFAULT`] says why).
-    pub fn for_requests(&self) -> Option<DraftOptions> {
-        (self.draft == Some(DraftKind::Ngram) && !self.no_draft)
-            .then(|| DraftOptions::ngram(self.draft_len, self.ngram_min))
+    /// Turns default drafting off where the plan holds no journal for it
+    /// ([`crate::engine::DraftPlan::optional`]; the plan's line says why).
+    pub fn yield_to(&mut self, plan: &crate::storage::plan::Plan) {
+        if self.draft.is_none() && plan.draft_journals == 0 {
+            self.no_draft = true;
+        }
     }
 
-    /// Rows of a drafted step (for the memory plan): the last token and the guesses; 0 when
-    /// not drafting.
-    pub fn rows(&self, sampling: &Sampling) -> usize {
-        self.options(sampling).map_or(0, |o| o.len + 1)
+    /// The drafting of a batch or a server, whose requests sample or not one by one: the
+    /// greedy ones draft, up to `sequences` of them in a step (`--draft-sequences`), and the
+    /// sampled ones decode one token per step ([`DRAFT_BY_DEFAULT`] says why it is on).
+    pub fn for_requests(&self, sequences: usize) -> Option<DraftOptions> {
+        let on = match (self.draft, self.no_draft) {
+            (_, true) | (Some(DraftKind::Off), _) => false,
+            (Some(DraftKind::Ngram), _) => true,
+            (None, false) => DRAFT_BY_DEFAULT,
+        };
+        on.then(|| DraftOptions { sequences, ..DraftOptions::ngram(self.draft_len, self.ngram_min) })
+    }
+
+    /// The journal of a solo run that drafts with `sampling` (for the memory plan): none when
+    /// not drafting; optional when drafting is the default.
+    pub fn plan(&self, sampling: &Sampling) -> crate::engine::DraftPlan {
+        let rows = self.options(sampling).map_or(0, |o| o.len + 1);
+        crate::engine::DraftPlan { rows, sequences: 1, step_rows: 0, optional: self.draft.is_none() }
     }
 }

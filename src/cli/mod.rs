@@ -21,6 +21,7 @@ mod open_model;
 mod output;
 mod pack;
 pub mod pipeline_flags;
+mod plan;
 mod run;
 mod serve;
 mod startup;
@@ -62,6 +63,8 @@ pub enum Command {
     Chat(Box<chat::ChatArgs>),
     /// Serve the OpenAI API over HTTP (completions and chat completions, batched).
     Serve(Box<serve::ServeArgs>),
+    /// Size a server from a config.json alone: the memory plan and reads per token at each budget.
+    Plan(plan::PlanArgs),
     /// Copy every non-expert tensor into one file laid out for streaming (the trunk pack).
     Pack(PackArgs),
     /// Write a seeded random checkpoint in the release layout (k3, small or tiny widths).
@@ -93,7 +96,7 @@ pub struct PackArgs {
     pub force: bool,
 }
 
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 #[command(allow_negative_numbers = true, args_override_self = true)]
 // Not required: a run may resume a saved state with no new prompt (`--load-state`); without
 // one, an empty input is refused after parsing ("give --prompt, --prompt-file or --ids").
@@ -376,6 +379,7 @@ pub fn main() -> std::process::ExitCode {
         Command::Batch(args) => batch::run(&args),
         Command::Chat(args) => chat::run(&args),
         Command::Serve(args) => serve::run(&args),
+        Command::Plan(args) => plan::run(&args),
         Command::Pack(args) => pack::run(&args),
         Command::Synth(args) => synth::run(&args),
         Command::CacheSim(args) => cache_sim::run(&args),

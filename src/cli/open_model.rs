@@ -46,8 +46,8 @@ pub(super) struct OpenModel<'a> {
     pub chunk: usize,
     /// Positions of each slot.
     pub context: usize,
-    /// Rows of a drafted step (0: no drafting).
-    pub draft_rows: usize,
+    /// The drafting journals to plan for.
+    pub drafting: crate::engine::DraftPlan,
 }
 
 impl OpenModel<'_> {
@@ -64,7 +64,7 @@ impl OpenModel<'_> {
         let mut run = streaming_run(self.pipeline, self.storage, self.threads, self.chunk, self.context)
             .map_err(|e| name_budget_flag(e, &flag))?;
         run.sequences = self.sequences;
-        run.draft_rows = self.draft_rows;
+        run.drafting = self.drafting;
         run.placement = Some(self.placement);
         let (opened, plan) =
             open_streaming(dir, trunk, &run, self.kernels, |plan| eprintln!("k3ring: {}", plan.describe()))

@@ -161,13 +161,18 @@ pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> an
     let mut run = streaming_run(&args.pipeline, &args.storage, args.threads, args.prefill_chunk, context)
         .map_err(|e| name_budget_flag(e, &flag))?;
     run.placement = placement;
-    run.draft_rows = if args.full_recompute { 0 } else { args.drafting.rows(&run_sampling(args)) };
+    if !args.full_recompute {
+        run.drafting = args.drafting.plan(&run_sampling(args));
+    }
     let (opened, plan) =
         open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))
             .with_context(|| format!("opening model {} with trunk pack {}", model_dir.display(), trunk.display()))
             .map_err(|e| name_budget_flag(e, &flag))?;
     let s = opened.engine.src.stats();
     eprintln!("k3ring: reads: {} | buffers: {}", s.backend_info, s.buffers);
+    let mut args = args.clone();
+    args.drafting.yield_to(&plan);
+    let args = &args;
     generate(args, &outputs, &model_dir, &opened, &prompt, Some(&plan), |src| {
         // Reads still in flight (guesses, read-ahead) land first, so the report and the trace agree.
         src.settle();
@@ -252,7 +257,7 @@ pub(super) fn streaming_run(
     };
     let io = IoKind::parse(&st.io).map_err(|e| UsageError(format!("--io {e}")))?;
     Ok(StreamingRun {
-        draft_rows: 0,
+        drafting: Default::default(),
         budget_bytes: budget,
         sequences: 1,
         context,

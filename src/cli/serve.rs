@@ -79,6 +79,10 @@ pub struct ServeArgs {
     pub pipeline: PipelineArgs,
     #[command(flatten)]
     pub drafting: super::draft_flags::DraftArgs,
+    /// Sequences that may carry a draft in one step. Each holds a journal of the KDA states
+    /// while its step runs (about 0.5 GB on the release model), taken from the budget once
+    #[arg(long, value_name = "N", default_value_t = crate::engine::draft::DEFAULT_DRAFT_SEQUENCES, value_parser = super::parse_batch_size)]
+    pub draft_sequences: usize,
     /// Ids of the flags given on the command line (filled by `main`).
     #[arg(skip)]
     pub given: Vec<String>,
@@ -149,7 +153,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             max_batch: args.max_batch,
             prefill_chunk: args.prefill_chunk,
             context,
-            draft: args.drafting.for_requests(),
+            draft: args.drafting.for_requests(args.draft_sequences),
         },
         max_queue: args.max_queue,
         max_tokens: args.max_tokens,
@@ -168,7 +172,12 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         sequences: args.max_batch,
         chunk: opts.batch.step_rows(),
         context,
-        draft_rows: if opts.batch.draft.is_some() { opts.batch.decode_rows() } else { 0 },
+        drafting: crate::engine::DraftPlan {
+            rows: if opts.batch.draft.is_some() { opts.batch.decode_rows() } else { 0 },
+            sequences: opts.batch.drafting_sequences(),
+            step_rows: opts.batch.step_decode_rows() - opts.batch.max_batch.max(1),
+            optional: args.drafting.draft.is_none(),
+        },
     };
     open.run(Start { listener, opts })
 }
@@ -190,6 +199,9 @@ impl ModelJob for Start {
         let mut opts = self.opts;
         if let Some(p) = plan {
             opts.batch.max_batch = p.sequences;
+            if p.draft_journals == 0 {
+                opts.batch.draft = None;
+            }
         }
         start(opened, self.listener, &opts, storage)
     }

@@ -253,7 +253,7 @@ fn best(points: &[Point]) -> &Point {
 
 fn streaming_run(args: &TuneArgs, k: &Knobs, spec: &MeasureSpec) -> StreamingRun {
     StreamingRun {
-        draft_rows: 0,
+        drafting: Default::default(),
         budget_bytes: (args.mem_gb * GB) as u64,
         sequences: 1,
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,

@@ -9,6 +9,12 @@
 //! in a solo run whatever else is in the step ([`Model::forward_batch`]), and each sequence has
 //! its own state, cache and seeded sampler. Slots are allocated once, when the batcher is made,
 //! and a step allocates nothing in steady state.
+//!
+//! Drafting ([`super::draft`]): a greedy sequence may carry guesses as extra rows of its step,
+//! which needs a journal to take back the rows the model does not confirm. The batcher holds a
+//! pool of [`DraftOptions::sequences`] journals and lends them, each step, to the first decoding
+//! sequences that guess, starting one further along the slots every step so that each gets its
+//! turn; the others decode one token. Which sequences draft never changes a token.
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
@@ -87,9 +93,25 @@ impl BatchOptions {
         1 + self.draft.as_ref().map_or(0, |d| d.len)
     }
 
-    /// Rows of the widest step: the decode rows of every slot plus the prefill tokens.
+    /// Sequences that may carry a draft in one step: the journals of the pool (none when not
+    /// drafting; never more than the slots).
+    pub fn drafting_sequences(&self) -> usize {
+        self.draft.as_ref().map_or(0, |d| d.sequences.min(self.max_batch.max(1)))
+    }
+
+    /// Decode rows of the widest step: a row per slot plus the guesses of the drafting ones.
+    pub fn step_decode_rows(&self) -> usize {
+        self.max_batch.max(1) + self.drafting_sequences() * (self.decode_rows() - 1)
+    }
+
+    /// Rows of the widest step: its decode rows plus the prefill tokens.
     pub fn step_rows(&self) -> usize {
-        self.max_batch.max(1) * self.decode_rows() + self.prefill_chunk.max(1)
+        self.step_decode_rows() + self.prefill_chunk.max(1)
+    }
+
+    /// Bytes of the pool's journals.
+    pub fn journal_bytes(&self, cfg: &crate::config::Config) -> u64 {
+        self.drafting_sequences() as u64 * Journal::bytes(cfg, self.decode_rows())
     }
 }
 
@@ -109,6 +131,9 @@ pub struct BatchStats {
     /// Steps that ran `n` decode rows, at index `n`.
     #[serde(skip)]
     pub steps_by_width: Vec<u64>,
+    /// Steps in which `n` sequences carried a draft, at index `n` (at most the journals).
+    #[serde(skip)]
+    pub steps_by_drafting: Vec<u64>,
 }
 
 struct Running {
@@ -123,6 +148,8 @@ struct Running {
     submitted: Instant,
     /// Greedy requests when drafting; with the prompt and the tokens chosen so far.
     drafter: Option<(Drafter, Vec<u32>)>,
+    /// This step's guesses (with a journal lent to the slot's state when not empty).
+    guesses: Vec<u32>,
     /// Decode steps when not drafting.
     steps: u64,
 }
@@ -145,6 +172,12 @@ pub struct Batcher<'e, S: WeightSource + LayerHook> {
     /// Per sequence with logits this step: its slot, its first row of logits and how many.
     logit_slots: Vec<(usize, usize, usize)>,
     candidates: Vec<(usize, f64)>,
+    /// Journals not lent this step ([`BatchOptions::drafting_sequences`] in all).
+    journals: Vec<Journal>,
+    /// Slots holding a lent journal.
+    lent: Vec<usize>,
+    /// Where the next step starts lending journals, counted in drafting candidates.
+    draft_turn: usize,
     next_ticket: Ticket,
     stats: BatchStats,
 }
@@ -152,15 +185,17 @@ pub struct Batcher<'e, S: WeightSource + LayerHook> {
 impl<S: WeightSource + LayerHook> Engine<S> {
     /// Bytes of one sequence slot (states and latent cache for `context` positions).
     pub fn slot_bytes(&self, opts: &BatchOptions) -> u64 {
-        let cfg = &self.model.cfg;
-        let journal = if opts.draft.is_some() { Journal::bytes(cfg, opts.decode_rows()) } else { 0 };
-        ModelState::bytes(cfg, opts.context.max(1)) + journal
+        ModelState::bytes(&self.model.cfg, opts.context.max(1))
     }
 
-    /// Bytes a batcher with `slots` slots allocates besides the slots themselves.
+    /// Bytes a batcher with `slots` slots allocates besides the slots themselves: the step's
+    /// scratch and logits, and the drafting journals.
     pub fn batch_scratch_bytes(&self, opts: &BatchOptions, slots: usize) -> u64 {
         let cfg = &self.model.cfg;
-        Scratch::bytes(cfg, opts.step_rows(), opts.context) + 4 * (slots * opts.decode_rows() * cfg.vocab_size) as u64
+        let opts = BatchOptions { max_batch: slots, ..opts.clone() };
+        Scratch::bytes(cfg, opts.step_rows(), opts.context)
+            + 4 * (opts.step_decode_rows() * cfg.vocab_size) as u64
+            + opts.journal_bytes(cfg)
     }
 
     /// A batcher with `opts.max_batch` slots, or as many as available memory holds (at least
@@ -200,14 +235,21 @@ impl<S: WeightSource + LayerHook> Engine<S> {
             order: Vec::with_capacity(slots),
             queue: VecDeque::new(),
             scratch: Scratch::new(cfg, opts.step_rows(), context),
-            logits: vec![0.0; slots * opts.decode_rows() * cfg.vocab_size],
+            logits: vec![0.0; opts.step_decode_rows() * cfg.vocab_size],
             tokens: Vec::with_capacity(opts.step_rows()),
             segments: Vec::with_capacity(slots),
             logit_rows: Vec::with_capacity(slots),
             logit_slots: Vec::with_capacity(slots),
             candidates: Vec::with_capacity(cfg.vocab_size),
+            journals: (0..opts.drafting_sequences()).map(|_| Journal::new(cfg, opts.decode_rows())).collect(),
+            lent: Vec::with_capacity(opts.drafting_sequences()),
+            draft_turn: 0,
             next_ticket: 0,
-            stats: BatchStats { steps_by_width: vec![0; slots + 1], ..BatchStats::default() },
+            stats: BatchStats {
+                steps_by_width: vec![0; slots + 1],
+                steps_by_drafting: vec![0; opts.drafting_sequences() + 1],
+                ..BatchStats::default()
+            },
             opts,
         })
     }
@@ -341,36 +383,72 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
                 rng,
                 submitted,
                 drafter,
+                guesses: Vec::new(),
                 steps: 0,
             });
             self.order.push(slot);
         }
     }
 
-    /// Rows of this step: a decode row per decoding sequence, then prompt pieces in admission
-    /// order up to the prefill chunk.
+    /// Lends the pool's journals to the decoding sequences that guess this step, starting one
+    /// candidate further than the last step; the guesses go to each sequence's `guesses`.
+    fn draft(&mut self) {
+        self.return_journals();
+        let cfg = &self.engine.model.cfg;
+        let n = self.order.len();
+        if n == 0 || self.journals.is_empty() {
+            return;
+        }
+        let start = self.draft_turn % n;
+        self.draft_turn = start + 1;
+        for at in (start..n).chain(0..start) {
+            let slot = self.order[at];
+            let Some(run) = &mut self.slots[slot] else { continue };
+            let (Some((drafter, context)), Some(_)) = (&mut run.drafter, run.next) else { continue };
+            // No row chooses a token past the request's limit.
+            let left = run.request.max_tokens - run.generated;
+            drafter.propose(context, left.saturating_sub(1), &mut run.guesses);
+            if run.guesses.is_empty() {
+                continue;
+            }
+            let Some(journal) = self.journals.pop() else {
+                run.guesses.clear();
+                break;
+            };
+            self.states[slot].lend_journal(journal);
+            self.states[slot].arm(cfg, self.opts.decode_rows());
+            self.lent.push(slot);
+            if self.journals.is_empty() {
+                break;
+            }
+        }
+    }
+
+    /// Takes the lent journals back into the pool (after the step's rewinds, or a failed step).
+    fn return_journals(&mut self) {
+        for slot in self.lent.drain(..) {
+            if let Some(journal) = self.states[slot].take_journal() {
+                self.journals.push(journal);
+            }
+        }
+    }
+
+    /// Rows of this step: a decode row per decoding sequence (and its guesses), then prompt
+    /// pieces in admission order up to the prefill chunk.
     fn compose(&mut self) {
         self.tokens.clear();
         self.segments.clear();
         self.logit_rows.clear();
         self.logit_slots.clear();
+        self.draft();
         let mut decode = 0;
-        let cfg = &self.engine.model.cfg;
         for &slot in &self.order {
             let Some(run) = &mut self.slots[slot] else { continue };
             if let Some(next) = run.next {
                 let row = self.tokens.len();
                 self.tokens.push(next);
-                if let Some((drafter, context)) = &mut run.drafter {
-                    // No row chooses a token past the request's limit.
-                    let left = run.request.max_tokens - run.generated;
-                    drafter.propose(context, left.saturating_sub(1), &mut self.tokens);
-                }
+                self.tokens.append(&mut run.guesses);
                 let rows = self.tokens.len() - row;
-                if rows > 1 {
-                    // Armed for the longest draft, so each slot's journal is allocated once.
-                    self.states[slot].arm(cfg, self.opts.decode_rows());
-                }
                 self.segments.push(Segment { slot, rows: row..row + rows });
                 self.logit_slots.push((slot, self.logit_rows.len(), rows));
                 self.logit_rows.extend(row..row + rows);
@@ -399,6 +477,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         self.stats.decode_sequences += decode as u64;
         self.stats.prefill_rows += (self.tokens.len() - decode_rows) as u64;
         self.stats.steps_by_width[decode] += 1;
+        self.stats.steps_by_drafting[self.lent.len()] += 1;
     }
 
     /// Samples each sequence's next token from its rows of logits (with a draft: from each row
@@ -470,6 +549,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             t.counter("draft: tokens guessed", guessed as f64);
             t.counter("draft: guesses kept", guesses_kept as f64);
         }
+        self.return_journals();
         Ok(())
     }
 }

@@ -20,6 +20,12 @@ pub const DEFAULT_DRAFT_LEN: usize = 8;
 /// Shortest suffix of the context that must recur for a guess, when not given: one token
 /// recurs too often in ordinary text to predict what follows.
 pub const DEFAULT_NGRAM_MIN: usize = 2;
+/// Sequences of a batch (or a server) that may carry a draft in one step, when not given. Each
+/// holds a journal of the KDA states while its step runs (435-507 MB on the release model),
+/// lent from a pool the batcher allocates once, instead of one journal per slot, which would
+/// take that much from every slot's context; a step's drafted rows also add the experts their
+/// tokens route to, so a few drafting sequences are what a batch step carries well.
+pub const DEFAULT_DRAFT_SEQUENCES: usize = 2;
 /// Longest suffix tried: longer matches are rarer and predict no better in practice.
 pub const NGRAM_MAX: usize = 8;
 /// Guessed tokens per step at most (the rows of a step; the session's chunk must hold them).
@@ -45,6 +51,9 @@ pub struct DraftOptions {
     pub len: usize,
     /// Shortest recurring suffix that makes a guess (`--ngram-min`).
     pub ngram_min: usize,
+    /// Sequences of a batch step that may carry a draft (`--draft-sequences`; a solo run has
+    /// one): the batcher's pool of journals ([`DEFAULT_DRAFT_SEQUENCES`] says why).
+    pub sequences: usize,
     /// Guess from recorded runs instead of the context (benchmarks and tests).
     #[serde(skip)]
     pub replay: Option<Replay>,
@@ -52,14 +61,14 @@ pub struct DraftOptions {
 
 impl Default for DraftOptions {
     fn default() -> Self {
-        DraftOptions { len: DEFAULT_DRAFT_LEN, ngram_min: DEFAULT_NGRAM_MIN, replay: None }
+        DraftOptions::ngram(DEFAULT_DRAFT_LEN, DEFAULT_NGRAM_MIN)
     }
 }
 
 impl DraftOptions {
     /// N-gram drafting of up to `len` tokens from suffixes of `ngram_min` tokens or more.
     pub fn ngram(len: usize, ngram_min: usize) -> DraftOptions {
-        DraftOptions { len, ngram_min, replay: None }
+        DraftOptions { len, ngram_min, sequences: DEFAULT_DRAFT_SEQUENCES, replay: None }
     }
 }
 
@@ -122,6 +131,8 @@ pub enum DraftError {
     Len(usize),
     #[error("--ngram-min {0} is out of range: give 1 to {NGRAM_MAX}")]
     NgramMin(usize),
+    #[error("--draft-sequences 0 is out of range: give 1 or more (or --no-draft)")]
+    Sequences,
     #[error("drafting needs greedy decoding (--temperature 0): a sampled run's tokens would differ from the same run without drafts; leave out --draft ngram to sample")]
     NotGreedy,
 }
@@ -139,6 +150,9 @@ impl DraftOptions {
         }
         if self.ngram_min == 0 || self.ngram_min > NGRAM_MAX {
             return Err(DraftError::NgramMin(self.ngram_min));
+        }
+        if self.sequences == 0 {
+            return Err(DraftError::Sequences);
         }
         Ok(())
     }

@@ -12,12 +12,12 @@ use crate::exit::{Classify, ExitCode};
 use crate::model::attribution::Attribution;
 use crate::model::rewind::Journal;
 use crate::model::weights::{ModelWeights, WeightSource};
-use crate::model::{LayerHook, Model, ModelState, Scratch};
-use crate::pipeline::{Pipeline, PipelineOptions, Prefetcher};
+use crate::model::{LayerHook, Model};
+use crate::pipeline::{Pipeline, PipelineOptions};
 use crate::storage::mmap::MmapSource;
-use crate::storage::pack::{Manifest, PackUnit};
-use crate::storage::plan::{Plan, PlanError, PlanInput};
-use crate::storage::stream::{embed_buffer_bytes, expert_slot_bytes, StoreOptions};
+use crate::storage::pack::Manifest;
+use crate::storage::plan::{Plan, PlanError};
+use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
 use crate::trace::Tracer;
 
@@ -114,9 +114,39 @@ pub struct StreamingRun {
     /// The memory the budget was derived from, so a preset and its check see one reading
     /// (`None`: read it when planning).
     pub available_memory: Option<crate::memory::Available>,
-    /// Rows of a drafted step (the last token and the guesses; 0 or 1: no drafting): each
-    /// sequence's state then keeps a journal to take rows back ([`crate::model::rewind`]).
-    pub draft_rows: usize,
+    /// The journals drafting holds (none by default).
+    pub drafting: DraftPlan,
+}
+
+/// The journals of draft-and-verify decoding, which take rows back ([`crate::model::rewind`]):
+/// one per sequence that may draft in a step.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DraftPlan {
+    /// Rows of a drafted step: the last token and the guesses (0 or 1: no drafting).
+    pub rows: usize,
+    /// Journals held at once (a batcher's pool; a solo run has one).
+    pub sequences: usize,
+    /// Rows the drafts add to the widest step (a batch's guesses; 0 for a solo run, whose
+    /// chunk holds its draft already).
+    pub step_rows: usize,
+    /// Drafting is the default rather than asked for: it yields, and the plan holds no journal
+    /// ([`Plan::draft_journals`] 0), where its journals would leave fewer sequence slots or
+    /// less pinned trunk than plain decoding, or a budget too small to run.
+    pub optional: bool,
+}
+
+impl DraftPlan {
+    pub(super) fn bytes(&self, cfg: &crate::config::Config) -> u64 {
+        self.sequences.max(1) as u64 * Journal::bytes(cfg, self.rows)
+    }
+
+    pub(super) fn journals(&self) -> usize {
+        if self.rows < 2 {
+            0
+        } else {
+            self.sequences.max(1)
+        }
+    }
 }
 
 /// Opens `dir` for streaming from the trunk pack in `trunk_dir` under a memory budget: makes the
@@ -132,54 +162,11 @@ pub fn open_streaming(
     let manifest = Manifest::load(trunk_dir)?;
     // Identity before sizes: another model's pack is refused as such (exit 3), not for memory.
     manifest.check_source(trunk_dir, dir, &c.index)?;
-    let align = manifest.alignment;
-    let units = manifest
-        .units
-        .iter()
-        .filter_map(|u| PackUnit::parse(&u.unit).map(|p| (p, u.len)))
-        .filter(|(p, _)| *p != PackUnit::Embed)
-        .collect();
-    // A batch step has a decode row per sequence plus the prefill chunk, which can be more rows
-    // than one sequence has positions: the bound is every sequence's positions together.
-    let chunk = run.chunk.clamp(1, run.sequences.max(1).saturating_mul(run.context.max(1)));
-    let logits = 4 * (chunk * c.cfg.vocab_size) as u64;
-    let spec = run.pipeline.effective_speculation();
-    let input = PlanInput {
-        budget: run.budget_bytes,
-        mem_available: run.available_memory.clone().or_else(crate::memory::available),
-        units,
-        expert_slot_bytes: expert_slot_bytes(&c.cfg, align),
-        experts_total: c.index.experts.len(),
-        top_k: c.cfg.moe.top_k,
-        prefetch_window: run.prefetch_window.unwrap_or(c.cfg.moe.top_k + if spec.enabled { spec.margin } else { 0 }),
-        readahead: run.pipeline.mode.readahead(run.store.readahead),
-        states_bytes: ModelState::bytes(&c.cfg, run.context) + Journal::bytes(&c.cfg, run.draft_rows),
-        sequences: run.sequences,
-        scratch_bytes: Scratch::bytes(&c.cfg, chunk, run.context)
-            + Prefetcher::scratch_bytes(&c.cfg, chunk)
-            + logits
-            + embed_buffer_bytes(&c.cfg, chunk, align),
-        trunk_share: run.trunk_share,
-        pieces: Some(crate::storage::stream::pieces::plan_input(
-            &c.weights,
-            &c.cfg,
-            &manifest
-                .units
-                .iter()
-                .filter_map(|u| {
-                    let unit = PackUnit::parse(&u.unit).filter(|p| *p != PackUnit::Embed)?;
-                    Some((unit, u.tensors.iter().map(|t| (t.name.clone(), t.len)).collect()))
-                })
-                .collect::<Vec<_>>(),
-            &c.index,
-            align,
-            run.store.piece_bytes,
-        )),
-    };
-    let plan = Plan::make(&input)?;
+    let sized = super::sizing::plan_input(&c.cfg, &c.index, &c.weights, &manifest.units, manifest.alignment, run);
+    let plan = super::sizing::plan_drafting(sized.input, sized.plain_scratch, &run.drafting)?;
     on_plan(&plan);
     let mut store = run.store.clone();
-    store.chunk_tokens = chunk;
+    store.chunk_tokens = if plan.draft_journals > 0 { sized.chunk } else { sized.plain_chunk };
     let mut pipeline = run.pipeline.clone();
     if let Some(p) = &run.placement {
         store.numa_node = Some(p.numa_node);

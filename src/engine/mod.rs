@@ -15,6 +15,7 @@ pub mod measure_batch;
 pub mod read_tax;
 pub mod requests;
 pub mod sampling;
+pub mod sizing;
 pub mod state_file;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,7 +27,7 @@ use crate::model::{LayerHook, LogitRows, Model, ModelError, ModelState, Probe, S
 pub use batch::{BatchOptions, BatchRequest, BatchSink, BatchStats, Batcher, FinishReason, Finished, Ticket};
 pub use chat::{ChatSession, Reply, ReplyOptions};
 pub use draft::{DraftError, DraftOptions, DraftStats, Drafter, Replay};
-pub use load::{open_resident, open_streaming, OpenError, Opened, StreamingRun};
+pub use load::{open_resident, open_streaming, DraftPlan, OpenError, Opened, StreamingRun};
 pub use sampling::Sampling;
 pub use state_file::{Fingerprint, StateFileError};
 

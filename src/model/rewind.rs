@@ -26,7 +26,8 @@ pub struct Journal {
 }
 
 impl Journal {
-    fn new(cfg: &Config, max_rows: usize) -> Journal {
+    /// A journal for steps of up to `max_rows` rows (allocated here, once).
+    pub fn new(cfg: &Config, max_rows: usize) -> Journal {
         let kda =
             cfg.layers.iter().map(|p| (p.attn == AttnKind::Kda).then(|| KdaJournal::new(cfg, max_rows))).collect();
         Journal { kda, max_rows, base: None }
@@ -59,6 +60,20 @@ impl ModelState {
         if let Some(j) = &mut self.journal {
             j.base = Some(self.pos);
         }
+    }
+
+    /// Lends `journal` to this state, for [`ModelState::arm`] to use when it holds enough rows
+    /// (a batcher's pool lends its few journals to the sequences that draft in a step).
+    pub fn lend_journal(&mut self, journal: Journal) {
+        self.journal = Some(journal);
+    }
+
+    /// Takes the state's journal away, disarmed: the rows of a step run since
+    /// [`ModelState::arm`] can no longer be taken back.
+    pub fn take_journal(&mut self) -> Option<Journal> {
+        let mut journal = self.journal.take()?;
+        journal.base = None;
+        Some(journal)
     }
 
     /// Whether the next step's rows can be taken back, and how many at most.

@@ -376,7 +376,11 @@ pub(crate) fn copy_pool(path: &Path) -> Result<rayon::ThreadPool, PackError> {
 }
 
 /// Unit entries with offsets (checksums still empty) and the pack length.
-fn layout(cfg: &Config, index: &CheckpointIndex, alignment: u64) -> Result<(Vec<UnitEntry>, u64), PackError> {
+pub(crate) fn layout(
+    cfg: &Config,
+    index: &CheckpointIndex,
+    alignment: u64,
+) -> Result<(Vec<UnitEntry>, u64), PackError> {
     let mut pos = 0u64;
     let mut out = Vec::new();
     for (unit, tensors) in plan_units(cfg) {

@@ -165,7 +165,7 @@ fn streaming(dir: &Path) -> Box<dyn std::any::Any> {
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
-        draft_rows: 0,
+        drafting: Default::default(),
     };
     let (o, _) = k3ring::engine::open_streaming(dir, trunk.path(), &run, Kernels::detect(), |_| {}).unwrap();
     let e = &o.engine;

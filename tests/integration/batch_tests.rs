@@ -66,14 +66,15 @@ fn solo<S: WeightSource + LayerHook>(engine: &Engine<S>, r: &BatchRequest) -> Ve
     engine.generate(&r.prompt, &opts, |_| {}).unwrap().generated_ids
 }
 
-/// Runs `reqs` through a batcher, submitting request i at step `arrivals[i]`.
+/// Runs `reqs` through a batcher, submitting request i at step `arrivals[i]`; with its slots
+/// and its steps by how many sequences carried a draft.
 fn batched<S: WeightSource + LayerHook>(
     engine: &Engine<S>,
     opts: BatchOptions,
     reqs: &[BatchRequest],
     arrivals: &[u64],
     stop_on: &HashMap<usize, u32>,
-) -> (Collect, usize) {
+) -> (Collect, usize, Vec<u64>) {
     let mut b = engine.batcher(opts).unwrap();
     let mut sink = Collect::default();
     let mut tickets = Vec::new();
@@ -100,7 +101,7 @@ fn batched<S: WeightSource + LayerHook>(
     };
     let tokens = by_index(&mut sink.tokens);
     let finished = tickets.iter().map(|&(i, t)| (i as Ticket, sink.finished.remove(&t).unwrap())).collect();
-    (Collect { tokens, finished, stop_on: HashMap::new() }, b.slots())
+    (Collect { tokens, finished, stop_on: HashMap::new() }, b.slots(), b.stats().steps_by_drafting.clone())
 }
 
 fn check_identity<S: WeightSource + LayerHook>(
@@ -116,7 +117,8 @@ fn check_identity<S: WeightSource + LayerHook>(
 
 /// [`check_identity`] with drafting in the batch (solo runs stay plain) and `extra` requests
 /// after the usual ones; with `replay`, the drafts replay each request's solo run, keeping that
-/// share of the guesses. Returns the drafting counts of every sequence, summed.
+/// share of the guesses. Returns the drafting counts of every sequence, summed, and the steps by
+/// how many sequences carried a draft.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_identity_with<S: WeightSource + LayerHook>(
     what: &str,
@@ -128,7 +130,7 @@ pub(crate) fn check_identity_with<S: WeightSource + LayerHook>(
     draft: Option<k3ring::engine::DraftOptions>,
     replay: Option<f64>,
     extra: Vec<BatchRequest>,
-) -> k3ring::engine::DraftStats {
+) -> (k3ring::engine::DraftStats, Vec<u64>) {
     let vocab = engine.model.cfg.vocab_size as u32;
     let mut reqs = requests(n, vocab);
     reqs.extend(extra);
@@ -151,7 +153,7 @@ pub(crate) fn check_identity_with<S: WeightSource + LayerHook>(
     }
     let arrivals: Vec<u64> = (0..n).map(|i| if staggered { (i as u64 * 3) % 11 } else { 0 }).collect();
     let opts = BatchOptions { max_batch, prefill_chunk: 8, context: 64, draft };
-    let (out, _) = batched(engine, opts, &reqs, &arrivals, &stop_on);
+    let (out, _, by_drafting) = batched(engine, opts, &reqs, &arrivals, &stop_on);
     let mut stats = k3ring::engine::DraftStats::default();
     for (i, r) in reqs.iter().enumerate() {
         let mut want = solo(reference, r);
@@ -172,7 +174,7 @@ pub(crate) fn check_identity_with<S: WeightSource + LayerHook>(
         assert_eq!(f.draft.steps + f.draft.accepted, want.len() as u64 - 1, "{what}: request {i}: {:?}", f.draft);
         stats.add(&f.draft);
     }
-    stats
+    (stats, by_drafting)
 }
 
 #[test]
@@ -213,7 +215,7 @@ pub(crate) fn streaming_run(budget: u64, sequences: usize) -> StreamingRun {
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
-        draft_rows: 0,
+        drafting: Default::default(),
     }
 }
 
@@ -261,7 +263,7 @@ fn a_budget_for_two_sequences_queues_the_rest_and_keeps_the_outputs() {
     let b = o.engine.batcher(opts.clone()).unwrap();
     assert_eq!(b.slots(), 2);
     drop(b);
-    let (out, slots) = batched(&o.engine, opts, &reqs, &[0; 7], &HashMap::new());
+    let (out, slots, _) = batched(&o.engine, opts, &reqs, &[0; 7], &HashMap::new());
     assert_eq!(slots, 2);
     for (i, r) in reqs.iter().enumerate() {
         assert_eq!(out.tokens[&(i as Ticket)], solo(&reference.engine, r), "request {i}");
@@ -290,7 +292,7 @@ fn a_streamed_step_wider_than_one_slots_context_runs() {
         })
         .collect();
     // The first step prefills 12 prompt tokens, more than a slot's 10 positions.
-    let (out, _) = batched(&o.engine, opts, &reqs, &[0; 4], &HashMap::new());
+    let (out, _, _) = batched(&o.engine, opts, &reqs, &[0; 4], &HashMap::new());
     for (i, r) in reqs.iter().enumerate() {
         assert_eq!(out.tokens[&(i as Ticket)], solo(&reference.engine, r), "request {i}");
     }
@@ -477,6 +479,9 @@ fn batch_command_exits_2_when_every_line_fails_and_streams_with_a_trunk() {
     );
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("2 of the 4 sequence slots"), "{err}");
+    // Default drafting yields to a budget this tight: its journals would take a slot.
+    assert!(err.contains("| drafting off: its journals and rows ("), "{err}");
+    assert!(err.contains("(--draft ngram drafts anyway)"), "{err}");
     let key = |text: &str| {
         let mut v: Vec<(i64, Vec<u32>)> =
             records(text).iter().map(|r| (r["id"].as_i64().unwrap(), ids(&r["generated_ids"]))).collect();

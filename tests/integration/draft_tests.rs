@@ -188,6 +188,10 @@ fn drafting_with_sampling_is_refused() {
     assert!(err.to_string().contains("greedy"), "{err}");
     let bad = GenerateOptions { gen: 4, draft: Some(DraftOptions::ngram(0, 2)), ..Default::default() };
     assert!(o.engine.generate(&[1, 2, 3], &bad, |_| {}).is_err());
+    let none = Some(DraftOptions { sequences: 0, ..DraftOptions::default() });
+    let bad = k3ring::engine::BatchOptions { max_batch: 2, prefill_chunk: 4, context: 16, draft: none };
+    let err = o.engine.batcher(bad).err().expect("refused");
+    assert!(err.to_string().contains("--draft-sequences 0"), "{err}");
 }
 
 /// Greedy requests whose prompts repeat themselves, for drafts that get accepted in a batch.
@@ -209,12 +213,14 @@ fn repetitive_requests(vocab: u32) -> Vec<k3ring::engine::BatchRequest> {
 fn drafting_in_a_batch_keeps_every_sequence_equal_to_its_solo_run() {
     let o = open(&tiny_dir(), 2, Isa::best());
     let vocab = o.engine.model.cfg.vocab_size as u32;
-    for (max_batch, draft) in [(1, (4, 1)), (3, (2, 2)), (5, (8, 1)), (16, (16, 1))] {
-        let draft = Some(DraftOptions::ngram(draft.0, draft.1));
+    // (slots, (draft length, ngram-min, sequences that may draft in a step)).
+    for (max_batch, draft) in [(1, (4, 1, 2)), (3, (2, 2, 1)), (5, (8, 1, 2)), (16, (16, 1, 16)), (16, (4, 1, 3))] {
+        let (len, ngram_min, sequences) = draft;
+        let draft = Some(DraftOptions { sequences, ..DraftOptions::ngram(len, ngram_min) });
         for (staggered, replay) in [(false, None), (true, None), (false, Some(0.7)), (true, Some(1.0))] {
             let what = format!("resident, {draft:?}, staggered {staggered}, replay {replay:?}");
             let extra = repetitive_requests(vocab);
-            let s = super::batch_tests::check_identity_with(
+            let (s, by_drafting) = super::batch_tests::check_identity_with(
                 &what,
                 &o.engine,
                 &o.engine,
@@ -225,8 +231,13 @@ fn drafting_in_a_batch_keeps_every_sequence_equal_to_its_solo_run() {
                 replay,
                 extra,
             );
+            // The pool bounds the drafting sequences of a step, and all of it gets used.
+            assert_eq!(by_drafting.len(), sequences.min(max_batch) + 1, "{what}");
             if replay.is_some() {
                 assert!(s.accepted > 0, "{what}: {s:?}");
+                if sequences < 3 {
+                    assert!(by_drafting.last().is_some_and(|&n| n > 0), "{what}: {by_drafting:?}");
+                }
             }
         }
     }
@@ -239,7 +250,7 @@ fn drafting_in_a_streamed_batch_keeps_every_sequence_equal_to_its_solo_run() {
     let (o, plan) = open_streamed(trunk.path(), 64_000_000, 4);
     let vocab = o.engine.model.cfg.vocab_size as u32;
     let draft = Some(DraftOptions::ngram(4, 1));
-    let s = super::batch_tests::check_identity_with(
+    let (s, _) = super::batch_tests::check_identity_with(
         &format!("streamed, {}", plan.describe()),
         &o.engine,
         &reference.engine,

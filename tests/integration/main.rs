@@ -17,6 +17,7 @@ mod limits_tests;
 mod oracle_tests;
 mod pieces_tests;
 mod pipeline_tests;
+mod plan_tests;
 mod row_block_tests;
 mod serve_tests;
 mod soak_tests;

@@ -30,7 +30,7 @@ fn run_options(budget: u64, piece: Option<u64>, prompt_len: usize) -> StreamingR
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
-        draft_rows: 0,
+        drafting: Default::default(),
     }
 }
 

@@ -79,7 +79,7 @@ fn run_options(budget: u64, sim: SimOptions) -> StreamingRun {
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
-        draft_rows: 0,
+        drafting: Default::default(),
     }
 }
 

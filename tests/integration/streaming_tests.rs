@@ -31,7 +31,7 @@ fn run_options(budget: u64, io: IoOptions) -> StreamingRun {
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
-        draft_rows: 0,
+        drafting: Default::default(),
     }
 }
 

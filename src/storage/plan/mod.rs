@@ -155,6 +155,10 @@ pub struct Plan {
     pub small_bytes: u64,
     /// Trunk bytes read per token (every streamed unit once).
     pub trunk_read_bytes_per_token: u64,
+    /// Drafting journals counted in the scratch (0: the run does not draft).
+    pub draft_journals: usize,
+    /// Why default drafting is off for this budget, when it is.
+    pub draft_note: Option<String>,
     #[serde(skip)]
     pub pinned_units: Vec<PackUnit>,
     #[serde(skip)]
@@ -276,6 +280,8 @@ impl Plan {
             planned_bytes: 0,
             minimum_bytes: minimum,
             trunk_read_bytes_per_token: 0,
+            draft_journals: 0,
+            draft_note: None,
             piece_bytes: None,
             split: Vec::new(),
             min_piece_bytes: input.pieces.as_ref().map(|p| p.min_piece_bytes),
@@ -307,7 +313,7 @@ impl Plan {
             gb(self.planned_bytes),
             gb(self.minimum_bytes),
             gb(self.trunk_read_bytes_per_token),
-        )
+        ) + &self.draft_note.as_ref().map_or(String::new(), |n| format!(" | {n}"))
     }
 }
 

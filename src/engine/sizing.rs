@@ -1,0 +1,142 @@
+//! What the planner is told about a streaming run ([`plan_input`]): shared by a run that opens
+//! a trunk pack and by `k3ring plan`, which sizes a server from a `config.json` alone (the
+//! checkpoint's layout follows from the config: [`crate::checkpoint::CheckpointIndex::for_config`]),
+//! so the sizing table and a real run make the same plan.
+#![forbid(unsafe_code)]
+
+use super::load::{DraftPlan, OpenError, StreamingRun};
+use crate::checkpoint::CheckpointIndex;
+use crate::config::Config;
+use crate::model::weights::ModelWeights;
+use crate::model::{ModelState, Scratch};
+use crate::pipeline::Prefetcher;
+use crate::storage::pack::{PackUnit, UnitEntry};
+use crate::storage::plan::{Plan, PlanInput};
+use crate::storage::stream::{embed_buffer_bytes, expert_slot_bytes};
+
+/// The planner's input for `run`, and the step widths it assumed.
+pub(super) struct Sized {
+    pub input: PlanInput,
+    /// Rows of the widest step, and of the widest step without drafting's rows.
+    pub chunk: usize,
+    pub plain_chunk: usize,
+    /// The scratch without drafting's journals and rows.
+    pub plain_scratch: u64,
+}
+
+/// The planner's input for `run` over the trunk `units` (a pack's, or the layout a pack of
+/// this config would have) aligned to `align`.
+pub(super) fn plan_input(
+    cfg: &Config,
+    index: &CheckpointIndex,
+    weights: &ModelWeights,
+    units: &[UnitEntry],
+    align: u64,
+    run: &StreamingRun,
+) -> Sized {
+    let trunk: Vec<(PackUnit, Vec<(String, u64)>)> = units
+        .iter()
+        .filter_map(|u| {
+            let unit = PackUnit::parse(&u.unit).filter(|p| *p != PackUnit::Embed)?;
+            Some((unit, u.tensors.iter().map(|t| (t.name.clone(), t.len)).collect()))
+        })
+        .collect();
+    let lens = units
+        .iter()
+        .filter_map(|u| PackUnit::parse(&u.unit).map(|p| (p, u.len)))
+        .filter(|(p, _)| *p != PackUnit::Embed)
+        .collect();
+    // A batch step has a decode row per sequence plus the prefill chunk, which can be more rows
+    // than one sequence has positions: the bound is every sequence's positions together.
+    let rows_max = run.sequences.max(1).saturating_mul(run.context.max(1));
+    let chunk = run.chunk.clamp(1, rows_max);
+    // The step without the drafts' rows, for a plan that drops optional drafting.
+    let plain_chunk = run.chunk.saturating_sub(run.drafting.step_rows).clamp(1, rows_max);
+    let scratch = |chunk: usize| {
+        Scratch::bytes(cfg, chunk, run.context)
+            + Prefetcher::scratch_bytes(cfg, chunk)
+            + 4 * (chunk * cfg.vocab_size) as u64
+            + embed_buffer_bytes(cfg, chunk, align)
+    };
+    let spec = run.pipeline.effective_speculation();
+    let input = PlanInput {
+        budget: run.budget_bytes,
+        mem_available: run.available_memory.clone().or_else(crate::memory::available),
+        units: lens,
+        expert_slot_bytes: expert_slot_bytes(cfg, align),
+        experts_total: index.experts.len(),
+        top_k: cfg.moe.top_k,
+        prefetch_window: run.prefetch_window.unwrap_or(cfg.moe.top_k + if spec.enabled { spec.margin } else { 0 }),
+        readahead: run.pipeline.mode.readahead(run.store.readahead),
+        states_bytes: ModelState::bytes(cfg, run.context),
+        sequences: run.sequences,
+        scratch_bytes: scratch(chunk) + run.drafting.bytes(cfg),
+        trunk_share: run.trunk_share,
+        pieces: Some(crate::storage::stream::pieces::plan_input(
+            weights,
+            cfg,
+            &trunk,
+            index,
+            align,
+            run.store.piece_bytes,
+        )),
+    };
+    Sized { input, chunk, plain_chunk, plain_scratch: scratch(plain_chunk) }
+}
+
+/// The plan of `input`, whose scratch counts drafting's journals and rows; with `plain_scratch`
+/// instead (no drafting) when drafting is optional and would cost the run sequence slots,
+/// pinned trunk, or the budget's minimum ([`DraftPlan::optional`]).
+pub(super) fn plan_drafting(input: PlanInput, plain_scratch: u64, drafting: &DraftPlan) -> Result<Plan, OpenError> {
+    let with = Plan::make(&input);
+    if !drafting.optional || drafting.journals() == 0 {
+        return Ok(Plan { draft_journals: drafting.journals(), ..with? });
+    }
+    let added = input.scratch_bytes.saturating_sub(plain_scratch);
+    let plain = Plan::make(&PlanInput { scratch_bytes: plain_scratch, ..input })?;
+    let why = match &with {
+        Err(_) => "the budget holds no journal",
+        Ok(p) if p.sequences < plain.sequences => "they would take a sequence slot",
+        Ok(p) if p.pinned_bytes < plain.pinned_bytes => "they would unpin trunk",
+        Ok(p) => return Ok(Plan { draft_journals: drafting.journals(), ..p.clone() }),
+    };
+    let note = format!(
+        "drafting off: its journals and rows ({}) {why} (--draft ngram drafts anyway)",
+        crate::storage::plan::fmt_gb(added)
+    );
+    Ok(Plan { draft_note: Some(note), ..plain })
+}
+
+/// A model's layout from its config alone (no checkpoint, no pack), for the plans a streaming
+/// run of it would make: the checkpoint's tensors are those the config requires
+/// ([`CheckpointIndex::for_config`]) and the pack's layout at `align` (4096 on most NVMe drives)
+/// that of [`crate::storage::pack`].
+pub struct ConfigSizing<'c> {
+    cfg: &'c Config,
+    index: CheckpointIndex,
+    weights: ModelWeights,
+    units: Vec<UnitEntry>,
+    align: u64,
+}
+
+impl<'c> ConfigSizing<'c> {
+    pub fn new(cfg: &'c Config, align: u64) -> Result<ConfigSizing<'c>, OpenError> {
+        let index = CheckpointIndex::for_config(cfg)?;
+        let weights = ModelWeights::resolve(cfg, &index)?;
+        let (units, _) = crate::storage::pack::layout(cfg, &index, align)?;
+        Ok(ConfigSizing { cfg, index, weights, units, align })
+    }
+
+    /// Routed experts of the model.
+    pub fn experts(&self) -> usize {
+        self.index.experts.len()
+    }
+
+    /// The plan `run` would get.
+    pub fn plan(&self, run: &StreamingRun) -> Result<Plan, OpenError> {
+        let mut sized = plan_input(self.cfg, &self.index, &self.weights, &self.units, self.align, run);
+        // The server being sized is not this machine: its memory is the budget's business.
+        sized.input.mem_available = None;
+        plan_drafting(sized.input, sized.plain_scratch, &run.drafting)
+    }
+}

@@ -1,0 +1,110 @@
+//! `k3ring plan`: the sizing table from a config alone agrees with the plan a real run of the
+//! same model makes (its minimum, its trunk, its pool), and the release's config gives a table.
+
+use k3ring::engine::{open_streaming, DraftPlan, StreamingRun};
+use kernels::{Isa, Kernels};
+use serde_json::Value;
+
+use super::batch_tests::streaming_run;
+use super::checkpoint_tests::k3ring;
+use super::common::{pack, tiny_dir};
+
+fn table(args: &[&str]) -> Value {
+    let (code, out, err) = k3ring(&[&["plan", "--json", "-"][..], args].concat());
+    assert_eq!(code, 0, "{err}");
+    serde_json::from_str(&out).unwrap()
+}
+
+#[test]
+fn the_table_from_a_config_matches_the_plan_of_a_packed_run() {
+    let config = tiny_dir().join("config.json");
+    let t = table(&["--config", config.to_str().unwrap(), "--context", "64", "--budgets", "0.004,1"]);
+    // The run `plan` sizes: one greedy sequence of 64 positions, prefill chunk 32 (+1 row),
+    // default drafting (an optional journal of 9 rows).
+    let trunk = pack(&tiny_dir());
+    let run = |budget: u64| StreamingRun {
+        chunk: 33,
+        drafting: DraftPlan { rows: 9, sequences: 1, step_rows: 0, optional: true },
+        ..streaming_run(budget, 1)
+    };
+    let plan = |budget: u64| {
+        let kernels = Kernels::with_isa(Isa::Scalar).unwrap();
+        open_streaming(&tiny_dir(), trunk.path(), &run(budget), kernels, |_| {}).map_err(|e| e.to_string()).unwrap().1
+    };
+    let roomy = plan(1_000_000_000);
+    assert_eq!(t["minimum_bytes"].as_u64().unwrap(), roomy.minimum_bytes, "{t}");
+    assert_eq!(t["trunk_bytes"].as_u64().unwrap(), roomy.pinned_bytes, "{t}");
+    let manifest = k3ring::storage::pack::Manifest::load(trunk.path()).unwrap();
+    let packed: u64 = manifest.units.iter().filter(|u| u.unit != "embed").map(|u| u.len).sum();
+    assert_eq!(t["trunk_bytes"].as_u64().unwrap(), packed, "the whole trunk but the embedding");
+    let rows = t["rows"].as_array().unwrap();
+    for (row, budget) in rows.iter().zip([4_000_000u64, 1_000_000_000]) {
+        let real = plan(budget);
+        assert_eq!(row["budget_bytes"].as_u64().unwrap(), budget);
+        for (key, want) in [
+            ("pinned_bytes", real.pinned_bytes),
+            ("trunk_read_bytes_per_token", real.trunk_read_bytes_per_token),
+            ("expert_slots", real.expert_slots as u64),
+        ] {
+            assert_eq!(row[key].as_u64().unwrap(), want, "{key} at {budget}: {row}");
+        }
+        // Reads per token are the streamed trunk plus the experts the pool misses, and the
+        // time columns are those bytes at each rate.
+        let read = row["read_bytes_per_token"].as_u64().unwrap();
+        let parts =
+            row["trunk_read_bytes_per_token"].as_u64().unwrap() + row["expert_read_bytes_per_token"].as_u64().unwrap();
+        assert_eq!(read, parts);
+        let secs: Vec<f64> =
+            row["read_seconds_per_token"].as_array().unwrap().iter().map(|s| s.as_f64().unwrap()).collect();
+        for (s, rate) in secs.iter().zip([3.0, 7.0, 14.0, 28.0]) {
+            assert!((s - read as f64 / (rate * 1e9)).abs() < 1e-12, "{s} at {rate}");
+        }
+    }
+    // The smallest budget that pins the whole trunk does, and 1 MB less does not.
+    let resident = t["trunk_resident_bytes"].as_u64().unwrap();
+    assert!(plan(resident).streamed.is_empty());
+    assert!(!plan(resident - 1_000_000).streamed.is_empty());
+}
+
+#[test]
+fn the_release_config_gives_a_table_from_the_minimum_to_the_resident_trunk() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/k3-config.json");
+    let t = table(&["--config", config]);
+    // The release: 82,432 experts of 17.5 MB, a trunk of about 109 GB without the embedding.
+    assert_eq!(t["experts"].as_u64().unwrap(), 82_432);
+    let trunk = t["trunk_bytes"].as_f64().unwrap() / 1e9;
+    assert!((100.0..120.0).contains(&trunk), "{trunk} GB");
+    let rows = t["rows"].as_array().unwrap();
+    let budgets: Vec<u64> = rows.iter().map(|r| r["budget_bytes"].as_u64().unwrap()).collect();
+    assert_eq!(budgets[0], t["minimum_bytes"].as_u64().unwrap());
+    assert_eq!(*budgets.last().unwrap(), t["trunk_resident_bytes"].as_u64().unwrap());
+    assert!(budgets.windows(2).all(|w| w[0] < w[1]), "{budgets:?}");
+    // More memory never reads more.
+    let reads: Vec<u64> = rows.iter().map(|r| r["read_bytes_per_token"].as_u64().unwrap()).collect();
+    assert!(reads.windows(2).all(|w| w[0] >= w[1]), "{reads:?}");
+    assert_eq!(rows.last().unwrap()["trunk_read_bytes_per_token"].as_u64().unwrap(), 0);
+    // A batch shares each step's trunk and experts: fewer bytes per token.
+    let batch = table(&["--config", config, "--max-batch", "8", "--context", "1024", "--budgets", "64"]);
+    let (one, eight) = (&table(&["--config", config, "--context", "1024", "--budgets", "64"])["rows"][0], &batch["rows"][0]);
+    assert_eq!(eight["sequences"].as_u64().unwrap(), 8);
+    let per_token = |r: &Value, k: &str| r[k].as_u64().unwrap() as f64;
+    assert!(per_token(eight, "trunk_read_bytes_per_token") * 7.0 < per_token(one, "trunk_read_bytes_per_token"));
+    assert!(per_token(eight, "expert_read_bytes_per_token") < per_token(one, "expert_read_bytes_per_token"));
+    // The text form names the columns and the assumption.
+    let (code, text, err) = k3ring(&["plan", "--config", config, "--budgets", "32"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(text.contains("s/tok @7 GB/s") && text.contains("routing spread evenly"), "{text}");
+    for (args, says) in [
+        (&["--rates", "0"][..], "--rates"),
+        (&["--budgets", "-1"][..], "--budgets"),
+        (&["--context", "1"][..], "--context"),
+    ] {
+        let (code, _, err) = k3ring(&[&["plan", "--config", config][..], args].concat());
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    // A config that cannot be read is an I/O error naming the file (exit 4).
+    let (code, _, err) = k3ring(&["plan", "--config", "/nonexistent/config.json"]);
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("/nonexistent/config.json"), "{err}");
+}
