@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use super::decode::{self, Decode, End, Steps};
-use super::draft::{DraftOptions, DraftStats};
+use super::draft::{DraftOptions, DraftStats, Drafter};
 use super::{Engine, EngineError, Sampling, Session};
 use crate::model::weights::WeightSource;
 use crate::model::{LayerHook, LogitRows, ModelError};
@@ -57,6 +57,8 @@ pub struct ChatSession {
     /// `sess.logits[..vocab]` holds the logits after `ids[fed - 1]`.
     pub(super) logits_valid: bool,
     candidates: Vec<(usize, f64)>,
+    /// The last reply's drafter: the next reply resumes its draft length ([`Drafter::resume`]).
+    drafter: Option<Drafter>,
 }
 
 impl ChatSession {
@@ -67,7 +69,7 @@ impl ChatSession {
         chunk: usize,
     ) -> Result<ChatSession, EngineError> {
         let sess = engine.session(capacity, chunk.clamp(1, capacity.max(1)))?;
-        Ok(ChatSession { sess, ids: Vec::new(), fed: 0, logits_valid: false, candidates: Vec::new() })
+        Ok(ChatSession { sess, ids: Vec::new(), fed: 0, logits_valid: false, candidates: Vec::new(), drafter: None })
     }
 
     /// Every token of the transcript so far (fed or pending).
@@ -148,6 +150,9 @@ impl ChatSession {
         let room = capacity - self.ids.len() + 1;
         let steps = opts.max_tokens.min(room);
         let mut drafter = super::drafter_for(opts.draft.as_ref(), &opts.sampling, false, &self.ids)?;
+        if let (Some(d), Some(previous)) = (&mut drafter, &self.drafter) {
+            d.resume(previous);
+        }
         let mut rng = SplitMix64::new(opts.sampling.seed);
         let decode_start = Instant::now();
         let decode = Decode {
@@ -162,6 +167,9 @@ impl ChatSession {
         let result = decode::decode(engine, &mut self.sess, decode, &mut self.ids, &mut io);
         // What was fed stays fed, also when a step failed.
         self.fed = self.sess.state.pos();
+        if drafter.is_some() {
+            self.drafter = drafter;
+        }
         let (end, draft) = result?;
         match end {
             End::Length => out.context_full = steps < opts.max_tokens,

@@ -264,6 +264,23 @@ impl Drafter {
         lookup(context, self.opts.ngram_min, limit, out);
     }
 
+    /// Continues what `previous` (the last reply's drafter, same options) learned: the draft
+    /// length its step times chose, the rates behind it and its back-off. A chat reply then
+    /// starts where the conversation's drafting left off instead of climbing from one guess
+    /// again, which costs a short reply on a trunk whose rows cost compute. The counts start
+    /// at zero. Nothing changes with other options (another `--draft-len`, a replay).
+    pub fn resume(&mut self, previous: &Drafter) {
+        if previous.opts != self.opts || self.opts.replay.is_some() {
+            return;
+        }
+        self.skip = previous.skip;
+        self.cooldown = previous.cooldown;
+        self.len_now = previous.len_now;
+        self.rates = previous.rates;
+        self.rated_steps = previous.rated_steps;
+        self.probes.clone_from(&previous.probes);
+    }
+
     /// Rows of the longest step this drafter makes: the last token and its guesses.
     pub fn max_rows(&self) -> usize {
         self.opts.len + 1
@@ -427,6 +444,38 @@ mod tests {
         d.propose(&ctx, 1, &mut out);
         assert_eq!(out, vec![2]);
         assert_eq!(d.stats.accepted, 2);
+    }
+
+    #[test]
+    fn a_resumed_drafter_keeps_the_length_and_the_back_off_but_not_the_counts() {
+        let ctx: Vec<u32> = (0..40).map(|i| i % 20).collect();
+        let mut first = Drafter::new(DraftOptions::ngram(16, 1), &[]);
+        for _ in 0..6 {
+            let mut out = Vec::new();
+            first.propose(&ctx, 16, &mut out);
+            first.record(out.len(), out.len(), 1.0);
+        }
+        let mut out = Vec::new();
+        first.propose(&ctx, 16, &mut out);
+        assert_eq!(out.len(), 16, "climbed");
+        let mut next = Drafter::new(DraftOptions::ngram(16, 1), &ctx);
+        next.resume(&first);
+        out.clear();
+        next.propose(&ctx, 16, &mut out);
+        assert_eq!((out.len(), next.stats), (16, DraftStats::default()), "no climb from one guess again");
+        // A wholly rejected draft's wait carries over too.
+        next.record(16, 0, 1.0);
+        let mut after = Drafter::new(DraftOptions::ngram(16, 1), &ctx);
+        after.resume(&next);
+        out.clear();
+        after.propose(&ctx, 16, &mut out);
+        assert!(out.is_empty(), "still waiting after the rejection");
+        // Other options start afresh.
+        let mut other = Drafter::new(DraftOptions::ngram(8, 1), &ctx);
+        other.resume(&first);
+        out.clear();
+        other.propose(&ctx, 16, &mut out);
+        assert_eq!(out.len(), 1);
     }
 
     /// Runs `steps` drafted steps of a drafter allowed 16 guesses, where a draft of n keeps

@@ -85,7 +85,8 @@ fn the_release_config_gives_a_table_from_the_minimum_to_the_resident_trunk() {
     assert_eq!(rows.last().unwrap()["trunk_read_bytes_per_token"].as_u64().unwrap(), 0);
     // A batch shares each step's trunk and experts: fewer bytes per token.
     let batch = table(&["--config", config, "--max-batch", "8", "--context", "1024", "--budgets", "64"]);
-    let (one, eight) = (&table(&["--config", config, "--context", "1024", "--budgets", "64"])["rows"][0], &batch["rows"][0]);
+    let (one, eight) =
+        (&table(&["--config", config, "--context", "1024", "--budgets", "64"])["rows"][0], &batch["rows"][0]);
     assert_eq!(eight["sequences"].as_u64().unwrap(), 8);
     let per_token = |r: &Value, k: &str| r[k].as_u64().unwrap() as f64;
     assert!(per_token(eight, "trunk_read_bytes_per_token") * 7.0 < per_token(one, "trunk_read_bytes_per_token"));
