@@ -37,7 +37,7 @@ use crate::tokenizer::{StreamDecoder, Tokenizer};
 #[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct BatchArgs {
     /// Model directory; without it, the tiny K3 model built into the binary.
-    #[arg(long, value_name = "DIR")]
+    #[arg(short = 'm', long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// Requests, one JSON object per line ("-" reads stdin): {"id", "prompt" | "ids",
     /// "max_tokens", "temperature", "top_k", "top_p", "seed", "stop"}.
@@ -54,7 +54,7 @@ pub struct BatchArgs {
     pub max_tokens: usize,
     /// Positions of each sequence slot; a request needing more gets an error record
     /// (default: what the longest request needs).
-    #[arg(long, value_name = "N", value_parser = super::parse_slot_positions)]
+    #[arg(short = 'c', long, value_name = "N", value_parser = super::parse_slot_positions)]
     pub context: Option<usize>,
     /// Prompt tokens per step, over all sequences being prefilled.
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = super::parse_chunk)]
@@ -63,7 +63,7 @@ pub struct BatchArgs {
     #[arg(long)]
     pub ignore_eos: bool,
     /// Compute threads (0 = one per core).
-    #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
+    #[arg(short = 't', long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
     pub threads: usize,
     /// Kernel instruction set: auto (the best this CPU has), scalar, avx2 or avx512.
     #[arg(long, value_name = "ISA", default_value = "auto")]
@@ -199,12 +199,7 @@ pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
     let mut run = streaming_run(&args.pipeline, &args.storage, args.threads, shape.step_rows(), context)
         .map_err(|e| name_budget_flag(e, &flag))?;
     run.sequences = args.max_batch;
-    run.drafting = crate::engine::DraftPlan {
-        rows: if shape.draft.is_some() { shape.decode_rows() } else { 0 },
-        sequences: shape.drafting_sequences(),
-        step_rows: shape.step_decode_rows() - shape.max_batch.max(1),
-        optional: args.drafting.draft.is_none(),
-    };
+    run.drafting = shape.draft_plan(args.drafting.draft.is_none());
     run.placement = placement;
     let (opened, plan) =
         open_streaming(&model_dir, trunk, &run, kernels, |plan| eprintln!("k3ring: {}", plan.describe()))

@@ -31,7 +31,7 @@ use crate::tokenizer::StreamDecoder;
 #[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct ChatArgs {
     /// Model directory (default: the embedded tiny model).
-    #[arg(long, value_name = "DIR")]
+    #[arg(short = 'm', long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// The system message.
     #[arg(long, value_name = "TEXT")]
@@ -46,10 +46,10 @@ pub struct ChatArgs {
     #[arg(long)]
     pub hide_thinking: bool,
     /// Most tokens per reply.
-    #[arg(long, value_name = "N", default_value_t = 512)]
+    #[arg(short = 'n', long, value_name = "N", default_value_t = 512)]
     pub max_tokens: usize,
     /// Positions the conversation may hold (the KV cache is sized for them).
-    #[arg(long, value_name = "N", default_value_t = 4096)]
+    #[arg(short = 'c', long, value_name = "N", default_value_t = 4096)]
     pub context: usize,
     #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = parse_temperature)]
     pub temperature: f32,
@@ -61,7 +61,7 @@ pub struct ChatArgs {
     /// Sampling seed; each reply derives its own from it and the position it starts at.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
-    #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
+    #[arg(short = 't', long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
     pub threads: usize,
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = parse_chunk)]
     pub prefill_chunk: usize,
@@ -86,7 +86,17 @@ pub struct ChatArgs {
     pub given: Vec<String>,
 }
 
-const HELP: &str = "commands: /reset, /save FILE, /load FILE, /system TEXT, /stats, /quit";
+const HELP: &str = "commands: /reset, /save FILE, /load FILE, /system TEXT, /stats, /help, /quit";
+
+/// What `/help` prints: each command and what it does.
+const HELP_LONG: &str = "commands (a line that starts with / is a command, any other line a turn):
+  /reset          forget the conversation (the system message stays)
+  /system TEXT    set the system message; the next turn prefills the conversation again
+  /save FILE      save the conversation and its model state
+  /load FILE      load a conversation saved with /save (or --save-state)
+  /stats          tokens, time and reads of the last turn
+  /help           this list
+  /quit, /exit    end the chat (so does end of input, Ctrl-D)";
 
 pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let effort = Effort::parse(&args.thinking_effort).context("--thinking-effort")?;
@@ -291,6 +301,7 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
                 }
             }
             ("stats", _) => eprintln!("k3ring: {}", self.last.describe()),
+            ("help", _) => eprintln!("{HELP_LONG}"),
             _ => eprintln!("k3ring: unknown command /{name}; {HELP}"),
         }
         Ok(true)

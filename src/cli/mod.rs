@@ -103,22 +103,22 @@ pub struct PackArgs {
 #[command(group(clap::ArgGroup::new("input").required(false).args(["prompt", "prompt_file", "ids"])))]
 pub struct RunArgs {
     /// Model directory; without it, the tiny K3 model built into the binary.
-    #[arg(long, value_name = "DIR")]
+    #[arg(short = 'm', long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// Prompt text (added tokens such as <|open|> are recognised).
-    #[arg(long, value_name = "TEXT")]
+    #[arg(short = 'p', long, value_name = "TEXT")]
     pub prompt: Option<String>,
     /// Read the prompt text from a file ("-": from stdin).
     #[arg(long, value_name = "FILE")]
     pub prompt_file: Option<PathBuf>,
-    /// Prompt as comma-separated token ids.
-    #[arg(long, value_name = "ID,ID,...", value_delimiter = ',')]
+    /// Prompt as comma-separated token ids (spaces after the commas are fine).
+    #[arg(long, value_name = "ID,ID,...", value_delimiter = ',', value_parser = parse_token_id)]
     pub ids: Option<Vec<u32>>,
     /// Prepend the model's BOS token (config.json `bos_token_id`).
     #[arg(long)]
     pub bos: bool,
     /// Tokens to generate at most.
-    #[arg(long, value_name = "N", default_value_t = 32)]
+    #[arg(short = 'n', long, value_name = "N", default_value_t = 32)]
     pub gen: usize,
     /// Sampling temperature; 0 means greedy.
     #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = parse_temperature)]
@@ -134,7 +134,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
     /// Compute threads (0 = one per core).
-    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_threads)]
+    #[arg(short = 't', long, value_name = "N", default_value_t = 0, value_parser = parse_threads)]
     pub threads: usize,
     /// Re-run the whole prefix at every step (verifies the incremental decode).
     #[arg(long)]
@@ -271,6 +271,11 @@ fn parse_temperature(s: &str) -> Result<f32, String> {
 
 fn parse_logits_top(s: &str) -> Result<usize, String> {
     count_in(s, 1..=usize::MAX, "a number of logits per position (1 or more)")
+}
+
+/// A token id of `--ids`, with the spaces a hand-typed list has after its commas.
+fn parse_token_id(s: &str) -> Result<u32, String> {
+    s.trim().parse().map_err(|_| format!("{s:?} is not a token id (a whole number)"))
 }
 
 fn parse_batch_size(s: &str) -> Result<usize, String> {

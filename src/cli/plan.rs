@@ -1,5 +1,5 @@
 //! `k3ring plan`: the sizing table of a model from its `config.json` alone, made by the same
-//! planner a run uses ([`crate::engine::sizing::plan_for_config`]), so a user can size a server
+//! planner a run uses ([`crate::engine::sizing::ConfigSizing`]), so a user can size a server
 //! before downloading 1.56 TB.
 //!
 //! For each budget: what is pinned, what a token reads (its share of a step's streamed trunk and
@@ -16,8 +16,9 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::config::Config;
+use crate::engine::draft::DraftOptions;
 use crate::engine::sizing::ConfigSizing;
-use crate::engine::{DraftPlan, StreamingRun};
+use crate::engine::{BatchOptions, DraftPlan, StreamingRun};
 use crate::pipeline::PipelineOptions;
 use crate::storage::plan::{fmt_gb, Plan, GB};
 use crate::storage::stream::StoreOptions;
@@ -71,6 +72,8 @@ pub struct Row {
     pub read_bytes_per_token: u64,
     /// Seconds of reads per token at each of `rates`.
     pub read_seconds_per_token: Vec<f64>,
+    /// Whether the run drafts at this budget (default drafting yields to a tight one).
+    pub drafting: bool,
     pub plan: Plan,
 }
 
@@ -108,15 +111,31 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The run `plan` sizes: greedy decoding with the default pipeline and drafting, `sequences`
-/// slots of `context` positions, at `budget` bytes, on a machine with that much memory.
-fn sizing_run(args: &PlanArgs, budget: u64) -> StreamingRun {
-    let draft_rows = crate::engine::draft::DEFAULT_DRAFT_LEN + 1;
+/// Rows a prefill step takes at most, as `run`, `batch` and `serve` default to.
+const PREFILL_CHUNK: usize = 32;
+
+/// The run `plan` sizes at `budget` bytes, on a server with that much memory: greedy decoding
+/// with the default pipeline and default drafting, as `run` plans one sequence
+/// (`--max-batch 1`) and as `batch` and `serve` plan more (their journal pool and step rows);
+/// `drafting: false` plans the same run without drafting.
+fn sizing_run(args: &PlanArgs, budget: u64, drafting: bool) -> StreamingRun {
+    let (chunk, draft) = if args.max_batch == 1 {
+        let rows = crate::engine::draft::DEFAULT_DRAFT_LEN + 1;
+        (PREFILL_CHUNK, DraftPlan { rows, sequences: 1, step_rows: 0, optional: true })
+    } else {
+        let batch = BatchOptions {
+            max_batch: args.max_batch,
+            prefill_chunk: PREFILL_CHUNK,
+            context: args.context,
+            draft: Some(DraftOptions::default()),
+        };
+        (batch.step_rows(), batch.draft_plan(true))
+    };
     StreamingRun {
         budget_bytes: budget,
         context: args.context,
         sequences: args.max_batch,
-        chunk: args.max_batch + 32,
+        chunk,
         threads: 1,
         store: StoreOptions::default(),
         pipeline: PipelineOptions::default(),
@@ -125,25 +144,21 @@ fn sizing_run(args: &PlanArgs, budget: u64) -> StreamingRun {
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
-        drafting: DraftPlan {
-            rows: draft_rows,
-            sequences: 1,
-            step_rows: if args.max_batch > 1 { draft_rows - 1 } else { 0 },
-            optional: true,
-        },
+        drafting: if drafting { draft } else { DraftPlan { step_rows: draft.step_rows, ..DraftPlan::default() } },
     }
 }
 
 fn plan_at(sizing: &ConfigSizing<'_>, args: &PlanArgs, budget: u64) -> Result<Plan, crate::engine::OpenError> {
-    sizing.plan(&sizing_run(args, budget))
+    sizing.plan(&sizing_run(args, budget, true))
 }
 
 /// The sizing table of `cfg` for `args`.
 pub fn table(cfg: &Config, args: &PlanArgs) -> anyhow::Result<Table> {
     let sizing = ConfigSizing::new(cfg, ALIGN)?;
-    // A budget no model reaches gives the minimum and the whole trunk's size.
+    // A budget no model reaches gives the minimum and the whole trunk's size; the minimum is
+    // that of the run without drafting, which default drafting yields to.
     let roomy = plan_at(&sizing, args, u64::MAX / 4)?;
-    let minimum = roomy.minimum_bytes;
+    let minimum = sizing.plan(&sizing_run(args, u64::MAX / 4, false))?.minimum_bytes;
     let trunk_bytes = roomy.pinned_bytes;
     let resident = smallest_resident_budget(&sizing, args, minimum, roomy.planned_bytes)?;
     let budgets: Vec<u64> = if args.budgets.is_empty() {
@@ -179,7 +194,8 @@ fn row(cfg: &Config, plan: &Plan, experts: usize, rates: &[f64]) -> Row {
     let spec = PipelineOptions::default().effective_speculation();
     let window = cfg.moe.top_k + if spec.enabled { spec.margin } else { 0 };
     let cached = plan.expert_slots.saturating_sub(window);
-    let hit = (cached as f64 / experts.max(1) as f64).min(1.0);
+    // A pool with a slot for every expert holds them all, in flight or not.
+    let hit = if plan.expert_slots >= experts { 1.0 } else { (cached as f64 / experts.max(1) as f64).min(1.0) };
     // A step of B sequences reads the trunk once and each distinct expert of a layer once: of
     // E experts, B tokens choosing k each pick E (1 - (1 - k/E)^B) distinct ones on average.
     let b = plan.sequences.max(1) as f64;
@@ -202,6 +218,7 @@ fn row(cfg: &Config, plan: &Plan, experts: usize, rates: &[f64]) -> Row {
         expert_read_bytes_per_token: expert_read,
         read_bytes_per_token: read,
         read_seconds_per_token: rates.iter().map(|r| read as f64 / (r * GB)).collect(),
+        drafting: plan.draft_journals > 0,
         plan: plan.clone(),
     }
 }
@@ -264,16 +281,17 @@ fn print(t: &Table) {
     );
     let rates: Vec<String> = t.rates_gb_per_s.iter().map(|r| format!("s/tok @{r} GB/s")).collect();
     println!(
-        "| budget | sequences | trunk pinned | trunk read/token | expert pool (slots) | experts held | expert read/token | read/token | {} |",
+        "| budget | sequences | drafting | trunk pinned | trunk read/token | expert pool (slots) | experts held | expert read/token | read/token | {} |",
         rates.join(" | ")
     );
-    println!("|---|---|---|---|---|---|---|---|{}", "---|".repeat(rates.len()));
+    println!("|---|---|---|---|---|---|---|---|---|{}", "---|".repeat(rates.len()));
     for r in &t.rows {
         let times: Vec<String> = r.read_seconds_per_token.iter().map(|s| format!("{s:.2}")).collect();
         println!(
-            "| {} | {} | {} ({} of {} units) | {} | {} ({}) | {:.1}% | {} | {} | {} |",
+            "| {} | {} | {} | {} ({} of {} units) | {} | {} ({}) | {:.1}% | {} | {} | {} |",
             fmt_gb(r.budget_bytes),
             r.sequences,
+            if r.drafting { "on" } else { "off" },
             fmt_gb(r.pinned_bytes),
             r.pinned_units,
             r.pinned_units + r.streamed_units,

@@ -28,7 +28,7 @@ use crate::storage::stream::StreamStats;
 #[command(mut_arg("trace", |a| a.hide(true)), mut_arg("dump_trace", |a| a.hide(true)))]
 pub struct ServeArgs {
     /// Model directory; without it, the tiny K3 model built into the binary.
-    #[arg(long, value_name = "DIR")]
+    #[arg(short = 'm', long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// The model's name in the API (default: the model directory's name).
     #[arg(long, value_name = "NAME")]
@@ -50,7 +50,7 @@ pub struct ServeArgs {
     pub max_tokens: usize,
     /// Positions of each sequence slot: prompt plus generated tokens (default: 4096, or the
     /// model's context if smaller).
-    #[arg(long, value_name = "N", value_parser = super::parse_slot_positions)]
+    #[arg(short = 'c', long, value_name = "N", value_parser = super::parse_slot_positions)]
     pub context: Option<usize>,
     /// Prompt tokens per step, over all sequences being prefilled.
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = super::parse_chunk)]
@@ -67,8 +67,15 @@ pub struct ServeArgs {
     /// Seconds requests in flight may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, value_name = "S", default_value_t = 30.0)]
     pub grace: f64,
+    /// No line per request on stderr (method, path, status, tokens, time)
+    #[arg(long)]
+    pub no_access_log: bool,
+    /// Ask for the API key on /health too (by default it answers without, as load balancers
+    /// probe it)
+    #[arg(long)]
+    pub health_needs_key: bool,
     /// Compute threads (0 = one per core).
-    #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
+    #[arg(short = 't', long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
     pub threads: usize,
     /// Kernel instruction set: auto (the best this CPU has), scalar, avx2 or avx512.
     #[arg(long, value_name = "ISA", default_value = "auto")]
@@ -160,6 +167,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key.clone(),
         body_limit: args.max_body,
         max_connections: args.max_connections,
+        access_log: !args.no_access_log,
+        health_needs_key: args.health_needs_key,
         grace: Duration::from_secs_f64(args.grace),
     };
     let open = OpenModel {
@@ -172,12 +181,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         sequences: args.max_batch,
         chunk: opts.batch.step_rows(),
         context,
-        drafting: crate::engine::DraftPlan {
-            rows: if opts.batch.draft.is_some() { opts.batch.decode_rows() } else { 0 },
-            sequences: opts.batch.drafting_sequences(),
-            step_rows: opts.batch.step_decode_rows() - opts.batch.max_batch.max(1),
-            optional: args.drafting.draft.is_none(),
-        },
+        drafting: opts.batch.draft_plan(args.drafting.draft.is_none()),
     };
     open.run(Start { listener, opts })
 }

@@ -109,6 +109,17 @@ impl BatchOptions {
         self.step_decode_rows() + self.prefill_chunk.max(1)
     }
 
+    /// The drafting journals and rows a streaming run of this batch plans for (`optional`:
+    /// drafting is the default, and yields to a tight budget).
+    pub fn draft_plan(&self, optional: bool) -> super::DraftPlan {
+        super::DraftPlan {
+            rows: if self.draft.is_some() { self.decode_rows() } else { 0 },
+            sequences: self.drafting_sequences(),
+            step_rows: self.step_decode_rows() - self.max_batch.max(1),
+            optional,
+        }
+    }
+
     /// Bytes of the pool's journals.
     pub fn journal_bytes(&self, cfg: &crate::config::Config) -> u64 {
         self.drafting_sequences() as u64 * Journal::bytes(cfg, self.decode_rows())
@@ -176,7 +187,7 @@ pub struct Batcher<'e, S: WeightSource + LayerHook> {
     journals: Vec<Journal>,
     /// Slots holding a lent journal.
     lent: Vec<usize>,
-    /// Where the next step starts lending journals, counted in drafting candidates.
+    /// Where the next step starts lending journals: a position in `order`.
     draft_turn: usize,
     next_ticket: Ticket,
     stats: BatchStats,

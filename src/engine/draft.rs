@@ -53,6 +53,7 @@ pub struct DraftOptions {
     pub ngram_min: usize,
     /// Sequences of a batch step that may carry a draft (`--draft-sequences`; a solo run has
     /// one): the batcher's pool of journals ([`DEFAULT_DRAFT_SEQUENCES`] says why).
+    #[serde(skip)]
     pub sequences: usize,
     /// Guess from recorded runs instead of the context (benchmarks and tests).
     #[serde(skip)]

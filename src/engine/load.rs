@@ -163,10 +163,11 @@ pub fn open_streaming(
     // Identity before sizes: another model's pack is refused as such (exit 3), not for memory.
     manifest.check_source(trunk_dir, dir, &c.index)?;
     let sized = super::sizing::plan_input(&c.cfg, &c.index, &c.weights, &manifest.units, manifest.alignment, run);
-    let plan = super::sizing::plan_drafting(sized.input, sized.plain_scratch, &run.drafting)?;
+    let (chunk, plain_chunk) = (sized.chunk, sized.plain_chunk);
+    let plan = super::sizing::plan_drafting(sized, &run.drafting)?;
     on_plan(&plan);
     let mut store = run.store.clone();
-    store.chunk_tokens = if plan.draft_journals > 0 { sized.chunk } else { sized.plain_chunk };
+    store.chunk_tokens = if plan.draft_journals > 0 { chunk } else { plain_chunk };
     let mut pipeline = run.pipeline.clone();
     if let Some(p) = &run.placement {
         store.numa_node = Some(p.numa_node);

@@ -22,6 +22,8 @@ pub(super) struct Sized {
     pub plain_chunk: usize,
     /// The scratch without drafting's journals and rows.
     pub plain_scratch: u64,
+    /// Expert bytes a token reads when the pool holds none of its experts.
+    pub expert_read: u64,
 }
 
 /// The planner's input for `run` over the trunk `units` (a pack's, or the layout a pack of
@@ -81,23 +83,39 @@ pub(super) fn plan_input(
             run.store.piece_bytes,
         )),
     };
-    Sized { input, chunk, plain_chunk, plain_scratch: scratch(plain_chunk) }
+    let moe_layers = cfg.layers.iter().filter(|l| l.ffn == crate::config::FfnKind::Moe).count() as u64;
+    let expert_read = moe_layers * cfg.moe.top_k as u64 * input.expert_slot_bytes;
+    Sized { input, chunk, plain_chunk, plain_scratch: scratch(plain_chunk), expert_read }
 }
 
-/// The plan of `input`, whose scratch counts drafting's journals and rows; with `plain_scratch`
-/// instead (no drafting) when drafting is optional and would cost the run sequence slots,
-/// pinned trunk, or the budget's minimum ([`DraftPlan::optional`]).
-pub(super) fn plan_drafting(input: PlanInput, plain_scratch: u64, drafting: &DraftPlan) -> Result<Plan, OpenError> {
+/// Share of a token's reads that default drafting may add by unpinning trunk for its journals:
+/// a kept guess saves a whole step's reads, so a few percent more per step pays off with
+/// guesses kept now and then; more than this is left to `--draft ngram`.
+const DRAFT_UNPIN_SHARE: f64 = 0.1;
+
+/// The plan of `sized`, whose scratch counts drafting's journals and rows; the plan without
+/// them (no drafting) when drafting is optional ([`DraftPlan::optional`]) and would cost the
+/// run a sequence slot or the budget's minimum, or unpin trunk that adds more than
+/// [`DRAFT_UNPIN_SHARE`] to a token's reads (its streamed trunk and `sized.expert_read`).
+pub(super) fn plan_drafting(sized: Sized, drafting: &DraftPlan) -> Result<Plan, OpenError> {
+    let Sized { input, plain_scratch, expert_read, .. } = sized;
     let with = Plan::make(&input);
     if !drafting.optional || drafting.journals() == 0 {
         return Ok(Plan { draft_journals: drafting.journals(), ..with? });
     }
     let added = input.scratch_bytes.saturating_sub(plain_scratch);
     let plain = Plan::make(&PlanInput { scratch_bytes: plain_scratch, ..input })?;
+    let reads = (plain.trunk_read_bytes_per_token + expert_read) as f64;
     let why = match &with {
         Err(_) => "the budget holds no journal",
         Ok(p) if p.sequences < plain.sequences => "they would take a sequence slot",
-        Ok(p) if p.pinned_bytes < plain.pinned_bytes => "they would unpin trunk",
+        Ok(p)
+            if (p.trunk_read_bytes_per_token - plain.trunk_read_bytes_per_token.min(p.trunk_read_bytes_per_token))
+                as f64
+                > DRAFT_UNPIN_SHARE * reads =>
+        {
+            "they would unpin trunk worth more than a tenth of a token's reads"
+        }
         Ok(p) => return Ok(Plan { draft_journals: drafting.journals(), ..p.clone() }),
     };
     let note = format!(
@@ -137,6 +155,6 @@ impl<'c> ConfigSizing<'c> {
         let mut sized = plan_input(self.cfg, &self.index, &self.weights, &self.units, self.align, run);
         // The server being sized is not this machine: its memory is the budget's business.
         sized.input.mem_available = None;
-        plan_drafting(sized.input, sized.plain_scratch, &run.drafting)
+        plan_drafting(sized, &run.drafting)
     }
 }

@@ -13,6 +13,7 @@
 //! [`Batcher`]: crate::engine::Batcher
 #![forbid(unsafe_code)]
 
+mod access_log;
 pub mod api;
 pub mod connections;
 mod http;
@@ -50,6 +51,10 @@ pub struct ServeOptions {
     pub max_connections: usize,
     /// How long requests in flight may go on after SIGINT/SIGTERM.
     pub grace: Duration,
+    /// A line per request on stderr.
+    pub access_log: bool,
+    /// `/health` asks for the API key too.
+    pub health_needs_key: bool,
 }
 
 /// Why the server stopped with an error.
@@ -108,6 +113,8 @@ pub fn serve<S: WeightSource + LayerHook>(
         max_queue: opts.max_queue,
         started: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         next_id: AtomicU64::new(0),
+        access_log: opts.access_log,
+        health_needs_key: opts.health_needs_key,
     });
     let net_shared = Arc::clone(&shared);
     let (up_tx, up_rx) = std::sync::mpsc::channel();

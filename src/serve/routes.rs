@@ -20,6 +20,7 @@ use http_body::Frame;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+use super::access_log::{StreamLog, Streamed, Tokens};
 use super::api::{chat_job, completion_job, ApiError, Limits, Usage};
 use super::metrics::Shared;
 use super::worker::{Event, Submission};
@@ -37,6 +38,11 @@ pub struct App {
     /// Unix seconds the server started (the model's `created`).
     pub started: u64,
     pub next_id: AtomicU64,
+    /// A line per request on stderr ([`super::access_log`]).
+    pub access_log: bool,
+    /// `/health` asks for the API key too (by default it answers anyone, as load balancers
+    /// probe it without credentials).
+    pub health_needs_key: bool,
 }
 
 type AppState = State<Arc<App>>;
@@ -52,6 +58,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&app), super::access_log::middleware))
         .with_state(app)
 }
 
@@ -99,7 +106,8 @@ fn counted(app: &App, endpoint: &'static str, r: Result<Response, ApiError>) -> 
 }
 
 async fn health(State(app): AppState, headers: HeaderMap) -> Response {
-    let r = authorize(&app, &headers).map(|()| {
+    let checked = if app.health_needs_key { authorize(&app, &headers) } else { Ok(()) };
+    let r = checked.map(|()| {
         if app.shared.shutting_down() {
             (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "shutting_down"}))).into_response()
         } else {
@@ -185,6 +193,7 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, 
 }
 
 async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Result<Response, ApiError> {
+    let started = std::time::Instant::now();
     authorize(app, headers)?;
     let capacity = app.slots.saturating_add(app.max_queue);
     let full = || {
@@ -236,8 +245,14 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
     let created = now_secs();
     let head = Head { id, created, model: app.limits.model.clone(), kind };
     if stream {
-        let body = SseBody { rx, head, include_usage, started: false, finished: false };
+        let log = app.access_log.then(|| StreamLog {
+            path: if kind == Kind::Chat { "/v1/chat/completions" } else { "/v1/completions" },
+            started,
+            done: false,
+        });
+        let body = SseBody { rx, head, include_usage, started: false, finished: false, log };
         let mut r = Response::new(Body::new(body));
+        r.extensions_mut().insert(Streamed);
         let h = r.headers_mut();
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -252,11 +267,14 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
                 ids.extend(i);
             }
             Some(Event::Done { finish_reason, usage }) => {
+                let tokens = Tokens(usage.prompt_tokens, usage.completion_tokens);
                 let mut v = head.whole(&reasoning, &content, &ids, finish_reason, usage);
                 if return_ids {
                     v["prompt_token_ids"] = json!(prompt_ids);
                 }
-                return Ok(axum::Json(v).into_response());
+                let mut r = axum::Json(v).into_response();
+                r.extensions_mut().insert(tokens);
+                return Ok(r);
             }
             Some(Event::Aborted(e)) => return Err(e),
             Some(Event::Started { .. } | Event::Refused(_)) => {}
@@ -347,6 +365,8 @@ struct SseBody {
     include_usage: bool,
     started: bool,
     finished: bool,
+    /// The access log's line, written when the stream ends.
+    log: Option<StreamLog>,
 }
 
 impl SseBody {
@@ -382,8 +402,14 @@ impl SseBody {
                 }
                 out.extend(b"data: [DONE]\n\n");
                 self.finished = true;
+                if let Some(log) = &mut self.log {
+                    log.end(Some(Tokens(usage.prompt_tokens, usage.completion_tokens)), "streamed");
+                }
             }
             Event::Aborted(e) => {
+                if let Some(log) = &mut self.log {
+                    log.end(None, &format!("streamed; ended by an error: {}", e.message));
+                }
                 out.extend(sse(&e.body()));
                 out.extend(b"data: [DONE]\n\n");
                 self.finished = true;

@@ -125,11 +125,16 @@ fn history(path: &Path) -> Vec<serde_json::Value> {
 fn chat_commands_through_stdin() {
     let dir = tempfile::tempdir().unwrap();
     let h = dir.path().join("h.jsonl");
-    let input = "hi\n/stats\n/reset\n/system Be brief.\nagain\n/bogus\n/quit\nnever read\n";
+    let input = "hi\n/stats\n/help\n/reset\n/system Be brief.\nagain\n/bogus\n/quit\nnever read\n";
     let (code, _out, err) = chat(&["--history", h.to_str().unwrap(), "--no-think"], input);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("last turn: "), "{err}");
     assert!(err.contains("unknown command /bogus; commands: /reset"), "{err}");
+    // /help lists every command with what it does; the short list names /help.
+    for cmd in ["/reset", "/system TEXT", "/save FILE", "/load FILE", "/stats", "/help", "/quit, /exit"] {
+        assert!(err.contains(&format!("\n  {cmd} ")), "/help lacks {cmd}: {err}");
+    }
+    assert!(err.contains("/stats, /help, /quit"), "{err}");
     let msgs = history(&h);
     let roles: Vec<&str> = msgs.iter().map(|m| m["role"].as_str().unwrap()).collect();
     assert_eq!(roles, ["system", "user", "assistant"], "{msgs:?}");

@@ -997,3 +997,34 @@ fn a_bad_modeled_device_is_refused_naming_the_flag() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--io") && err.contains("neither a latency"), "{err}");
 }
+
+/// The short flags llama.cpp users type (`-m -p -n -t -c`) and a hand-typed id list with spaces
+/// do what the long forms do.
+#[test]
+fn short_flags_and_spaced_ids_equal_the_long_forms() {
+    let dir = tiny_dir();
+    let d = dir.to_str().unwrap();
+    let gen = |args: &[&str]| {
+        let (code, out, err) = k3ring(&[&["run", "--ignore-eos", "--no-draft", "--json", "-"][..], args].concat());
+        assert_eq!(code, 0, "{args:?}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (ids(&v["prompt_ids"]), ids(&v["generated_ids"]))
+    };
+    let long = gen(&["--model", d, "--ids", "5,6,7", "--gen", "6", "--threads", "1"]);
+    assert_eq!(long.1.len(), 6);
+    assert_eq!(gen(&["-m", d, "--ids", "5, 6,  7", "-n", "6", "-t", "1"]), long);
+    let text = gen(&["--model", d, "--prompt", "Once upon", "--gen", "3"]);
+    assert_eq!(gen(&["-m", d, "-p", "Once upon", "-n", "3"]), text);
+    // Not a number, even with the spaces trimmed: exit 2 naming the flag and the piece.
+    let (code, _, err) = k3ring(&["run", "-m", d, "--ids", "5, x"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--ids") && err.contains("\" x\" is not a token id"), "{err}");
+    // chat, batch and serve take -m, -t and -c too.
+    for cmd in ["chat", "batch", "serve"] {
+        let (code, help, _) = k3ring(&[cmd, "--help"]);
+        assert_eq!(code, 0);
+        for short in ["-m, --model", "-t, --threads", "-c, --context"] {
+            assert!(help.contains(short), "{cmd} --help lacks {short}");
+        }
+    }
+}

@@ -231,13 +231,12 @@ fn drafting_in_a_batch_keeps_every_sequence_equal_to_its_solo_run() {
                 replay,
                 extra,
             );
-            // The pool bounds the drafting sequences of a step, and all of it gets used.
-            assert_eq!(by_drafting.len(), sequences.min(max_batch) + 1, "{what}");
+            // With guesses every step, the pool is used: steps carry as many drafts as it
+            // holds (two, where it holds more and two sequences decode at once).
             if replay.is_some() {
                 assert!(s.accepted > 0, "{what}: {s:?}");
-                if sequences < 3 {
-                    assert!(by_drafting.last().is_some_and(|&n| n > 0), "{what}: {by_drafting:?}");
-                }
+                let pool = sequences.min(max_batch);
+                assert!(by_drafting[pool.min(2)] > 0, "{what}: {by_drafting:?}");
             }
         }
     }

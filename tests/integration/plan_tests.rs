@@ -19,20 +19,20 @@ fn table(args: &[&str]) -> Value {
 fn the_table_from_a_config_matches_the_plan_of_a_packed_run() {
     let config = tiny_dir().join("config.json");
     let t = table(&["--config", config.to_str().unwrap(), "--context", "64", "--budgets", "0.004,1"]);
-    // The run `plan` sizes: one greedy sequence of 64 positions, prefill chunk 32 (+1 row),
-    // default drafting (an optional journal of 9 rows).
+    // The run `plan` sizes: what `run` plans for one greedy sequence of 64 positions, prefill
+    // chunk 32, default drafting (an optional journal of 9 rows).
     let trunk = pack(&tiny_dir());
-    let run = |budget: u64| StreamingRun {
-        chunk: 33,
-        drafting: DraftPlan { rows: 9, sequences: 1, step_rows: 0, optional: true },
-        ..streaming_run(budget, 1)
-    };
-    let plan = |budget: u64| {
+    let opened = |budget: u64, drafting: DraftPlan| {
+        let run = StreamingRun { chunk: 32, drafting, ..streaming_run(budget, 1) };
         let kernels = Kernels::with_isa(Isa::Scalar).unwrap();
-        open_streaming(&tiny_dir(), trunk.path(), &run(budget), kernels, |_| {}).map_err(|e| e.to_string()).unwrap().1
+        open_streaming(&tiny_dir(), trunk.path(), &run, kernels, |_| {}).map_err(|e| e.to_string()).unwrap().1
     };
+    let plan = |budget: u64| opened(budget, DraftPlan { rows: 9, sequences: 1, step_rows: 0, optional: true });
     let roomy = plan(1_000_000_000);
-    assert_eq!(t["minimum_bytes"].as_u64().unwrap(), roomy.minimum_bytes, "{t}");
+    // The minimum is the run's without drafting, which default drafting yields to.
+    let plain = opened(1_000_000_000, DraftPlan::default());
+    assert_eq!(t["minimum_bytes"].as_u64().unwrap(), plain.minimum_bytes, "{t}");
+    assert!(plain.minimum_bytes < roomy.minimum_bytes);
     assert_eq!(t["trunk_bytes"].as_u64().unwrap(), roomy.pinned_bytes, "{t}");
     let manifest = k3ring::storage::pack::Manifest::load(trunk.path()).unwrap();
     let packed: u64 = manifest.units.iter().filter(|u| u.unit != "embed").map(|u| u.len).sum();
@@ -48,18 +48,26 @@ fn the_table_from_a_config_matches_the_plan_of_a_packed_run() {
         ] {
             assert_eq!(row[key].as_u64().unwrap(), want, "{key} at {budget}: {row}");
         }
-        // Reads per token are the streamed trunk plus the experts the pool misses, and the
-        // time columns are those bytes at each rate.
+        assert_eq!(row["drafting"].as_bool().unwrap(), real.draft_journals > 0, "{row}");
+        // The time columns are the bytes read at each rate.
         let read = row["read_bytes_per_token"].as_u64().unwrap();
-        let parts =
-            row["trunk_read_bytes_per_token"].as_u64().unwrap() + row["expert_read_bytes_per_token"].as_u64().unwrap();
-        assert_eq!(read, parts);
         let secs: Vec<f64> =
             row["read_seconds_per_token"].as_array().unwrap().iter().map(|s| s.as_f64().unwrap()).collect();
         for (s, rate) in secs.iter().zip([3.0, 7.0, 14.0, 28.0]) {
             assert!((s - read as f64 / (rate * 1e9)).abs() < 1e-12, "{s} at {rate}");
         }
     }
+    // With a slot for every expert (1 GB), a token reads nothing; at 4 MB the pool holds few
+    // and a token reads its experts of every MoE layer but the share the pool holds.
+    let (tight, all_held) = (&rows[0], &rows[1]);
+    assert_eq!(all_held["expert_hit_share"].as_f64().unwrap(), 1.0, "{all_held}");
+    assert_eq!(all_held["read_bytes_per_token"].as_u64().unwrap(), 0, "{all_held}");
+    let cfg = k3ring::config::Config::from_model_dir(&tiny_dir()).unwrap();
+    let moe = cfg.layers.iter().filter(|l| l.ffn == k3ring::config::FfnKind::Moe).count() as f64;
+    let every = moe * cfg.moe.top_k as f64 * roomy.expert_slot_bytes as f64;
+    let hit = tight["expert_hit_share"].as_f64().unwrap();
+    assert!(hit < 0.5, "{tight}");
+    assert!((tight["expert_read_bytes_per_token"].as_f64().unwrap() - every * (1.0 - hit)).abs() <= 1.0, "{tight}");
     // The smallest budget that pins the whole trunk does, and 1 MB less does not.
     let resident = t["trunk_resident_bytes"].as_u64().unwrap();
     assert!(plan(resident).streamed.is_empty());

@@ -541,7 +541,13 @@ fn serve_limits_and_errors_have_their_status_and_the_openai_shape() {
 
 #[test]
 fn serve_api_key_is_required_on_every_endpoint() {
-    let server = Server::start(&["--api-key", "sekrit"]);
+    // /health answers without the key by default (load balancers probe it without one).
+    let open = Server::start(&["--api-key", "sekrit"]);
+    let health = request(&open.addr, "GET", "/health", &[], b"");
+    assert_eq!((health.status, health.json()["status"].clone()), (200, json!("ok")), "{}", health.body);
+    assert_error(&request(&open.addr, "GET", "/metrics", &[], b""), 401, "/metrics");
+    drop(open);
+    let server = Server::start(&["--api-key", "sekrit", "--health-needs-key"]);
     let addr = &server.addr;
     let body = json!({"prompt": "hi", "max_tokens": 2}).to_string();
     for (method, path) in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/metrics")]
@@ -871,4 +877,33 @@ fn serve_drafts_greedy_requests_and_reports_them() {
     assert!(guessed > 0.0 && guessed >= metric(addr, "k3ring_draft_accepted_tokens_total"), "{guessed}");
     let (code, err) = server.stop_with(libc::SIGTERM);
     assert_eq!(code, 0, "{err}");
+}
+
+/// One line per request on stderr: method, path, status, tokens and time; a streamed request's
+/// line comes when its stream ends; `--no-access-log` turns them off.
+#[test]
+fn serve_writes_an_access_log_line_per_request() {
+    let server = Server::start(&[]);
+    let addr = &server.addr;
+    let body = json!({"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": true});
+    assert_eq!(post(addr, "/v1/completions", &body).status, 200);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    assert_eq!(post(addr, "/v1/completions", &streamed).status, 200);
+    assert_eq!(request(addr, "GET", "/nowhere", &[], b"").status, 404);
+    let (code, err) = server.stop_with(libc::SIGTERM);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> =
+        err.lines().filter(|l| l.starts_with("k3ring: POST ") || l.starts_with("k3ring: GET ")).collect();
+    assert_eq!(lines.len(), 3, "{err}");
+    assert!(lines[0].starts_with("k3ring: POST /v1/completions 200 | 3 prompt + 4 completion tokens | "), "{err}");
+    assert!(lines[0].ends_with(" s"), "{err}");
+    assert!(lines[1].starts_with("k3ring: POST /v1/completions 200 | 3 prompt + 4 completion tokens | "), "{err}");
+    assert!(lines[1].ends_with(" s | streamed"), "{err}");
+    assert!(lines[2].starts_with("k3ring: GET /nowhere 404 | "), "{err}");
+    let quiet = Server::start(&["--no-access-log"]);
+    assert_eq!(post(&quiet.addr, "/v1/completions", &body).status, 200);
+    let (code, err) = quiet.stop_with(libc::SIGTERM);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("k3ring: POST "), "{err}");
 }
