@@ -268,9 +268,9 @@ impl Tokenizer {
 
     /// [`Tokenizer::decode`] that writes an id with no text (inside the model's vocabulary, absent
     /// from this tokenizer) as `<id>`, as the streamed output does, instead of failing.
-    pub fn decode_or_mark(&self, ids: &[u32]) -> String {
+    pub fn decode_or_mark(&self, ids: &[u32], show_special: bool) -> String {
         let mut bytes = Vec::new();
-        for &id in ids {
+        for &id in ids.iter().filter(|&&id| show_special || !self.is_special(id)) {
             match self.token_bytes(id) {
                 Ok(b) => bytes.extend_from_slice(b),
                 Err(_) => bytes.extend_from_slice(format!("<{id}>").as_bytes()),
@@ -490,11 +490,22 @@ pub fn parse_added(text: &str, path: &Path, n_ranks: usize) -> Result<Vec<(Strin
 #[derive(Default)]
 pub struct StreamDecoder {
     pending: Vec<u8>,
+    /// Print added tokens (`[EOS]`, `<|reserved_token_N|>`, the chat markup) as their spelling;
+    /// by default they are not text and print nothing, so a stop string never matches inside one.
+    show_special: bool,
 }
 
 impl StreamDecoder {
+    /// A decoder that prints added tokens' spellings too (`run --show-special`).
+    pub fn showing_special(show_special: bool) -> StreamDecoder {
+        StreamDecoder { pending: Vec::new(), show_special }
+    }
+
     /// Adds one token and returns the text that is now complete.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
+        if !self.show_special && tok.is_special(id) {
+            return Ok(String::new());
+        }
         self.pending.extend_from_slice(tok.token_bytes(id)?);
         let valid = match std::str::from_utf8(&self.pending) {
             Ok(_) => self.pending.len(),

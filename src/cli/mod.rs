@@ -142,6 +142,10 @@ pub struct RunArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Print added tokens ([EOS], <|reserved_token_N|>, the chat markup) as their spelling in
+    /// the text; by default they are left out of it (their ids stay in --json)
+    #[arg(long)]
+    pub show_special: bool,
     /// Tokens per prefill pass.
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = parse_chunk)]
     pub prefill_chunk: usize,

@@ -335,7 +335,7 @@ fn generate<S: WeightSource + LayerHook>(
     if let Some(path) = tok.missing_vocab() {
         eprintln!("k3ring: no tokenizer ({} is missing): printing token ids as <id>, not text", path.display());
     }
-    let mut stream = StreamDecoder::default();
+    let mut stream = StreamDecoder::showing_special(args.show_special);
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
     let bar = prefill_bar(prompt.len(), args.prefill_chunk, std::io::stderr().is_terminal());
@@ -398,7 +398,7 @@ fn generate<S: WeightSource + LayerHook>(
             threads: engine.threads(),
             prompt_ids: &generation.prompt_ids,
             generated_ids: &generation.generated_ids,
-            text: tok.decode_or_mark(&generation.generated_ids),
+            text: tok.decode_or_mark(&generation.generated_ids, args.show_special),
             prefill_seconds: generation.prefill_seconds,
             seconds_per_token: generation.seconds_per_token,
             peak_rss_bytes: peak,

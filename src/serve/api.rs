@@ -172,9 +172,14 @@ struct Common {
     ignore_eos: bool,
     #[serde(default)]
     return_token_ids: bool,
-    /// vLLM's: leave the text of special (added) tokens out of the reply.
-    #[serde(default)]
+    /// vLLM's: leave the text of special (added) tokens out of the reply (by default, as
+    /// vLLM and `k3ring run` do; `false` shows them).
+    #[serde(default = "skip_special_by_default")]
     skip_special_tokens: bool,
+}
+
+fn skip_special_by_default() -> bool {
+    true
 }
 
 #[derive(Deserialize)]

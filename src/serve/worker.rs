@@ -68,11 +68,18 @@ pub struct WorkerOptions {
 }
 
 /// Text of one channel: decoded, and how much of it was sent.
-#[derive(Default)]
 struct Text {
     decoder: StreamDecoder,
     text: String,
     sent: usize,
+}
+
+impl Default for Text {
+    /// Added tokens are text here: whether a reply shows them is `skip_special_tokens`'s
+    /// business ([`Sequence::skip_special`]).
+    fn default() -> Text {
+        Text { decoder: StreamDecoder::showing_special(true), text: String::new(), sent: 0 }
+    }
 }
 
 impl Text {

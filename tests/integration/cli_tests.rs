@@ -1028,3 +1028,38 @@ fn short_flags_and_spaced_ids_equal_the_long_forms() {
         }
     }
 }
+
+/// Added tokens (`<|reserved_token_N|>`, `[EOS]`, the chat markup) are not text: `run` leaves
+/// them out of what it prints unless `--show-special`, and a batch's stop string never matches
+/// inside one's spelling.
+#[test]
+fn special_tokens_are_not_text_unless_asked_and_stop_strings_never_match_them() {
+    let run = |extra: &[&str]| {
+        let (code, out, err) = k3ring(
+            &[&["run", "-p", "Once upon a time", "-n", "16", "--ignore-eos", "--json", "-"][..], extra].concat(),
+        );
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (ids(&v["generated_ids"]), v["text"].as_str().unwrap().to_owned())
+    };
+    let (plain_ids, plain) = run(&[]);
+    let (shown_ids, shown) = run(&["--show-special"]);
+    assert_eq!(plain_ids, shown_ids);
+    // The embedded tiny model's random weights choose reserved tokens here.
+    assert!(shown.contains("<|reserved_token_"), "{shown}");
+    assert!(!plain.contains("<|reserved_token_"), "{plain}");
+    assert_eq!(
+        plain,
+        shown.split("<|reserved_token_").map(|p| p.split_once("|>").map_or(p, |(_, rest)| rest)).collect::<String>()
+    );
+    // stdout prints the same text.
+    let (code, out, err) = k3ring(&["run", "-p", "Once upon a time", "-n", "16", "--ignore-eos"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim_end_matches('\n'), plain);
+    let input = "{\"id\": 1, \"prompt\": \"Once upon a time\", \"max_tokens\": 16, \"stop\": \"<|reserved\"}\n";
+    let (code, out, err) = k3ring_stdin(&["batch", "--input", "-", "--output", "-", "--ignore-eos"], input);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!((v["finish_reason"].as_str(), v["text"].as_str()), (Some("length"), Some(plain.as_str())), "{v}");
+    assert_eq!(ids(&v["generated_ids"]), plain_ids);
+}

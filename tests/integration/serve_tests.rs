@@ -362,23 +362,23 @@ fn serve_text_leaves_out_the_token_that_ended_the_sequence() {
     let (ids, text, finish) = completion_both_ways(addr, body.clone());
     assert_eq!((finish.as_str(), ids.last()), ("stop", Some(&eos)), "{ids:?}");
     assert!(!text.contains("[EOS]"), "{text:?}");
-    assert_eq!(text, tok.decode(&ids[..ids.len() - 1]).unwrap(), "every other id's text");
+    // By default (skip_special_tokens) no special token's text is in the reply.
+    let ordinary = |ids: &[u32]| -> Vec<u32> { ids.iter().copied().filter(|&id| !tok.is_special(id)).collect() };
+    assert_eq!(text, tok.decode(&ordinary(&ids[..ids.len() - 1])).unwrap(), "every other id's text");
     let ended_at = ids.len();
-    // With ignore_eos the end-of-sequence id is an ordinary token, its text included: greedy
-    // decoding repeats the same ids up to it, so it is there at the same place.
+    // With ignore_eos the end-of-sequence id is an ordinary token: greedy decoding repeats the
+    // same ids up to it, so it is there at the same place; its text shows with
+    // skip_special_tokens false, as every special token's does.
     let mut through = body.clone();
     through["ignore_eos"] = json!(true);
-    let (ids, text, _) = completion_both_ways(addr, through);
+    let (ids, text, _) = completion_both_ways(addr, through.clone());
     assert_eq!(ids.get(ended_at - 1), Some(&eos), "{ids:?}");
-    assert!(text.contains("[EOS]"), "{text:?}");
-    // skip_special_tokens leaves every special token's text out, the ids stay.
-    let mut skipping = body;
-    skipping["ignore_eos"] = json!(true);
-    skipping["skip_special_tokens"] = json!(true);
-    let (skipped_ids, text, _) = completion_both_ways(addr, skipping);
-    assert_eq!(skipped_ids, ids);
-    let ordinary: Vec<u32> = ids.iter().copied().filter(|&id| !tok.is_special(id)).collect();
-    assert_eq!(text, tok.decode(&ordinary).unwrap());
+    assert_eq!(text, tok.decode(&ordinary(&ids)).unwrap());
+    through["skip_special_tokens"] = json!(false);
+    let (shown_ids, shown, _) = completion_both_ways(addr, through);
+    assert_eq!(shown_ids, ids);
+    assert!(shown.contains("[EOS]"), "{shown:?}");
+    assert_eq!(shown, tok.decode(&ids).unwrap());
     drop(server);
 }
 
