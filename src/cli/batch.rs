@@ -161,7 +161,15 @@ pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
         super::output::create_now("--trace", path)?;
     }
     let cfg = Config::from_model_dir(&model_dir)?;
-    let tokenizer = Tokenizer::from_model_dir(&model_dir)?;
+    // Token-id requests need no tokenizer files (as `run --ids`): without them a text prompt is
+    // refused on its line, and texts are written as `<id>` marks.
+    let tokenizer = Tokenizer::from_model_dir_or_ids(&model_dir, cfg.vocab_size)?;
+    if let Some(path) = tokenizer.missing_vocab() {
+        eprintln!(
+            "k3ring: no tokenizer ({} is missing): requests must give \"ids\", and texts are written as <id> marks",
+            path.display()
+        );
+    }
     let text = read_input(&args.input, input_line_max(&cfg, &tokenizer))?;
     let mut out = open_output(&args.output)?;
     let (parsed, errors) = parse_requests(&text, args, &cfg, &tokenizer);
@@ -295,14 +303,21 @@ fn parse_requests(text: &str, args: &BatchArgs, cfg: &Config, tok: &Tokenizer) -
     }
     let defaults = RequestDefaults { max_tokens: args.max_tokens, context: args.context, stop_ids };
     let (mut parsed, mut errors) = (Vec::new(), Vec::new());
+    // Each id names one record of the output: a second line with an id already used is refused
+    // (its line's record says whose id it is).
+    let mut ids: HashMap<String, usize> = HashMap::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         match parse_request_line(line, &defaults, cfg, tok) {
-            Ok(p) => parsed.push(Parsed {
-                id: p.id.unwrap_or(serde_json::Value::from(i + 1)),
-                line: i + 1,
-                request: p.request,
-                stop: p.stop,
-            }),
+            Ok(p) => {
+                let id = p.id.unwrap_or(serde_json::Value::from(i + 1));
+                if let Some(first) = ids.get(&id.to_string()) {
+                    let error = format!("id {id} is already the id of line {first}: give each request its own id");
+                    errors.push(ErrorRecord { id: Some(id), line: i + 1, error });
+                    continue;
+                }
+                ids.insert(id.to_string(), i + 1);
+                parsed.push(Parsed { id, line: i + 1, request: p.request, stop: p.stop });
+            }
             Err(e) => errors.push(ErrorRecord { id: e.id, line: i + 1, error: e.message }),
         }
     }

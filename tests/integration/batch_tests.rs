@@ -491,3 +491,39 @@ fn batch_command_exits_2_when_every_line_fails_and_streams_with_a_trunk() {
     assert_eq!(key(&streamed), key(&resident));
     assert_eq!(key(&resident).len(), 5);
 }
+
+/// A batch of token-id requests needs no tokenizer files (as `run --ids`); a text prompt is
+/// refused on its line. Two lines with one id: the second is refused, naming the first.
+#[test]
+fn batch_runs_ids_without_a_tokenizer_and_refuses_a_repeated_id() {
+    let (_tmp, dir) = crate::checkpoint_tests::copy_tiny();
+    for name in ["tiktoken.model", "tokenizer_config.json", "reference.json"] {
+        std::fs::remove_file(dir.join(name)).unwrap();
+    }
+    let d = dir.to_str().unwrap();
+    let input = concat!(
+        "{\"id\": \"a\", \"ids\": [5, 6, 7], \"max_tokens\": 3}\n",
+        "{\"id\": \"b\", \"prompt\": \"hello\", \"max_tokens\": 3}\n",
+        "{\"id\": \"a\", \"ids\": [8, 9], \"max_tokens\": 3}\n",
+        "{\"ids\": [1, 2], \"max_tokens\": 2}\n",
+    );
+    let (code, out, err) = k3ring_stdin(
+        &["batch", "--model", d, "--input", "-", "--output", "-", "--ignore-eos", "--threads", "1"],
+        input,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(err.matches("no tokenizer (").count(), 1, "said once: {err}");
+    let records: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let by_line =
+        |line: u64| records.iter().find(|r| r["line"] == line).unwrap_or_else(|| panic!("line {line}: {out}"));
+    assert!(by_line(2)["error"].as_str().unwrap().contains("tiktoken.model"), "{out}");
+    assert_eq!(by_line(3)["id"], "a");
+    assert!(by_line(3)["error"].as_str().unwrap().contains("id \"a\" is already the id of line 1"), "{out}");
+    let done: Vec<&serde_json::Value> = records.iter().filter(|r| r.get("generated_ids").is_some()).collect();
+    assert_eq!(done.len(), 2, "{out}");
+    let a = done.iter().find(|r| r["id"] == "a").unwrap();
+    assert_eq!(a["generated_ids"].as_array().unwrap().len(), 3);
+    // Without a tokenizer the text is the ids as <id> marks.
+    assert!(a["text"].as_str().unwrap().starts_with('<'), "{a}");
+    assert!(done.iter().any(|r| r["id"] == 4), "a line without an id is named by its line: {out}");
+}
