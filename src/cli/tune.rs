@@ -58,6 +58,10 @@ pub struct TuneArgs {
     /// Tokens decoded before measuring.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub warmup: usize,
+    /// Measurements of each point (1 to 100): its s/token is their median, with the spread,
+    /// and the recommendation says whether it leads the next point beyond that spread
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_repeats)]
+    pub repeats: usize,
     /// Compute threads (0 = every core).
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]
     pub threads: usize,
@@ -88,6 +92,10 @@ fn parse_split(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_repeats(s: &str) -> Result<usize, String> {
+    super::count_in(s, 1..=100, "a number of measurements per point in 1..=100")
+}
+
 /// Tokens per point: none would measure nothing.
 fn parse_tokens(s: &str) -> Result<usize, String> {
     super::count_in(s, 1..=usize::MAX, "a number of tokens (1 or more)")
@@ -99,7 +107,7 @@ const SWEEP_SPEC: &str = "speculation";
 const SWEEP_QUEUE: &str = "queue depth";
 const SWEEP_IO: &str = "backend";
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 struct Knobs {
     split: f64,
     readahead: usize,
@@ -127,7 +135,10 @@ struct Point {
     sweep: &'static str,
     #[serde(flatten)]
     knobs: Knobs,
+    /// The median of `--repeats` measurements, and their spread.
     seconds_per_token: f64,
+    seconds_min: f64,
+    seconds_max: f64,
     bytes_per_token: f64,
     overlap_fraction: f64,
     recall: f64,
@@ -201,14 +212,25 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
             k.split, k.readahead, k.spec, k.spec_margin, k.queue_depth, k.io
         ));
         let run = streaming_run(args, &k, &spec);
-        let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
-            .with_context(|| format!("tuning point {k}"))
-            .map_err(|e| name_budget_flag(e, &format!("--mem-gb {}", args.mem_gb)))?;
-        let same_ids = reference.get_or_insert_with(|| m.ids.clone()) == &m.ids;
+        let mut seconds = Vec::with_capacity(args.repeats);
+        let mut same_ids = true;
+        let mut last = None;
+        for _ in 0..args.repeats {
+            let m = measure_streaming(&args.model, &args.trunk, &run, kernels, &spec)
+                .with_context(|| format!("tuning point {k}"))
+                .map_err(|e| name_budget_flag(e, &format!("--mem-gb {}", args.mem_gb)))?;
+            same_ids &= reference.get_or_insert_with(|| m.ids.clone()) == &m.ids;
+            seconds.push(m.seconds_per_token);
+            last = Some(m);
+        }
+        let Some(m) = last else { anyhow::bail!("tuning point {k}: no measurement") };
+        seconds.sort_by(f64::total_cmp);
         points.push(Point {
             sweep,
             knobs: k,
-            seconds_per_token: m.seconds_per_token,
+            seconds_per_token: seconds[seconds.len() / 2],
+            seconds_min: seconds[0],
+            seconds_max: seconds[seconds.len() - 1],
             bytes_per_token: m.trunk_bytes_per_token + m.expert_bytes_per_token,
             overlap_fraction: m.overlap_fraction,
             recall: m.recall,
@@ -249,6 +271,32 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
 
 fn best(points: &[Point]) -> &Point {
     points.iter().min_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token)).unwrap_or(&points[0])
+}
+
+/// Whether the pick leads the next-fastest point beyond the spread of their measurements, said
+/// in words: (within the noise, or `None` when one measurement each cannot tell; the sentence).
+fn noise_verdict(points: &[Point], repeats: usize) -> (Option<bool>, String) {
+    let b = best(points);
+    let runner = points
+        .iter()
+        // Later sweeps measure the best point's knobs again: the next point has other knobs.
+        .filter(|p| p.knobs != b.knobs)
+        .min_by(|x, y| x.seconds_per_token.total_cmp(&y.seconds_per_token));
+    let Some(r) = runner else {
+        return (None, "one point measured: nothing to compare the pick with".to_owned());
+    };
+    let next = format!("the next point ({}) {:.3} s/token", r.knobs, r.seconds_per_token);
+    if repeats < 2 {
+        return (
+            None,
+            format!("one measurement per point: whether the pick's {:.3} s/token against {next} is beyond the noise is not known (--repeats 3 tells)", b.seconds_per_token),
+        );
+    }
+    if b.seconds_max >= r.seconds_min {
+        (Some(true), format!("the pick is within the noise: its {repeats} runs took {:.3}..{:.3} s/token, {next} ({:.3}..{:.3}); either will do", b.seconds_min, b.seconds_max, r.seconds_min, r.seconds_max))
+    } else {
+        (Some(false), format!("the pick leads beyond the noise: its slowest of {repeats} runs, {:.3} s/token, beat the fastest of {next} ({:.3})", b.seconds_max, r.seconds_min))
+    }
 }
 
 fn streaming_run(args: &TuneArgs, k: &Knobs, spec: &MeasureSpec) -> StreamingRun {
@@ -335,12 +383,16 @@ fn report(
 ) -> anyhow::Result<()> {
     let b = best(points);
     let flags = recommended_flags(args.mem_gb, &b.knobs);
+    let (within_noise, noise) = noise_verdict(points, args.repeats);
     if let Some(out) = json {
         let tax_json = match tax {
             Ok(t) => serde_json::to_value(t)?,
             Err(why) => serde_json::json!({ "not_measured": why }),
         };
-        out.write(&serde_json::json!({"points": points, "best": b, "recommended_flags": flags, "read_tax": tax_json}))?;
+        out.write(&serde_json::json!({
+            "points": points, "best": b, "recommended_flags": flags, "read_tax": tax_json,
+            "repeats": args.repeats, "within_noise": within_noise, "noise": noise,
+        }))?;
     }
     if !super::output::JsonOut::is_stdout(json) {
         println!(
@@ -385,6 +437,7 @@ fn report(
         Err(why) => eprintln!("read tax: {why}"),
     }
     eprintln!("recommended: k3ring run --model ... --trunk ... {flags}  ({:.3} s/token)", b.seconds_per_token);
+    eprintln!("{noise}");
     if let Some(path) = &args.csv {
         let mut csv = String::from("sweep,split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
         for p in points {

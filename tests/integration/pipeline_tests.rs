@@ -326,6 +326,8 @@ fn tune_sweeps_reports_and_recommends_with_identical_ids() {
     assert!(out.contains("sim:1GB/s,20us,qd32x2"), "{out}");
     // The read tax, through the first backend, by default.
     assert!(err.contains("read tax through uring: tau "), "{err}");
+    // One measurement per point: the recommendation says it cannot tell the noise.
+    assert!(err.contains("one measurement per point:") && err.contains("--repeats 3 tells"), "{err}");
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert_eq!(plot.matches("<polyline").count(), 2, "one line per split");
 }
@@ -431,4 +433,70 @@ fn bookkeeping_does_not_grow_with_the_run() {
         let held = o.engine.src.tickets_held();
         assert!(held <= bound, "{held} tickets held after {gen} tokens (slots bound {bound})");
     }
+}
+
+/// `tune --repeats N`: each point's s/token is the median of N runs, with their spread, and the
+/// recommendation says whether the pick leads the next point beyond that spread.
+#[test]
+fn tune_repeats_each_point_and_judges_the_pick_against_the_noise() {
+    let trunk = pack(&tiny_dir());
+    let (code, out, err) = k3ring(&[
+        "tune",
+        "--model",
+        tiny_dir().to_str().unwrap(),
+        "--trunk",
+        trunk.path().to_str().unwrap(),
+        "--mem-gb",
+        "0.0015",
+        "--splits",
+        "1",
+        "--readahead",
+        "0,1",
+        "--spec-margin",
+        "0",
+        "--queue-depth",
+        "32",
+        "--io",
+        "uring",
+        "--tokens",
+        "2",
+        "--repeats",
+        "3",
+        "--no-read-tax",
+        "--json",
+        "-",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["repeats"], 3);
+    for p in v["points"].as_array().unwrap() {
+        let (lo, mid, hi) = (
+            p["seconds_min"].as_f64().unwrap(),
+            p["seconds_per_token"].as_f64().unwrap(),
+            p["seconds_max"].as_f64().unwrap(),
+        );
+        assert!(lo <= mid && mid <= hi && lo > 0.0, "{p}");
+    }
+    let (best, within) = (&v["best"], v["within_noise"].as_bool().expect("judged with 3 runs"));
+    let noise = v["noise"].as_str().unwrap();
+    assert!(
+        noise.starts_with(if within { "the pick is within the noise" } else { "the pick leads beyond the noise" }),
+        "{noise}"
+    );
+    // The verdict follows from the spreads: within when the pick's slowest run is not faster
+    // than the next point's fastest.
+    let runner = v["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| {
+            ["split", "readahead", "spec", "spec_margin", "queue_depth", "io"].iter().any(|k| p[*k] != best[*k])
+        })
+        .min_by(|a, b| a["seconds_per_token"].as_f64().unwrap().total_cmp(&b["seconds_per_token"].as_f64().unwrap()))
+        .unwrap();
+    assert_eq!(within, best["seconds_max"].as_f64().unwrap() >= runner["seconds_min"].as_f64().unwrap(), "{v}");
+    assert!(err.contains(noise), "{err}");
+    let (code, _, err) = k3ring(&["tune", "--model", "x", "--trunk", "x", "--mem-gb", "1", "--repeats", "0"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--repeats"), "{err}");
 }
