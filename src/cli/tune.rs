@@ -439,28 +439,7 @@ fn report(
     eprintln!("recommended: k3ring run --model ... --trunk ... {flags}  ({:.3} s/token)", b.seconds_per_token);
     eprintln!("{noise}");
     if let Some(path) = &args.csv {
-        let mut csv = String::from("sweep,split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
-        for p in points {
-            let k = &p.knobs;
-            let _ = writeln!(
-                csv,
-                "{},{},{},{},{},{},{},{:.6},{:.0},{:.4},{:.4},{}",
-                p.sweep,
-                k.split,
-                k.readahead,
-                k.spec,
-                k.spec_margin,
-                k.queue_depth,
-                // A modeled device's spec has commas: quoted, as CSV does.
-                if k.io.contains(',') { format!("\"{}\"", k.io) } else { k.io.clone() },
-                p.seconds_per_token,
-                p.bytes_per_token,
-                p.overlap_fraction,
-                p.recall,
-                p.same_ids
-            );
-        }
-        super::output::create_now("--csv", path)?.write_all(csv.as_bytes())?;
+        write_csv(path, points)?;
     }
     if let Some(path) = &args.svg {
         let series: Vec<Series> = args
@@ -484,5 +463,32 @@ fn report(
         let chart = line_chart(&title, "trunk read-ahead depth (layers)", "s/token", &series);
         super::output::create_now("--svg", path)?.write_all(chart.as_bytes())?;
     }
+    Ok(())
+}
+
+/// Every point as a CSV row (`--csv`).
+fn write_csv(path: &std::path::Path, points: &[Point]) -> anyhow::Result<()> {
+    let mut csv = String::from("sweep,split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
+    for p in points {
+        let k = &p.knobs;
+        let _ = writeln!(
+            csv,
+            "{},{},{},{},{},{},{},{:.6},{:.0},{:.4},{:.4},{}",
+            p.sweep,
+            k.split,
+            k.readahead,
+            k.spec,
+            k.spec_margin,
+            k.queue_depth,
+            // A modeled device's spec has commas: quoted, as CSV does.
+            if k.io.contains(',') { format!("\"{}\"", k.io) } else { k.io.clone() },
+            p.seconds_per_token,
+            p.bytes_per_token,
+            p.overlap_fraction,
+            p.recall,
+            p.same_ids
+        );
+    }
+    super::output::create_now("--csv", path)?.write_all(csv.as_bytes())?;
     Ok(())
 }
