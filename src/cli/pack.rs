@@ -25,10 +25,8 @@ fn bar(what: &str) -> ProgressBar {
     bar
 }
 
-fn mib(bytes: u64) -> f64 {
-    // Decimal, like every size k3ring prints.
-    bytes as f64 / 1e6
-}
+/// Sizes in GB, like every size k3ring prints.
+use crate::storage::plan::fmt_gb;
 
 pub fn run(args: &PackArgs) -> anyhow::Result<()> {
     let cfg = Config::from_model_dir(&args.model)?;
@@ -42,27 +40,27 @@ pub fn run(args: &PackArgs) -> anyhow::Result<()> {
     progress.finish_and_clear();
     if report.up_to_date {
         println!(
-            "trunk pack in {} is up to date ({} units, {:.1} MB); nothing to do",
+            "trunk pack in {} is up to date ({} units, {}); nothing to do",
             args.out.display(),
             report.units,
-            mib(report.bytes)
+            fmt_gb(report.bytes)
         );
     } else {
         if let Some(why) = &report.repacked {
             eprintln!("k3ring: the trunk pack in {} was packed again: {why}", args.out.display());
         }
         println!(
-            "packed {} tensors in {} units into {} ({:.1} MB, units aligned to {} bytes) and checksummed {} experts \
-             ({:.1} MB) in {:.2} s ({:.0} MB/s)",
+            "packed {} tensors in {} units into {} ({}, units aligned to {} bytes) and checksummed {} experts \
+             ({}) in {:.2} s ({:.2} GB/s)",
             report.tensors,
             report.units,
             args.out.display(),
-            mib(report.bytes),
+            fmt_gb(report.bytes),
             report.alignment,
             report.experts,
-            mib(report.expert_bytes),
+            fmt_gb(report.expert_bytes),
             report.seconds,
-            mib(report.bytes + report.expert_bytes) / report.seconds.max(1e-9)
+            (report.bytes + report.expert_bytes) as f64 / 1e9 / report.seconds.max(1e-9)
         );
     }
     if args.verify {
@@ -80,12 +78,12 @@ fn verify_everything(args: &PackArgs, cfg: &Config, index: &CheckpointIndex) -> 
     let report = verify(&args.out, &m, index, 2 * cfg.hidden_size, &|n| progress.inc(n))?;
     progress.finish_and_clear();
     let what = format!(
-        "{} trunk units ({:.1} MB, against their checksums and the shards) and {} experts ({:.1} MB, against \
+        "{} trunk units ({}, against their checksums and the shards) and {} experts ({}, against \
          their checksums)",
         report.units,
-        mib(report.unit_bytes),
+        fmt_gb(report.unit_bytes),
         report.experts,
-        mib(report.expert_bytes)
+        fmt_gb(report.expert_bytes)
     );
     if report.mismatches.is_empty() {
         println!("verified {what}: every one matches");

@@ -652,7 +652,7 @@ fn decode_rate(generated: usize, seconds_per_token: f64) -> String {
 pub(super) fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u64>, metrics: &crate::trace::Metrics) {
     let gb = |bytes: u64| format!("{:.4} GB", bytes as f64 / GB);
     eprintln!(
-        "k3ring: storage {} | trunk read {} ({} reads, {}/{} units pinned{}) | experts read {} ({} reads, {} hits, {} evictions) | read rate {:.0} MB/s | planned {:.3} GB, peak RSS {}",
+        "k3ring: storage {} | trunk read {} ({} reads, {}/{} units pinned{}) | experts read {} ({} reads, {} hits, {} evictions) | read rate {:.2} GB/s | planned {:.3} GB, peak RSS {}",
         s.backend,
         gb(s.trunk_bytes_read),
         s.trunk_reads,
@@ -667,7 +667,7 @@ pub(super) fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u6
         s.expert_reads,
         s.expert_hits,
         s.expert_evictions,
-        s.read_bytes_per_second / 1e6,
+        s.read_bytes_per_second / 1e9,
         p.planned_bytes as f64 / GB,
         peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.3} GB", b as f64 / GB)),
     );

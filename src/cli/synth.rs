@@ -97,12 +97,12 @@ fn print_text(r: &SynthReport) {
         return;
     }
     println!(
-        "wrote {} ({what}): {:.2} GB in {} shards, {} tensors, {:.2} s, {:.0} MB/s",
+        "wrote {} ({what}): {:.2} GB in {} shards, {} tensors, {:.2} s, {:.2} GB/s",
         r.out.display(),
         r.bytes as f64 / 1e9,
         r.shards,
         r.tensors,
         r.seconds,
-        r.mb_per_s
+        r.mb_per_s / 1e3
     );
 }

@@ -664,6 +664,29 @@ fn sizes_are_printed_in_gb_not_mib() {
         }
     }
     assert_eq!(err.lines().filter(sized).count(), 4, "{err}");
+    // Every line of the run: sizes in the decimal family, rates in GB/s.
+    for line in err.lines() {
+        for unit in ["KiB", "MiB", "GiB", "MB/s"] {
+            assert!(!line.contains(unit), "{unit} in: {line}");
+        }
+    }
+    assert!(err.contains("GB/s"), "{err}");
+    // pack and synth summaries too.
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, out) = (tmp.path().join("m"), tmp.path().join("t"));
+    let (m, o) = (model.to_str().unwrap(), out.to_str().unwrap());
+    for args in [
+        &["synth", "--dims", "tiny", "--out", m][..],
+        &["pack", "--model", m, "--out", o],
+        &["pack", "--model", m, "--out", o, "--verify"],
+    ] {
+        let (code, stdout, err) = k3ring(args);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert!(stdout.contains(" GB"), "{args:?}: {stdout}");
+        for unit in ["KiB", "MiB", "MB/s", " MB"] {
+            assert!(!stdout.contains(unit), "{unit} in {args:?}: {stdout}");
+        }
+    }
     let (code, out, err) = k3ring(&["inspect", "--model", d]);
     assert_eq!(code, 0, "{err}");
     assert!(!out.contains("KiB") && !out.contains("MiB") && out.contains(" kB"), "{out}");

@@ -117,12 +117,12 @@ impl fmt::Display for RingInfo {
         let yes_no = |b: bool| if b { "yes" } else { "no" };
         write!(
             f,
-            "io_uring {:?}, queue depth {} (SQ {}, CQ {}), {} KiB chunks, registered files {}, registered buffers {} ({} pieces), DIO alignment mem {} offset {} from {:?}",
+            "io_uring {:?}, queue depth {} (SQ {}, CQ {}), {:.2} MB chunks, registered files {}, registered buffers {} ({} pieces), DIO alignment mem {} offset {} from {:?}",
             self.setup,
             self.queue_depth,
             self.sq_entries,
             self.cq_entries,
-            self.chunk_bytes >> 10,
+            self.chunk_bytes as f64 / 1e6,
             yes_no(self.registered_files),
             yes_no(self.registered_buffers),
             self.fixed_buffers,

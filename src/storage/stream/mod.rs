@@ -303,8 +303,8 @@ impl Store {
         };
         let stats = StreamStats {
             buffers: format!(
-                "{} arena, 2 MiB aligned, {}, NUMA node {}",
-                super::io::fmt_bytes(arena.buffer().len() as u64),
+                "{} arena, huge-page aligned, {}, NUMA node {}",
+                crate::storage::plan::fmt_gb(arena.buffer().len() as u64),
                 lock_state,
                 arena.buffer().node().map_or_else(|| "unbound".to_owned(), |n| n.to_string())
             ),
