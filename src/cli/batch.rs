@@ -19,6 +19,7 @@ use super::pipeline_flags::PipelineArgs;
 use super::run::{print_streaming_summary, streaming_run, typed_budget_flag};
 use super::startup::{start_up, startup_flags, Started};
 use super::StorageArgs;
+use crate::chat::parse::{Channel, CompletionParser, Event as ParseEvent};
 use crate::config::Config;
 use crate::engine::requests::{parse_request_line, RequestDefaults};
 use crate::engine::{
@@ -93,6 +94,7 @@ struct Parsed {
     line: usize,
     request: BatchRequest,
     stop: Vec<String>,
+    chat: Option<crate::engine::requests::ChatReply>,
 }
 
 /// A line that cannot run: its record names the line.
@@ -108,7 +110,10 @@ struct ResultRecord<'a> {
     id: &'a serde_json::Value,
     prompt_tokens: usize,
     generated_ids: &'a [u32],
+    /// A `messages` reply's content (its reasoning apart); otherwise the whole text.
     text: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
     finish_reason: FinishReason,
     seconds: f64,
 }
@@ -316,7 +321,7 @@ fn parse_requests(text: &str, args: &BatchArgs, cfg: &Config, tok: &Tokenizer) -
                     continue;
                 }
                 ids.insert(id.to_string(), i + 1);
-                parsed.push(Parsed { id, line: i + 1, request: p.request, stop: p.stop });
+                parsed.push(Parsed { id, line: i + 1, request: p.request, stop: p.stop, chat: p.chat });
             }
             Err(e) => errors.push(ErrorRecord { id: e.id, line: i + 1, error: e.message }),
         }
@@ -339,26 +344,51 @@ struct Job<'a> {
 struct Results<'a> {
     tok: &'a Tokenizer,
     out: OutputWriter,
-    running: HashMap<Ticket, Sequence>,
+    running: HashMap<Ticket, Sequence<'a>>,
     write_error: Option<anyhow::Error>,
     succeeded: usize,
     bar: ProgressBar,
 }
 
-struct Sequence {
+struct Sequence<'t> {
     id: serde_json::Value,
     stop: Vec<String>,
     ids: Vec<u32>,
     decoder: StreamDecoder,
     text: String,
+    /// A `messages` request's reply is read through the template's markup: the reasoning
+    /// apart, the content in `text`, the markup in neither.
+    chat: Option<ChatText<'t>>,
     /// Where a stop string begins: the text ends there.
     cut: Option<usize>,
+}
+
+/// The reasoning side of a chat reply, and the parser that tells the channels apart.
+struct ChatText<'t> {
+    parser: CompletionParser<'t>,
+    decoder: StreamDecoder,
+    reasoning: String,
 }
 
 impl BatchSink for Results<'_> {
     fn token(&mut self, ticket: Ticket, id: u32) -> bool {
         let Some(seq) = self.running.get_mut(&ticket) else { return false };
         seq.ids.push(id);
+        if let Some(chat) = &mut seq.chat {
+            match chat.parser.push(id) {
+                Ok(ParseEvent::Payload(Channel::Reasoning)) => {
+                    let piece = chat.decoder.push(self.tok, id).unwrap_or_else(|_| format!("<{id}>"));
+                    chat.reasoning.push_str(&piece);
+                    return false;
+                }
+                Ok(ParseEvent::Payload(Channel::Content)) => {}
+                Ok(ParseEvent::Markup | ParseEvent::End) => return false,
+                Err(e) => {
+                    eprintln!("k3ring: request {}: the reply broke the chat template ({e}); it ends there", seq.id);
+                    return true;
+                }
+            }
+        }
         let piece = seq.decoder.push(self.tok, id).unwrap_or_else(|_| format!("<{id}>"));
         let before = seq.text.len();
         seq.text.push_str(&piece);
@@ -381,11 +411,16 @@ impl BatchSink for Results<'_> {
                 seq.text.push_str(&tail);
             }
         }
+        if let Some(chat) = &mut seq.chat {
+            let tail = chat.decoder.finish();
+            chat.reasoning.push_str(&tail);
+        }
         let record = ResultRecord {
             id: &seq.id,
             prompt_tokens: f.prompt_tokens,
             generated_ids: &seq.ids,
             text: &seq.text,
+            reasoning_content: seq.chat.as_ref().map(|c| c.reasoning.as_str()).filter(|r| !r.is_empty()),
             finish_reason: f.reason,
             seconds: f.seconds,
         };
@@ -552,6 +587,11 @@ fn submit_all<S: WeightSource + LayerHook>(
                     decoder: StreamDecoder::default(),
                     text: String::new(),
                     cut: None,
+                    chat: p.chat.map(|c| ChatText {
+                        parser: CompletionParser::new(results.tok, c.specials, c.thinking),
+                        decoder: StreamDecoder::default(),
+                        reasoning: String::new(),
+                    }),
                 };
                 results.running.insert(ticket, seq);
             }

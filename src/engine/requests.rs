@@ -1,5 +1,7 @@
-//! Requests as JSON lines (`k3ring batch`, later `serve`): one object per line,
-//! `{"id", "prompt" | "ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop"}`,
+//! Requests as JSON lines (`k3ring batch`): one object per line,
+//! `{"id", "prompt" | "ids" | "messages", "max_tokens", "temperature", "top_k", "top_p", "seed",
+//! "stop", "thinking", "reasoning_effort"}` (a `messages` line is rendered by the chat template,
+//! docs/MODEL.md section 6, and its reply is read back into reasoning and content),
 //! checked against the model before anything runs, so a bad line is refused with a message
 //! naming what is wrong and never reaches a step shared with other sequences.
 #![forbid(unsafe_code)]
@@ -24,6 +26,30 @@ struct RequestLine {
     top_p: Option<f32>,
     seed: Option<u64>,
     stop: Option<Stop>,
+    /// A conversation to reply to, as the chat template renders it.
+    messages: Option<Vec<LineMessage>>,
+    /// With `messages`: reason before answering (the default) or not.
+    thinking: Option<bool>,
+    /// With `messages` and thinking: `low`, `high` or `max`.
+    reasoning_effort: Option<String>,
+}
+
+/// One message of a `messages` line.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LineMessage {
+    role: String,
+    content: String,
+    /// An assistant turn's reasoning, kept in the history when thinking is on.
+    reasoning_content: Option<String>,
+}
+
+/// A `messages` request: its reply is read back through the chat template's markup.
+#[derive(Clone, Debug)]
+pub struct ChatReply {
+    pub specials: crate::chat::template::Specials,
+    /// The reply starts in the reasoning channel.
+    pub thinking: bool,
 }
 
 #[derive(Deserialize)]
@@ -51,6 +77,8 @@ pub struct ParsedRequest {
     pub request: BatchRequest,
     /// Stop strings: the text ends where one begins.
     pub stop: Vec<String>,
+    /// For a `messages` line: how to read the reply.
+    pub chat: Option<ChatReply>,
 }
 
 /// Why a line cannot run (its record says this and the batch goes on).
@@ -80,17 +108,34 @@ pub fn parse_request_line(
         RequestError { id, message }
     };
     let r: RequestLine = serde_json::from_str(line).map_err(|e| fail(format!("not a request: {e}")))?;
-    let prompt = match (&r.prompt, &r.ids) {
-        (Some(text), None) => tok.encode_with_added(text).map_err(|e| fail(format!("prompt: {e}")))?,
-        (None, Some(ids)) => {
+    let mut stop_ids = defaults.stop_ids.clone();
+    let mut chat = None;
+    let prompt = match (&r.prompt, &r.ids, &r.messages) {
+        (Some(text), None, None) => tok.encode_with_added(text).map_err(|e| fail(format!("prompt: {e}")))?,
+        (None, Some(ids), None) => {
             if let Some(&bad) = ids.iter().find(|&&id| id as usize >= cfg.vocab_size) {
                 return Err(fail(format!("ids: token {bad} is outside the vocabulary of {}", cfg.vocab_size)));
             }
             ids.clone()
         }
-        (Some(_), Some(_)) => return Err(fail("give \"prompt\" or \"ids\", not both".into())),
-        (None, None) => return Err(fail("give \"prompt\" (text) or \"ids\" (token ids)".into())),
+        (None, None, Some(messages)) => {
+            let (ids, reply) = render_messages(messages, &r, tok).map_err(&fail)?;
+            // The reply ends at the template's end of message, unless the caller ignores ends.
+            if !stop_ids.is_empty() {
+                stop_ids.extend(reply.specials.end_ids());
+                stop_ids.dedup();
+            }
+            chat = Some(reply);
+            ids
+        }
+        (None, None, None) => {
+            return Err(fail("give \"prompt\" (text), \"ids\" (token ids) or \"messages\" (a conversation)".into()))
+        }
+        _ => return Err(fail("give one of \"prompt\", \"ids\" and \"messages\", not several".into())),
     };
+    if chat.is_none() && (r.thinking.is_some() || r.reasoning_effort.is_some()) {
+        return Err(fail("\"thinking\" and \"reasoning_effort\" go with \"messages\"".into()));
+    }
     if prompt.is_empty() {
         return Err(fail("the prompt is empty: give at least one token".into()));
     }
@@ -131,9 +176,41 @@ pub fn parse_request_line(
         return Err(fail("stop: an empty stop string would stop at once".into()));
     }
     let sampling = Sampling { temperature, top_k: r.top_k, top_p: r.top_p, seed: r.seed.unwrap_or(0) };
-    Ok(ParsedRequest {
-        id: r.id,
-        request: BatchRequest { prompt, max_tokens, sampling, stop_ids: defaults.stop_ids.clone() },
-        stop,
-    })
+    Ok(ParsedRequest { id: r.id, request: BatchRequest { prompt, max_tokens, sampling, stop_ids }, stop, chat })
+}
+
+/// The prompt ids of a `messages` line, as the chat template renders the conversation and the
+/// start of the assistant's reply, and how to read that reply.
+fn render_messages(
+    messages: &[LineMessage],
+    r: &RequestLine,
+    tok: &Tokenizer,
+) -> Result<(Vec<u32>, ChatReply), String> {
+    use crate::chat::template::{check_order, render, to_ids, Effort, Message, Role, Specials, Thinking};
+    let specials = Specials::of(tok).map_err(|e| {
+        format!("messages: this model's tokenizer has no K3 chat template ({e}); give \"prompt\" or \"ids\"")
+    })?;
+    let mut thinking = Thinking { enabled: r.thinking.unwrap_or(true), ..Thinking::default() };
+    if let Some(e) = &r.reasoning_effort {
+        thinking.effort = Effort::parse(e).map_err(|err| format!("reasoning_effort: {err}"))?;
+    }
+    let list = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| match m.role.as_str() {
+            "system" | "developer" => Ok(Message::system(&m.content)),
+            "user" => Ok(Message::user(&m.content)),
+            "assistant" => Ok(Message::assistant(m.reasoning_content.as_deref(), &m.content)),
+            other => Err(format!(
+                "messages: message {i}: role {other:?} is not supported (system, developer, user, assistant)"
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    check_order(&list).map_err(|e| format!("messages: {e}"))?;
+    if list.last().is_none_or(|m| m.role != Role::User) {
+        return Err("messages: the last message must be the user's: a reply is asked for".into());
+    }
+    let pieces = render(&list, thinking, true).map_err(|e| format!("messages: {e}"))?;
+    let ids = to_ids(&pieces, tok, &specials).map_err(|e| format!("messages: {e}"))?;
+    Ok((ids, ChatReply { specials, thinking: thinking.enabled }))
 }

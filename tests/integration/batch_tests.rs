@@ -527,3 +527,94 @@ fn batch_runs_ids_without_a_tokenizer_and_refuses_a_repeated_id() {
     assert!(a["text"].as_str().unwrap().starts_with('<'), "{a}");
     assert!(done.iter().any(|r| r["id"] == 4), "a line without an id is named by its line: {out}");
 }
+
+/// A `messages` line: the chat template renders the conversation (as `chat` and the server do),
+/// and the reply is read back into `reasoning_content` and `text` (the content), its markup in
+/// neither; the tokens are those of the rendered ids run as an `ids` line.
+#[test]
+fn batch_messages_lines_render_the_template_and_split_the_reply() {
+    use k3ring::chat::parse::{Channel, CompletionParser, Event};
+    use k3ring::chat::template::{render, to_ids, Message, Specials, Thinking};
+    let tok = k3ring::tokenizer::Tokenizer::from_model_dir(&tiny_dir()).unwrap();
+    let sp = Specials::of(&tok).unwrap();
+    let d = tiny_dir();
+    let d = d.to_str().unwrap();
+    let conversation = [
+        Message::system("Be brief."),
+        Message::user("Hello"),
+        Message::assistant(None, "Hi."),
+        Message::user("Again?"),
+    ];
+    let messages = serde_json::json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Again?"},
+    ]);
+    for thinking in [true, false] {
+        let rendered = to_ids(
+            &render(&conversation, Thinking { enabled: thinking, ..Thinking::default() }, true).unwrap(),
+            &tok,
+            &sp,
+        )
+        .unwrap();
+        let input = format!(
+            "{}\n{}\n",
+            serde_json::json!({"id": "chat", "messages": messages, "thinking": thinking, "max_tokens": 24}),
+            serde_json::json!({"id": "ids", "ids": rendered, "max_tokens": 24}),
+        );
+        let (code, out, err) =
+            k3ring_stdin(&["batch", "--model", d, "--input", "-", "--output", "-", "--ignore-eos"], &input);
+        assert_eq!(code, 0, "{err}");
+        let records: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let of = |id: &str| records.iter().find(|r| r["id"] == id).unwrap_or_else(|| panic!("{id}: {out}"));
+        let (chat, plain) = (of("chat"), of("ids"));
+        assert_eq!(chat["prompt_tokens"].as_u64().unwrap(), rendered.len() as u64, "{chat}");
+        // The same tokens, up to where a random model's reply breaks the template's markup
+        // (then it ends there, said on stderr, as the server does).
+        let (got, all) = (ids(&chat["generated_ids"]), ids(&plain["generated_ids"]));
+        assert!(all.starts_with(&got) && !got.is_empty(), "thinking {thinking}: {got:?} vs {all:?}");
+        assert!(got.len() == all.len() || err.contains("broke the chat template"), "{err}");
+        // The channels, as the template's parser reads the same ids.
+        let mut parser = CompletionParser::new(&tok, sp, thinking);
+        let (mut reasoning, mut content) = (Vec::new(), Vec::new());
+        for id in ids(&chat["generated_ids"]) {
+            match parser.push(id) {
+                Ok(Event::Payload(Channel::Reasoning)) => reasoning.push(id),
+                Ok(Event::Payload(Channel::Content)) => content.push(id),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        let text = |v: &[u32]| tok.decode_or_mark(v, false);
+        assert_eq!(chat["text"].as_str().unwrap(), text(&content), "{chat}");
+        let want_reasoning = text(&reasoning);
+        assert_eq!(chat["reasoning_content"].as_str().unwrap_or(""), want_reasoning, "{chat}");
+        if !thinking {
+            assert!(chat.get("reasoning_content").is_none(), "{chat}");
+        }
+    }
+    // Refused on their lines: a conversation that asks for no reply, two prompts, thinking
+    // without messages, an unknown role.
+    let bad = [
+        serde_json::json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}),
+        serde_json::json!({"messages": [{"role": "user", "content": "a"}], "prompt": "x"}),
+        serde_json::json!({"prompt": "x", "thinking": false}),
+        serde_json::json!({"messages": [{"role": "tool", "content": "a"}]}),
+    ];
+    let input: String = bad.iter().map(|b| format!("{b}\n")).collect();
+    let (code, out, err) = k3ring_stdin(&["batch", "--model", d, "--input", "-", "--output", "-"], &input);
+    assert_eq!(code, 2, "{err}");
+    let errors: Vec<String> = out
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["error"].as_str().unwrap().to_owned())
+        .collect();
+    for (e, says) in errors.iter().zip([
+        "the last message must be the user's",
+        "not several",
+        "go with \"messages\"",
+        "role \"tool\" is not supported",
+    ]) {
+        assert!(e.contains(says), "{e}");
+    }
+}
