@@ -1,4 +1,4 @@
-//! The documented process exit codes (README "Exit codes") and [`Classify`], by which each error
+//! The documented process exit codes (docs/USAGE.md "Exit codes") and [`Classify`], by which each error
 //! type states its own code next to its definition.
 //!
 //! A leaf: it depends on nothing else in the crate, so every library module can implement
@@ -6,7 +6,7 @@
 //! turns a classification into a process status.
 #![forbid(unsafe_code)]
 
-/// Process exit codes, documented in the README.
+/// Process exit codes, documented in docs/USAGE.md.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum ExitCode {

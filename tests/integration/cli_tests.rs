@@ -933,8 +933,8 @@ fn help_flags(sub: &str) -> Vec<String> {
     flags
 }
 
-/// The README's usage lines of `sub`: each code-block line starting `k3ring <sub>` and the
-/// indented lines after it.
+/// The usage lines of `sub` in docs/USAGE.md: each code-block line starting `k3ring <sub>` and
+/// the indented lines after it.
 fn readme_usage(readme: &str, sub: &str) -> String {
     let mut out = String::new();
     let mut in_block = false;
@@ -964,14 +964,16 @@ fn readme_usage(readme: &str, sub: &str) -> String {
 #[test]
 fn readme_usage_lines_list_every_flag_of_help() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    for sub in ["demo", "inspect", "run", "pack", "batch", "chat", "serve", "synth", "bench", "tune", "cache-sim"] {
-        let usage = readme_usage(&readme, sub);
+    let usage_doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/USAGE.md")).unwrap();
+    let subs = ["demo", "inspect", "plan", "run", "pack", "batch", "chat", "serve", "synth", "bench", "tune", "cache-sim"];
+    for sub in subs {
+        let usage = readme_usage(&usage_doc, sub);
         assert!(!usage.is_empty(), "no usage line for {sub}");
         for flag in help_flags(sub) {
             let listed = usage
                 .match_indices(&flag)
                 .any(|(at, _)| !usage[at + flag.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-'));
-            assert!(listed, "README's usage of `k3ring {sub}` lacks {flag}:\n{usage}");
+            assert!(listed, "docs/USAGE.md's usage of `k3ring {sub}` lacks {flag}:\n{usage}");
         }
     }
     // Figures the program prints: the demo model's size.

@@ -68,7 +68,7 @@ pub enum IoError {
     CpuList { path: PathBuf, text: String, why: String },
 }
 
-/// README "Exit codes": 3 when the data is at fault (a file shorter than the checkpoint says), 1
+/// docs/USAGE.md "Exit codes": 3 when the data is at fault (a file shorter than the checkpoint says), 1
 /// for the engine's own bug (an unaligned or malformed op, a queue overrun: the engine built or
 /// queued the request wrongly), 4 for every I/O or system failure.
 impl Classify for IoError {
