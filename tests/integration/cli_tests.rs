@@ -965,7 +965,8 @@ fn readme_usage(readme: &str, sub: &str) -> String {
 fn readme_usage_lines_list_every_flag_of_help() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
     let usage_doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/USAGE.md")).unwrap();
-    let subs = ["demo", "inspect", "plan", "run", "pack", "batch", "chat", "serve", "synth", "bench", "tune", "cache-sim"];
+    let subs =
+        ["demo", "inspect", "plan", "run", "pack", "batch", "chat", "serve", "synth", "bench", "tune", "cache-sim"];
     for sub in subs {
         let usage = readme_usage(&usage_doc, sub);
         assert!(!usage.is_empty(), "no usage line for {sub}");
