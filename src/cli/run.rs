@@ -274,7 +274,7 @@ pub(super) fn streaming_run(
             verify_every_read: st.verify_reads,
             verify_experts: !st.no_verify_experts,
             policy: pipe.policy.clone(),
-            piece_bytes: st.piece_mb.map(|mb| (mb * 1e6) as u64),
+            piece_bytes: st.piece_mb.map(|mb| (mb * 1e6).round() as u64),
             ..StoreOptions::default()
         },
         pipeline: PipelineOptions {

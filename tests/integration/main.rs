@@ -1,5 +1,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, clippy::print_stderr)]
 
+mod advice_tests;
 mod attribution_tests;
 mod batch_tests;
 mod cache_sim_tests;
