@@ -368,6 +368,9 @@ struct ChatText<'t> {
     parser: CompletionParser<'t>,
     decoder: StreamDecoder,
     reasoning: String,
+    /// The reply's end id came (with `--ignore-eos` generation goes on): later tokens are in
+    /// `generated_ids` but no part of the reply's text.
+    ended: bool,
 }
 
 impl BatchSink for Results<'_> {
@@ -375,6 +378,9 @@ impl BatchSink for Results<'_> {
         let Some(seq) = self.running.get_mut(&ticket) else { return false };
         seq.ids.push(id);
         if let Some(chat) = &mut seq.chat {
+            if chat.ended {
+                return false;
+            }
             match chat.parser.push(id) {
                 Ok(ParseEvent::Payload(Channel::Reasoning)) => {
                     let piece = chat.decoder.push(self.tok, id).unwrap_or_else(|_| format!("<{id}>"));
@@ -382,7 +388,11 @@ impl BatchSink for Results<'_> {
                     return false;
                 }
                 Ok(ParseEvent::Payload(Channel::Content)) => {}
-                Ok(ParseEvent::Markup | ParseEvent::End) => return false,
+                Ok(ParseEvent::Markup) => return false,
+                Ok(ParseEvent::End) => {
+                    chat.ended = true;
+                    return false;
+                }
                 Err(e) => {
                     eprintln!("k3ring: request {}: the reply broke the chat template ({e}); it ends there", seq.id);
                     return true;
@@ -591,6 +601,7 @@ fn submit_all<S: WeightSource + LayerHook>(
                         parser: CompletionParser::new(results.tok, c.specials, c.thinking),
                         decoder: StreamDecoder::default(),
                         reasoning: String::new(),
+                        ended: false,
                     }),
                 };
                 results.running.insert(ticket, seq);

@@ -131,6 +131,8 @@ fn sizing_run(args: &PlanArgs, budget: u64, drafting: bool) -> StreamingRun {
         };
         (batch.step_rows(), batch.draft_plan(true))
     };
+    // Without drafting the step has no guess rows, as `batch` and `serve` then make it.
+    let (chunk, draft) = if drafting { (chunk, draft) } else { (chunk - draft.step_rows, DraftPlan::default()) };
     StreamingRun {
         budget_bytes: budget,
         context: args.context,
@@ -144,7 +146,7 @@ fn sizing_run(args: &PlanArgs, budget: u64, drafting: bool) -> StreamingRun {
         trace_detail: false,
         trunk_share: None,
         available_memory: None,
-        drafting: if drafting { draft } else { DraftPlan { step_rows: draft.step_rows, ..DraftPlan::default() } },
+        drafting: draft,
     }
 }
 

@@ -130,8 +130,9 @@ pub struct DraftPlan {
     /// chunk holds its draft already).
     pub step_rows: usize,
     /// Drafting is the default rather than asked for: it yields, and the plan holds no journal
-    /// ([`Plan::draft_journals`] 0), where its journals would leave fewer sequence slots or
-    /// less pinned trunk than plain decoding, or a budget too small to run.
+    /// ([`Plan::draft_journals`] 0), where its journals would leave fewer sequence slots than
+    /// plain decoding, a budget too small to run, or unpin trunk worth more than a tenth of a
+    /// token's reads (`sizing::plan_drafting`).
     pub optional: bool,
 }
 

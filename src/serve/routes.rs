@@ -435,6 +435,9 @@ impl http_body::Body for SseBody {
                     // The model thread dropped the request without a word: end the stream with
                     // an error event rather than a silent truncation.
                     self.finished = true;
+                    if let Some(log) = &mut self.log {
+                        log.end(None, "streamed; the model thread stopped");
+                    }
                     let e = ApiError::unavailable("the model thread has stopped");
                     let mut out = sse(&e.body());
                     out.extend(b"data: [DONE]\n\n");

@@ -551,6 +551,7 @@ fn batch_messages_lines_render_the_template_and_split_the_reply() {
         {"role": "assistant", "content": "Hi."},
         {"role": "user", "content": "Again?"},
     ]);
+    let mut some_text = false;
     for thinking in [true, false] {
         let rendered = to_ids(
             &render(&conversation, Thinking { enabled: thinking, ..Thinking::default() }, true).unwrap(),
@@ -589,11 +590,13 @@ fn batch_messages_lines_render_the_template_and_split_the_reply() {
         let text = |v: &[u32]| tok.decode_or_mark(v, false);
         assert_eq!(chat["text"].as_str().unwrap(), text(&content), "{chat}");
         let want_reasoning = text(&reasoning);
+        some_text |= !content.is_empty() || !reasoning.is_empty();
         assert_eq!(chat["reasoning_content"].as_str().unwrap_or(""), want_reasoning, "{chat}");
         if !thinking {
             assert!(chat.get("reasoning_content").is_none(), "{chat}");
         }
     }
+    assert!(some_text, "no reply had any content or reasoning to check");
     // Refused on their lines: a conversation that asks for no reply, two prompts, thinking
     // without messages, an unknown role.
     let bad = [
@@ -609,6 +612,7 @@ fn batch_messages_lines_render_the_template_and_split_the_reply() {
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["error"].as_str().unwrap().to_owned())
         .collect();
+    assert_eq!(errors.len(), 4, "{out}");
     for (e, says) in errors.iter().zip([
         "the last message must be the user's",
         "not several",
