@@ -158,3 +158,66 @@ impl<'c> ConfigSizing<'c> {
         plan_drafting(sized, &run.drafting)
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn input(budget: u64, scratch_bytes: u64) -> PlanInput {
+        PlanInput {
+            budget,
+            mem_available: None,
+            units: (0..10).map(|l| (PackUnit::Layer(l), 100 + l as u64)).chain([(PackUnit::Head, 300)]).collect(),
+            expert_slot_bytes: 10,
+            experts_total: 1000,
+            top_k: 4,
+            prefetch_window: 4,
+            readahead: 1,
+            states_bytes: 50,
+            sequences: 1,
+            scratch_bytes,
+            trunk_share: None,
+            pieces: None,
+        }
+    }
+
+    fn sized(budget: u64, expert_read: u64) -> Sized {
+        // Drafting adds 60 bytes of journal and rows to a plain scratch of 50.
+        Sized { input: input(budget, 110), chunk: 2, plain_chunk: 1, plain_scratch: 50, expert_read }
+    }
+
+    /// Default drafting keeps its journal where the trunk it unpins adds at most a tenth of a
+    /// token's reads, and yields (saying so) where it adds more; asked-for drafting never yields.
+    #[test]
+    fn default_drafting_yields_only_where_unpinned_trunk_costs_over_a_tenth_of_the_reads() {
+        let optional = DraftPlan { rows: 9, sequences: 1, step_rows: 1, optional: true };
+        // A budget where the journal unpins a unit that plain decoding pins.
+        let budget = (700..3000)
+            .find(|&b| {
+                let (with, plain) = (Plan::make(&input(b, 110)), Plan::make(&input(b, 50)));
+                matches!((with, plain), (Ok(w), Ok(p)) if w.sequences == p.sequences && w.pinned_bytes < p.pinned_bytes)
+            })
+            .expect("some budget where the journal unpins trunk");
+        let (with, plain) = (Plan::make(&input(budget, 110)).unwrap(), Plan::make(&input(budget, 50)).unwrap());
+        let added = with.trunk_read_bytes_per_token - plain.trunk_read_bytes_per_token;
+        assert!(added > 0);
+        // Reads of ten times the added trunk and more: drafting stays.
+        let many = 10 * added;
+        let p = plan_drafting(sized(budget, many), &optional).unwrap();
+        assert_eq!((p.draft_journals, p.draft_note.is_none()), (1, true), "{}", p.describe());
+        // Few other reads: the unpinned trunk is more than a tenth; drafting yields.
+        let p = plan_drafting(sized(budget, 0), &optional).unwrap();
+        assert_eq!(p.draft_journals, 0, "{}", p.describe());
+        assert!(
+            p.draft_note.as_deref().unwrap().contains("would unpin trunk worth more than a tenth"),
+            "{:?}",
+            p.draft_note
+        );
+        assert_eq!(p.pinned_bytes, plain.pinned_bytes);
+        // Asked for, it keeps the journal whatever it costs.
+        let asked = DraftPlan { optional: false, ..optional };
+        let p = plan_drafting(sized(budget, 0), &asked).unwrap();
+        assert_eq!((p.draft_journals, p.pinned_bytes), (1, with.pinned_bytes));
+    }
+}
