@@ -228,7 +228,8 @@ pub fn run(args: &TuneArgs) -> anyhow::Result<()> {
         points.push(Point {
             sweep,
             knobs: k,
-            seconds_per_token: seconds[seconds.len() / 2],
+            // The median; of an even count, the mean of the middle two.
+            seconds_per_token: (seconds[(seconds.len() - 1) / 2] + seconds[seconds.len() / 2]) / 2.0,
             seconds_min: seconds[0],
             seconds_max: seconds[seconds.len() - 1],
             bytes_per_token: m.trunk_bytes_per_token + m.expert_bytes_per_token,
@@ -468,12 +469,12 @@ fn report(
 
 /// Every point as a CSV row (`--csv`).
 fn write_csv(path: &std::path::Path, points: &[Point]) -> anyhow::Result<()> {
-    let mut csv = String::from("sweep,split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,bytes_per_token,overlap_fraction,recall,same_ids\n");
+    let mut csv = String::from("sweep,split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,seconds_min,seconds_max,bytes_per_token,overlap_fraction,recall,same_ids\n");
     for p in points {
         let k = &p.knobs;
         let _ = writeln!(
             csv,
-            "{},{},{},{},{},{},{},{:.6},{:.0},{:.4},{:.4},{}",
+            "{},{},{},{},{},{},{},{:.6},{:.6},{:.6},{:.0},{:.4},{:.4},{}",
             p.sweep,
             k.split,
             k.readahead,
@@ -483,6 +484,8 @@ fn write_csv(path: &std::path::Path, points: &[Point]) -> anyhow::Result<()> {
             // A modeled device's spec has commas: quoted, as CSV does.
             if k.io.contains(',') { format!("\"{}\"", k.io) } else { k.io.clone() },
             p.seconds_per_token,
+            p.seconds_min,
+            p.seconds_max,
             p.bytes_per_token,
             p.overlap_fraction,
             p.recall,

@@ -191,8 +191,11 @@ fn render_messages(
         format!("messages: this model's tokenizer has no K3 chat template ({e}); give \"prompt\" or \"ids\"")
     })?;
     let mut thinking = Thinking { enabled: r.thinking.unwrap_or(true), ..Thinking::default() };
-    if let Some(e) = &r.reasoning_effort {
-        thinking.effort = Effort::parse(e).map_err(|err| format!("reasoning_effort: {err}"))?;
+    match r.reasoning_effort.as_deref() {
+        None => {}
+        // As the server takes it (OpenAI's value for no reasoning).
+        Some("none") => thinking.enabled = false,
+        Some(e) => thinking.effort = Effort::parse(e).map_err(|err| format!("reasoning_effort: {err}"))?,
     }
     let list = messages
         .iter()

@@ -597,6 +597,18 @@ fn batch_messages_lines_render_the_template_and_split_the_reply() {
         }
     }
     assert!(some_text, "no reply had any content or reasoning to check");
+    // reasoning_effort "none" is thinking off, as the server takes it: the same prompt.
+    let off = serde_json::json!({"id": "none", "messages": messages, "reasoning_effort": "none", "max_tokens": 1});
+    let no_think = serde_json::json!({"id": "off", "messages": messages, "thinking": false, "max_tokens": 1});
+    let (code, out, err) =
+        k3ring_stdin(&["batch", "--model", d, "--input", "-", "--output", "-"], &format!("{off}\n{no_think}\n"));
+    assert_eq!(code, 0, "{err}");
+    let prompts: Vec<u64> = out
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["prompt_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(prompts.len(), 2, "{out}");
+    assert_eq!(prompts[0], prompts[1], "{out}");
     // Refused on their lines: a conversation that asks for no reply, two prompts, thinking
     // without messages, an unknown role.
     let bad = [

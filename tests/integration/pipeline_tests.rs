@@ -322,6 +322,17 @@ fn tune_sweeps_reports_and_recommends_with_identical_ids() {
     assert_eq!(rows.lines().count(), 1 + 4 + 5 + 2 + 2, "{rows}");
     assert!(rows.contains(",adaptive,") && rows.contains(",fixed,") && rows.contains(",off,"), "{rows}");
     assert!(rows.lines().skip(1).all(|l| l.ends_with(",true")), "{rows}");
+    // Each point's median with its spread (one run each here: all three equal).
+    assert!(
+        rows.starts_with(
+            "sweep,split,readahead,speculation,spec_margin,queue_depth,io,seconds_per_token,seconds_min,seconds_max,"
+        ),
+        "{rows}"
+    );
+    for row in rows.lines().skip(1).filter(|l| !l.contains('"')) {
+        let cells: Vec<&str> = row.split(',').collect();
+        assert!(cells[7] == cells[8] && cells[8] == cells[9], "{row}");
+    }
     // The modeled device's own commas stay with it; it is swept and recommended canonically.
     assert!(out.contains("sim:1GB/s,20us,qd32x2"), "{out}");
     // The read tax, through the first backend, by default.
