@@ -16,8 +16,9 @@ use serde::Serialize;
 
 use super::budget::name_budget_flag;
 use super::pipeline_flags::PipelineArgs;
-use super::run::{print_streaming_summary, streaming_run, typed_budget_flag};
+use super::run::{streaming_run, typed_budget_flag};
 use super::startup::{start_up, startup_flags, Started};
+use super::summary::print_streaming_summary;
 use super::StorageArgs;
 use crate::chat::parse::{Channel, CompletionParser, Event as ParseEvent};
 use crate::config::Config;

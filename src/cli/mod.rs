@@ -25,6 +25,7 @@ mod plan;
 mod run;
 mod serve;
 mod startup;
+mod summary;
 mod svg;
 mod synth;
 mod tune;

@@ -11,6 +11,7 @@ use super::budget::name_budget_flag;
 use super::output::{create_now, JsonOut};
 use super::pipeline_flags::PipelineArgs;
 use super::startup::{start_up, startup_flags, Started};
+use super::summary::{print_run_line, print_streaming_summary, recall};
 use super::{RunArgs, StorageArgs};
 use crate::engine::DraftStats;
 use crate::engine::{
@@ -593,11 +594,6 @@ fn decode_attribution(
     Some(table)
 }
 
-/// Share of routed experts the prediction had read ahead, when any were routed.
-fn recall(s: &StreamStats) -> Option<f64> {
-    (s.routed_experts > 0).then(|| s.routed_recalled as f64 / s.routed_experts as f64)
-}
-
 /// `--trace FILE`, when given and the run was traced.
 fn write_trace(args: &RunArgs, model: &crate::model::Model) -> anyhow::Result<()> {
     if let (Some(path), Some(tracer)) = (&args.pipeline.trace, &model.tracer) {
@@ -605,17 +601,6 @@ fn write_trace(args: &RunArgs, model: &crate::model::Model) -> anyhow::Result<()
         eprintln!("k3ring: trace written to {}", path.display());
     }
     Ok(())
-}
-
-fn print_run_line(g: &Generation, peak: Option<u64>, threads: usize, isa: &str) {
-    eprintln!(
-        "k3ring: {} prompt + {} generated tokens | prefill {:.3} s | {} | peak RSS {} | {threads} threads, {isa} kernels",
-        g.prompt_ids.len(),
-        g.generated_ids.len(),
-        g.prefill_seconds,
-        decode_rate(g.generated_ids.len(), g.seconds_per_token),
-        peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.3} GB", b as f64 / GB)),
-    );
 }
 
 /// `--prompt-file FILE`, or stdin for `-`, read up to `max` bytes (what `positions` can hold at
@@ -637,55 +622,6 @@ fn read_prompt_file(f: &std::path::Path, (positions, max): (usize, u64), per_tok
         ))
         .into()
     })
-}
-
-/// The decode part of the summary: time per token and tokens per second, or none at all when
-/// nothing was generated (`--gen 0`), since a rate over no tokens means nothing.
-fn decode_rate(generated: usize, seconds_per_token: f64) -> String {
-    if generated == 0 || seconds_per_token <= 0.0 {
-        return "no tokens decoded".to_owned();
-    }
-    format!("decode {seconds_per_token:.4} s/token, {:.2} tokens/s", 1.0 / seconds_per_token)
-}
-
-/// The storage and pipeline lines of a streaming run's summary.
-pub(super) fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u64>, metrics: &crate::trace::Metrics) {
-    let gb = |bytes: u64| format!("{:.4} GB", bytes as f64 / GB);
-    eprintln!(
-        "k3ring: storage {} | trunk read {} ({} reads, {}/{} units pinned{}) | experts read {} ({} reads, {} hits, {} evictions) | read rate {:.2} GB/s | planned {:.3} GB, peak RSS {}",
-        s.backend,
-        gb(s.trunk_bytes_read),
-        s.trunk_reads,
-        s.trunk_pinned_units,
-        s.trunk_pinned_units + s.trunk_streamed_units,
-        if s.trunk_split_units > 0 {
-            format!(", {} streamed in {} pieces", s.trunk_split_units, s.trunk_pieces)
-        } else {
-            String::new()
-        },
-        gb(s.expert_bytes_read),
-        s.expert_reads,
-        s.expert_hits,
-        s.expert_evictions,
-        s.read_bytes_per_second / 1e9,
-        p.planned_bytes as f64 / GB,
-        peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.3} GB", b as f64 / GB)),
-    );
-    let recall = if s.routed_experts > 0 { s.routed_recalled as f64 / s.routed_experts as f64 } else { 0.0 };
-    eprintln!(
-        "k3ring: pipeline | I/O busy {:.0}% | compute busy {:.0}% | overlap {:.0}% | stalled {:.3} s | recall {:.0}% | speculative reads {} ({}, {} wasted, {} cancelled) | layer trials won {} lost {}",
-        100.0 * metrics.io_busy_fraction,
-        100.0 * metrics.compute_busy_fraction,
-        100.0 * metrics.overlap_fraction,
-        metrics.stall_us / 1e6,
-        100.0 * recall,
-        s.spec_reads,
-        gb(s.spec_bytes),
-        gb(s.spec_wasted_bytes),
-        s.spec_cancelled,
-        s.spec_trials_won,
-        s.spec_trials_lost,
-    );
 }
 
 #[cfg(test)]
