@@ -16,7 +16,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::api::ApiError;
+use super::error::ApiError;
 use super::metrics::Shared;
 
 /// How long a refused client gets to take its 503 before the socket is dropped.

@@ -16,6 +16,7 @@
 mod access_log;
 pub mod api;
 pub mod connections;
+pub mod error;
 mod http;
 pub mod metrics;
 pub mod routes;

@@ -21,7 +21,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::access_log::{StreamLog, Streamed, Tokens};
-use super::api::{chat_job, completion_job, ApiError, Limits, Usage};
+use super::api::{chat_job, completion_job, Limits, Usage};
+use super::error::ApiError;
 use super::metrics::Shared;
 use super::worker::{Event, Submission};
 

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::{ApiError, Job, Prompt, Usage};
+use super::api::{Job, Prompt, Usage};
+use super::error::ApiError;
 use super::metrics::{Shared, Snapshot};
 use crate::chat::parse::{Channel, CompletionParser, Event as ParseEvent};
 use crate::chat::template::{render, to_ids, Specials};
