@@ -165,21 +165,7 @@ mod tests {
     use super::*;
 
     fn input(budget: u64, scratch_bytes: u64) -> PlanInput {
-        PlanInput {
-            budget,
-            mem_available: None,
-            units: (0..10).map(|l| (PackUnit::Layer(l), 100 + l as u64)).chain([(PackUnit::Head, 300)]).collect(),
-            expert_slot_bytes: 10,
-            experts_total: 1000,
-            top_k: 4,
-            prefetch_window: 4,
-            readahead: 1,
-            states_bytes: 50,
-            sequences: 1,
-            scratch_bytes,
-            trunk_share: None,
-            pieces: None,
-        }
+        PlanInput { scratch_bytes, ..crate::storage::plan::tests::input(budget) }
     }
 
     fn sized(budget: u64, expert_read: u64) -> Sized {

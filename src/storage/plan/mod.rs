@@ -575,4 +575,4 @@ fn choose_pinned(units: &[Unit], avail: u64, ring_slots: usize) -> (Vec<Unit>, V
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -11,7 +11,8 @@ fn plan_sizes_print_in_gb_to_three_significant_digits() {
     assert_eq!(fmt_gb(0), "0 GB");
 }
 
-fn input(budget: u64) -> PlanInput {
+/// A model of ten layer units and a head, for planner tests (also the drafting plan's).
+pub(crate) fn input(budget: u64) -> PlanInput {
     PlanInput {
         budget,
         mem_available: None,
