@@ -17,6 +17,7 @@ use crate::engine::{BatchOptions, Opened};
 use crate::error::UsageError;
 use crate::model::weights::WeightSource;
 use crate::model::LayerHook;
+use crate::serve::limits::ConnLimits;
 use crate::serve::{serve, Ready, ServeOptions};
 use crate::storage::plan::Plan;
 use crate::storage::stream::StreamStats;
@@ -64,6 +65,20 @@ pub struct ServeArgs {
     /// HTTP connections open at once at most; one more is answered 503 and closed.
     #[arg(long, value_name = "N", default_value_t = 256)]
     pub max_connections: usize,
+    /// Seconds a client has to send a request's head (from connecting, or from the first byte
+    /// of a later request); a slower one loses its connection.
+    #[arg(long, value_name = "S", default_value = "10", value_parser = parse_timeout)]
+    pub header_timeout: Duration,
+    /// Seconds a client has to send a request's whole body once its head arrived (else 408
+    /// and the connection is closed).
+    #[arg(long, value_name = "S", default_value = "60", value_parser = parse_timeout)]
+    pub body_timeout: Duration,
+    /// Seconds a keep-alive connection may sit with no request before it is closed.
+    #[arg(long, value_name = "S", default_value = "30", value_parser = parse_timeout)]
+    pub idle_timeout: Duration,
+    /// Requests one connection may carry; the last is answered with `Connection: close`.
+    #[arg(long, value_name = "N", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_requests_per_connection: u64,
     /// Seconds requests in flight may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, value_name = "S", default_value_t = 30.0)]
     pub grace: f64,
@@ -167,6 +182,12 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key.clone(),
         body_limit: args.max_body,
         max_connections: args.max_connections,
+        limits: ConnLimits {
+            header: args.header_timeout,
+            body: args.body_timeout,
+            idle: args.idle_timeout,
+            max_requests: args.max_requests_per_connection,
+        },
         access_log: !args.no_access_log,
         health_needs_key: args.health_needs_key,
         grace: Duration::from_secs_f64(args.grace),
@@ -243,6 +264,16 @@ fn start<S: WeightSource + LayerHook>(
     })?;
     eprintln!("k3ring: server stopped");
     Ok(())
+}
+
+/// A connection timeout in seconds: finite and above 0 (a limit of 0 would close every
+/// connection before its first byte; a large number is the way to say "practically none").
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(secs.is_finite() && secs > 0.0) {
+        return Err(format!("{s} must be a number of seconds above 0"));
+    }
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("{s} seconds is too long"))
 }
 
 fn is_loopback(ip: IpAddr) -> bool {

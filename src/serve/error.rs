@@ -53,6 +53,11 @@ impl ApiError {
         ApiError::new(413, "invalid_request_error", Some("request_too_large"), message.into())
     }
 
+    /// 408: the body did not arrive in time (`--body-timeout`); the connection is closed.
+    pub fn request_timeout(message: impl Into<String>) -> ApiError {
+        ApiError::new(408, "invalid_request_error", Some("request_timeout"), message.into())
+    }
+
     pub fn queue_full(message: impl Into<String>, retry_after: u64) -> ApiError {
         ApiError {
             retry_after: Some(retry_after),

@@ -11,16 +11,22 @@
 use std::future::Future;
 use std::pin::pin;
 
+use std::sync::Arc;
+
 use hyper_util::rt::TokioIo;
-use hyper_util::service::TowerToHyperService;
 use tokio::sync::watch;
 
 use super::connections::CappedListener;
+use super::limits::{ConnLimits, Tracked, Watch, Watched};
+use super::metrics::Shared;
 
-/// Serves `router` on `listener` until `stop` completes and the open connections have closed.
+/// Serves `router` on `listener` until `stop` completes and the open connections have closed;
+/// each connection under `limits` ([`super::limits`]).
 pub async fn serve(
     mut listener: CappedListener,
     router: axum::Router,
+    limits: ConnLimits,
+    shared: Arc<Shared>,
     stop: impl Future<Output = ()> + Send + 'static,
 ) {
     let (signal_tx, signal_rx) = watch::channel(());
@@ -35,8 +41,10 @@ pub async fn serve(
             conn = axum::serve::Listener::accept(&mut listener) => conn,
             () = signal_tx.closed() => break,
         };
-        let service = TowerToHyperService::new(router.clone());
-        let (signal_tx, close_rx) = (signal_tx.clone(), close_rx.clone());
+        let conn_watch = Watch::new();
+        let service = Tracked::new(router.clone(), Arc::clone(&conn_watch), limits, Arc::clone(&shared));
+        let io = Watched::new(io, Arc::clone(&conn_watch));
+        let (signal_tx, close_rx, shared) = (signal_tx.clone(), close_rx.clone(), Arc::clone(&shared));
         tokio::spawn(async move {
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder.half_close(true);
@@ -44,7 +52,25 @@ pub async fn serve(
             let mut signalled = pin!(signal_tx.closed());
             let mut shutting_down = false;
             loop {
+                let deadline = conn_watch.deadline(&limits);
+                let due = async {
+                    match deadline {
+                        Some((at, _)) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
+                    () = due => {
+                        // Dropping the connection closes the socket; no request is in flight.
+                        if let Some((at, reason)) = conn_watch.deadline(&limits) {
+                            if at <= tokio::time::Instant::now() {
+                                shared.closed.count(reason);
+                                tracing::debug!("connection closed: {}", reason.label());
+                                break;
+                            }
+                        }
+                    }
+                    () = conn_watch.changed() => {}
                     result = conn.as_mut() => {
                         if let Err(e) = result {
                             tracing::debug!("connection ended: {e}");

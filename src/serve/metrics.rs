@@ -38,6 +38,8 @@ pub struct Shared {
     /// Connections open, and those refused at the cap (`--max-connections`).
     pub connections: AtomicUsize,
     pub connections_refused: AtomicU64,
+    /// Connections the server closed under its limits ([`super::limits`]), by reason.
+    pub closed: super::limits::Closed,
     /// Set on SIGINT/SIGTERM: nothing new is admitted.
     pub shutting_down: AtomicBool,
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
@@ -114,13 +116,7 @@ impl Shared {
             "Requests that may wait beyond the slots (--max-queue).",
             &one(max_queue as f64),
         );
-        metric("k3ring_open_connections", "gauge", "HTTP connections open.", &one(load(&self.connections)));
-        metric(
-            "k3ring_refused_connections_total",
-            "counter",
-            "Connections answered 503 at the cap (--max-connections).",
-            &one(load64(&self.connections_refused)),
-        );
+        self.render_connections(&mut metric);
         metric("k3ring_generated_tokens_total", "counter", "Tokens generated.", &one(load64(&self.generated_tokens)));
         metric("k3ring_prompt_tokens_total", "counter", "Prompt tokens admitted.", &one(load64(&self.prompt_tokens)));
         metric(
@@ -178,6 +174,30 @@ impl Shared {
         }
         out
     }
+
+    /// Connections: open, refused at the cap, closed under the limits.
+    fn render_connections(&self, metric: &mut impl FnMut(&str, &str, &str, &[(String, f64)])) {
+        let one = |v: f64| vec![(String::new(), v)];
+        let load = |a: &AtomicUsize| a.load(Ordering::Relaxed) as f64;
+        let load64 = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        metric("k3ring_open_connections", "gauge", "HTTP connections open.", &one(load(&self.connections)));
+        metric(
+            "k3ring_refused_connections_total",
+            "counter",
+            "Connections answered 503 at the cap (--max-connections).",
+            &one(load64(&self.connections_refused)),
+        );
+        let closed: Vec<(String, f64)> = super::limits::CloseReason::ALL
+            .iter()
+            .map(|r| (format!("{{reason=\"{}\"}}", r.label()), self.closed.get(*r) as f64))
+            .collect();
+        metric(
+            "k3ring_connections_closed_total",
+            "counter",
+            "Connections the server closed under its limits: a head or body not whole in time (--header-timeout, --body-timeout), idle keep-alive (--idle-timeout), requests per connection (--max-requests-per-connection).",
+            &closed,
+        );
+    }
 }
 
 #[cfg(test)]
@@ -207,6 +227,10 @@ mod tests {
         assert!(text.contains("k3ring_requests_total{endpoint=\"completions\",status=\"200\"} 1\n"));
         assert!(text.contains("# TYPE k3ring_generated_tokens_total counter\nk3ring_generated_tokens_total 7\n"));
         assert!(text.contains("k3ring_slots 4\n"));
+        s.closed.count(super::super::limits::CloseReason::IdleTimeout);
+        let text = s.render(4, 8);
+        assert!(text.contains("k3ring_connections_closed_total{reason=\"idle_timeout\"} 1\n"));
+        assert!(text.contains("k3ring_connections_closed_total{reason=\"header_timeout\"} 0\n"));
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (_, v) = line.rsplit_once(' ').unwrap();
             v.parse::<f64>().unwrap();

@@ -18,6 +18,7 @@ pub mod api;
 pub mod connections;
 pub mod error;
 mod http;
+pub mod limits;
 pub mod metrics;
 pub mod routes;
 pub mod worker;
@@ -50,6 +51,8 @@ pub struct ServeOptions {
     pub body_limit: usize,
     /// Connections open at once at most; one more is answered 503 and closed.
     pub max_connections: usize,
+    /// Per-connection timeouts and request cap.
+    pub limits: limits::ConnLimits,
     /// How long requests in flight may go on after SIGINT/SIGTERM.
     pub grace: Duration,
     /// A line per request on stderr.
@@ -122,8 +125,8 @@ pub fn serve<S: WeightSource + LayerHook>(
     let network = std::thread::Builder::new()
         .name("k3ring-http".into())
         .spawn({
-            let max_connections = opts.max_connections;
-            move || network_thread(listener, max_connections, app, net_shared, up_tx)
+            let (max_connections, limits) = (opts.max_connections, opts.limits);
+            move || network_thread(listener, max_connections, limits, app, net_shared, up_tx)
         })
         .map_err(ServeError::Network)?;
     // Ready once the signal handlers are in place (a SIGTERM right after the address is printed
@@ -164,6 +167,7 @@ pub fn serve<S: WeightSource + LayerHook>(
 fn network_thread(
     listener: std::net::TcpListener,
     max_connections: usize,
+    limits: limits::ConnLimits,
     app: Arc<routes::App>,
     shared: Arc<Shared>,
     up: std::sync::mpsc::Sender<()>,
@@ -177,11 +181,12 @@ fn network_thread(
         let int = signal(SignalKind::interrupt())?;
         let term = signal(SignalKind::terminate())?;
         let _ = up.send(());
+        let conn_shared = Arc::clone(&signal_shared);
         let stop = async move {
             shutdown_signal(&signal_shared, int, term).await;
             signal_shared.shutting_down.store(true, Ordering::Relaxed);
         };
-        http::serve(listener, routes::router(app), stop).await;
+        http::serve(listener, routes::router(app), limits, conn_shared, stop).await;
         Ok::<(), std::io::Error>(())
     });
     shared.shutting_down.store(true, Ordering::Relaxed);

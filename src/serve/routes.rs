@@ -69,6 +69,9 @@ fn error_response(e: &ApiError) -> Response {
     if let Some(s) = e.retry_after {
         r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
     }
+    if e.status == 408 {
+        r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
     if e.status == 401 {
         r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     }
@@ -184,9 +187,12 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, 
     }
     axum::body::to_bytes(body, limit).await.map_err(|e| {
         // Only the limit is 413; a malformed chunk or an upload the client broke off is 400.
-        let over_limit = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-        if over_limit {
+        // The body's own errors come wrapped once or twice (axum's body, then `to_bytes`).
+        let chain = || std::iter::successors(std::error::Error::source(&e), |s| s.source());
+        if chain().any(|s| s.is::<http_body_util::LengthLimitError>()) {
             too_large()
+        } else if let Some(late) = chain().find_map(|s| s.downcast_ref::<super::limits::BodyTimeout>()) {
+            ApiError::request_timeout(late.to_string())
         } else {
             ApiError::invalid(format!("the request body could not be read: {e}"))
         }

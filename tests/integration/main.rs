@@ -20,6 +20,7 @@ mod pieces_tests;
 mod pipeline_tests;
 mod plan_tests;
 mod row_block_tests;
+mod serve_conn_tests;
 mod serve_tests;
 mod soak_tests;
 mod streaming_tests;

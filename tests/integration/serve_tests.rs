@@ -133,13 +133,13 @@ impl Reply {
     }
 }
 
-fn connect(addr: &str) -> TcpStream {
+pub fn connect(addr: &str) -> TcpStream {
     let s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     s
 }
 
-fn send_request(s: &mut TcpStream, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) {
+pub fn send_request(s: &mut TcpStream, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) {
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
     for (n, v) in headers {
         head.push_str(&format!("{n}: {v}\r\n"));
@@ -153,7 +153,7 @@ fn send_request(s: &mut TcpStream, method: &str, path: &str, headers: &[(&str, &
     let _ = s.write_all(body);
 }
 
-fn parse_reply(raw: &[u8]) -> Reply {
+pub fn parse_reply(raw: &[u8]) -> Reply {
     let text = String::from_utf8_lossy(raw);
     let (head, rest) = text.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no header end: {text:?}"));
     let mut lines = head.lines();
@@ -588,6 +588,10 @@ fn serve_refuses_trace_flags_and_bad_limits_at_start() {
         (&["--grace", "-1"][..], "--grace"),
         (&["--max-tokens", "0"][..], "--max-tokens"),
         (&["--max-connections", "0"][..], "--max-connections"),
+        (&["--header-timeout", "0"][..], "--header-timeout"),
+        (&["--body-timeout", "-1"][..], "--body-timeout"),
+        (&["--idle-timeout", "inf"][..], "--idle-timeout"),
+        (&["--max-requests-per-connection", "0"][..], "--max-requests-per-connection"),
         (&["--draft-sequences", "0"][..], "--draft-sequences"),
     ] {
         let all = [&["serve", "--model", model, "--trunk", trunk, "--mem-gb", "1", "--port", "0"][..], args].concat();
@@ -620,13 +624,13 @@ fn open_stream(addr: &str, body: &Value) -> (TcpStream, String) {
     (s, String::from_utf8_lossy(&seen).into_owned())
 }
 
-fn metric(addr: &str, name: &str) -> f64 {
+pub fn metric(addr: &str, name: &str) -> f64 {
     let m = request(addr, "GET", "/metrics", &[], b"").body;
     let line = m.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name}: {m}"));
     line.rsplit_once(' ').unwrap().1.parse().unwrap()
 }
 
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !f() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
