@@ -168,6 +168,10 @@ pub struct RunArgs {
     /// shape, model fingerprint and ids; the format is in docs/LOGITS.md).
     #[arg(long, value_name = "FILE")]
     pub logits: Option<PathBuf>,
+    /// Write each generated token's log-probability (a log-softmax over the whole vocabulary)
+    /// and its N likeliest alternatives (0-20) to --json's `logprobs`
+    #[arg(long, value_name = "N", requires = "json", value_parser = parse_top_logprobs)]
+    pub logprobs: Option<usize>,
     /// With --logits: keep only the N largest logits of each position (their ids and values).
     #[arg(long, value_name = "N", requires = "logits", value_parser = parse_logits_top)]
     pub logits_top: Option<usize>,
@@ -272,6 +276,10 @@ fn parse_temperature(s: &str) -> Result<f32, String> {
         Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
         _ => Err(format!("{s:?} is not a temperature (a number >= 0)")),
     }
+}
+
+fn parse_top_logprobs(s: &str) -> Result<usize, String> {
+    count_in(s, 0..=crate::engine::logprobs::MAX_TOP_LOGPROBS, "a number of alternatives per token in 0..=20")
 }
 
 fn parse_logits_top(s: &str) -> Result<usize, String> {

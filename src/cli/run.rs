@@ -48,6 +48,9 @@ struct RunReport<'a> {
     speculation_recall: Option<f64>,
     /// Decode steps and drafting (`draft.steps` only, when not drafting).
     draft: DraftReport,
+    /// With `--logprobs N`: per generated token, its log-probability and N alternatives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<&'a [crate::engine::logprobs::TokenLogprob]>,
     /// With `--trace`: the decode's time and weight bytes per operation class (issue 19), the
     /// rows summing to `seconds_per_token`; no triad is measured in a run, so no fractions.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -299,6 +302,9 @@ impl Outputs {
         if args.logits.is_some() && (args.load_state.is_some() || args.save_state.is_some()) {
             return Err(UsageError("--logits does not go with --load-state or --save-state".into()).into());
         }
+        if args.logprobs.is_some() && (args.load_state.is_some() || args.save_state.is_some()) {
+            return Err(UsageError("--logprobs does not go with --load-state or --save-state".into()).into());
+        }
         let files = [("--trace", &args.pipeline.trace), ("--logits", &args.logits)];
         for (flag, path) in files {
             if let Some(path) = path {
@@ -410,6 +416,7 @@ fn generate<S: WeightSource + LayerHook>(
             storage: stats,
             pipeline: metrics,
             draft,
+            logprobs: args.logprobs.map(|_| &generation.logprobs[..]),
             attribution,
         };
         out.write(&report)?;
@@ -485,6 +492,7 @@ fn generate_stateful<S: WeightSource + LayerHook>(
         stopped_on: reply.stopped_on,
         interrupted: reply.interrupted,
         logits: Vec::new(),
+        logprobs: Vec::new(),
         prompt_logits: Vec::new(),
         draft: reply.draft,
     })
@@ -512,6 +520,7 @@ fn generate_options(args: &RunArgs, cfg: &crate::config::Config, tok: &Tokenizer
         full_recompute: args.full_recompute,
         prefill_chunk: args.prefill_chunk,
         keep_logits: args.logits.is_some(),
+        logprobs: args.logprobs,
         prompt_logits: args.logits.is_some(),
         route_log: None,
         stop: Some(crate::interrupt::flag()),

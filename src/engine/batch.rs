@@ -23,6 +23,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::draft::{DraftOptions, DraftStats, Drafter};
+use super::logprobs::{token_logprob, TokenLogprob};
 use super::{context_needed, sampling, Engine, EngineError, Sampling};
 use crate::model::rewind::Journal;
 use crate::model::weights::WeightSource;
@@ -38,6 +39,9 @@ pub struct BatchRequest {
     pub sampling: Sampling,
     /// Finish after producing any of these (it is still reported).
     pub stop_ids: Vec<u32>,
+    /// Report each chosen token's log-probability with this many alternatives
+    /// ([`BatchSink::logprob`]).
+    pub logprobs: Option<usize>,
 }
 
 /// The batcher's name for a request, in submission order from 0.
@@ -70,6 +74,9 @@ pub struct Finished {
 pub trait BatchSink {
     /// `ticket`'s sequence chose `id`. Return true to finish it here (e.g. a stop string).
     fn token(&mut self, ticket: Ticket, id: u32) -> bool;
+    /// The log-probability of the token `ticket`'s sequence is about to be given, for a request
+    /// that asked for them; called just before [`BatchSink::token`].
+    fn logprob(&mut self, _ticket: Ticket, _logprob: TokenLogprob) {}
     fn finished(&mut self, finished: Finished);
 }
 
@@ -508,6 +515,9 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             for r in 0..rows {
                 let logits = &self.logits[(first + r) * vocab..(first + r + 1) * vocab];
                 let id = sampling::sample(logits, &run.request.sampling, &mut run.rng, &mut self.candidates) as u32;
+                if let Some(top) = run.request.logprobs {
+                    sink.logprob(run.ticket, token_logprob(logits, id, top));
+                }
                 run.generated += 1;
                 self.stats.generated += 1;
                 kept = r + 1;

@@ -122,8 +122,13 @@ fn decode_batch<S: WeightSource + LayerHook>(
     }
     let max_tokens = spec.max_tokens();
     for prompt in &spec.prompts {
-        let request =
-            BatchRequest { prompt: prompt.clone(), max_tokens, sampling: Sampling::default(), stop_ids: Vec::new() };
+        let request = BatchRequest {
+            prompt: prompt.clone(),
+            max_tokens,
+            sampling: Sampling::default(),
+            stop_ids: Vec::new(),
+            logprobs: None,
+        };
         batcher.submit(request)?;
     }
     let mut sink = Ids(vec![Vec::new(); batch]);

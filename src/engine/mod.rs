@@ -10,6 +10,7 @@ mod decode;
 use decode::{Decode, End, Steps};
 pub mod draft;
 pub mod load;
+pub mod logprobs;
 pub mod measure;
 pub mod measure_batch;
 pub mod read_tax;
@@ -90,6 +91,9 @@ pub struct GenerateOptions {
     pub prefill_chunk: usize,
     /// Keep the logits that chose each generated token (tests, `run --logits`).
     pub keep_logits: bool,
+    /// Report each generated token's log-probability with this many alternatives
+    /// ([`Generation::logprobs`]; `run --logprobs N`).
+    pub logprobs: Option<usize>,
     /// Keep the logits of every prompt position (`run --logits`). The head then runs on every
     /// prompt row; a row's logits do not depend on the other rows, so the tokens are unchanged.
     pub prompt_logits: bool,
@@ -111,6 +115,7 @@ impl Default for GenerateOptions {
             full_recompute: false,
             prefill_chunk: 32,
             keep_logits: false,
+            logprobs: None,
             prompt_logits: false,
             route_log: None,
             stop: None,
@@ -131,6 +136,8 @@ pub struct Generation {
     pub stopped_on: Option<u32>,
     /// `[generated, V]` when `keep_logits` was set.
     pub logits: Vec<Vec<f32>>,
+    /// One per generated token when [`GenerateOptions::logprobs`] was set.
+    pub logprobs: Vec<logprobs::TokenLogprob>,
     /// `[prompt_done, V]`, row-major, when `prompt_logits` was set: row i follows prompt token i.
     pub prompt_logits: Vec<f32>,
     /// Prompt tokens run through the model (all of them unless interrupted during prefill).
@@ -409,6 +416,7 @@ impl<S: WeightSource + LayerHook> Engine<S> {
             opts,
             log: &mut log,
             logits: &mut out.logits,
+            logprobs: &mut out.logprobs,
             generated: &mut out.generated_ids,
             on_token: &mut on_token,
         };
@@ -438,6 +446,7 @@ struct GenerateSteps<'a, 'f, S: WeightSource + LayerHook> {
     opts: &'a GenerateOptions,
     log: &'a mut Option<RouteLog>,
     logits: &'a mut Vec<Vec<f32>>,
+    logprobs: &'a mut Vec<logprobs::TokenLogprob>,
     generated: &'a mut Vec<u32>,
     on_token: &'a mut (dyn FnMut(u32) + 'f),
 }
@@ -446,6 +455,9 @@ impl<S: WeightSource + LayerHook> Steps for GenerateSteps<'_, '_, S> {
     fn chosen(&mut self, id: u32, logits: &[f32]) -> bool {
         if self.opts.keep_logits {
             self.logits.push(logits.to_vec());
+        }
+        if let Some(top) = self.opts.logprobs {
+            self.logprobs.push(logprobs::token_logprob(logits, id, top));
         }
         self.generated.push(id);
         (self.on_token)(id);

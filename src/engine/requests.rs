@@ -176,7 +176,12 @@ pub fn parse_request_line(
         return Err(fail("stop: an empty stop string would stop at once".into()));
     }
     let sampling = Sampling { temperature, top_k: r.top_k, top_p: r.top_p, seed: r.seed.unwrap_or(0) };
-    Ok(ParsedRequest { id: r.id, request: BatchRequest { prompt, max_tokens, sampling, stop_ids }, stop, chat })
+    Ok(ParsedRequest {
+        id: r.id,
+        request: BatchRequest { prompt, max_tokens, sampling, stop_ids, logprobs: None },
+        stop,
+        chat,
+    })
 }
 
 /// The prompt ids of a `messages` line, as the chat template renders the conversation and the

@@ -44,6 +44,9 @@ pub struct Job {
     /// Leave special (added) tokens' text out of the reply (vLLM's field); their ids stay in
     /// `token_ids` and the usage.
     pub skip_special_tokens: bool,
+    /// Each generated token's log-probability with this many alternatives
+    /// ([`super::logprobs`]).
+    pub logprobs: Option<usize>,
 }
 
 /// `stop`: one string or a list.
@@ -269,7 +272,8 @@ pub fn completion_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
     if b.common.best_of.is_some_and(|n| n != 1) {
         return Err(ApiError::param("best_of", "best_of must be 1: one completion per request"));
     }
-    common_job(prompt, b.common, limits)
+    let logprobs = super::logprobs::completion_ask(b.common.logprobs.as_ref(), b.common.top_logprobs.as_ref())?;
+    Ok(Job { logprobs, ..common_job(prompt, b.common, limits)? })
 }
 
 /// `prompt` as an array: token ids, or a single text or id list inside it.
@@ -341,7 +345,8 @@ pub fn chat_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
     if messages.last().is_none_or(|m| m.role != Role::User) {
         return Err(ApiError::param("messages", "the last message must be the user's: a reply is asked for"));
     }
-    common_job(Prompt::Chat { messages, thinking }, b.common, limits)
+    let logprobs = super::logprobs::chat_ask(b.common.logprobs.as_ref(), b.common.top_logprobs.as_ref())?;
+    Ok(Job { logprobs, ..common_job(Prompt::Chat { messages, thinking }, b.common, limits)? })
 }
 
 fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
@@ -431,10 +436,6 @@ fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiErro
     if c.logit_bias.is_some_and(|m| !m.is_empty()) {
         return Err(ApiError::param("logit_bias", "logit_bias is not supported"));
     }
-    let wants_logprobs = |v: &Option<Value>| matches!(v, Some(v) if !v.is_null() && *v != Value::Bool(false));
-    if wants_logprobs(&c.logprobs) || wants_logprobs(&c.top_logprobs) {
-        return Err(ApiError::param("logprobs", "logprobs are not supported"));
-    }
     if let Some(f) = &c.response_format {
         if f.get("type").and_then(Value::as_str) != Some("text") {
             return Err(ApiError::param("response_format", "only response_format {\"type\": \"text\"} is supported"));
@@ -472,6 +473,7 @@ fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiErro
         ignore_eos: c.ignore_eos,
         return_token_ids: c.return_token_ids,
         skip_special_tokens: c.skip_special_tokens,
+        logprobs: None,
     })
 }
 
@@ -547,7 +549,8 @@ mod tests {
         assert_eq!(err(r#"{"prompt":["a","b"]}"#).param, Some("prompt"));
         assert_eq!(err(r#"{"prompt":[-1]}"#).param, Some("prompt"));
         assert_eq!(err(r#"{"prompt":"a","stop":[""]}"#).param, Some("stop"));
-        assert_eq!(err(r#"{"prompt":"a","logprobs":2}"#).param, Some("logprobs"));
+        assert_eq!(err(r#"{"prompt":"a","logprobs":6}"#).param, Some("logprobs"));
+        assert_eq!(completion_job(br#"{"prompt":"a","logprobs":2}"#, &limits()).unwrap().logprobs, Some(2));
         assert_eq!(err(r#"{"prompt":"a","max_tokens":"x"}"#).status, 400);
         // Type errors name their field.
         for (body, field) in [

@@ -19,6 +19,7 @@ pub mod connections;
 pub mod error;
 mod http;
 pub mod limits;
+pub mod logprobs;
 pub mod metrics;
 pub mod routes;
 pub mod worker;

@@ -23,6 +23,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::access_log::{StreamLog, Streamed, Tokens};
 use super::api::{chat_job, completion_job, Limits, Usage};
 use super::error::ApiError;
+use super::logprobs::{self, Entry};
 use super::metrics::Shared;
 use super::worker::{Event, Submission};
 
@@ -234,6 +235,7 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
     }
     let (tx, mut rx) = unbounded_channel();
     let (stream, include_usage, return_ids) = (job.stream, job.include_usage, job.return_token_ids);
+    let with_logprobs = job.logprobs.is_some();
     let sent = app.submit.lock().map(|s| s.send(Submission { job, events: tx }).is_ok()).unwrap_or(false);
     if !sent {
         app.shared.release();
@@ -257,7 +259,8 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
             started,
             done: false,
         });
-        let body = SseBody { rx, head, include_usage, started: false, finished: false, log };
+        let body =
+            SseBody { rx, head, include_usage, with_logprobs, text_offset: 0, started: false, finished: false, log };
         let mut r = Response::new(Body::new(body));
         r.extensions_mut().insert(Streamed);
         let h = r.headers_mut();
@@ -265,17 +268,19 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(r);
     }
-    let (mut reasoning, mut content, mut ids) = (String::new(), String::new(), Vec::new());
+    let (mut reasoning, mut content, mut ids, mut entries) = (String::new(), String::new(), Vec::new(), Vec::new());
     loop {
         match rx.recv().await {
-            Some(Event::Delta { reasoning: r, content: c, ids: i }) => {
+            Some(Event::Delta { reasoning: r, content: c, ids: i, logprobs }) => {
                 reasoning.push_str(&r);
                 content.push_str(&c);
                 ids.extend(i);
+                entries.extend(logprobs);
             }
             Some(Event::Done { finish_reason, usage }) => {
                 let tokens = Tokens(usage.prompt_tokens, usage.completion_tokens);
-                let mut v = head.whole(&reasoning, &content, &ids, finish_reason, usage);
+                let logprobs = with_logprobs.then(|| head.logprobs(&entries, 0).0);
+                let mut v = head.whole(&reasoning, &content, &ids, finish_reason, usage, logprobs);
                 if return_ids {
                     v["prompt_token_ids"] = json!(prompt_ids);
                 }
@@ -311,18 +316,40 @@ impl Head {
         }
     }
 
+    /// The `logprobs` object of the generated tokens in `entries` (a completion's offsets
+    /// counted from `offset`), and the offset after them.
+    fn logprobs(&self, entries: &[Entry], offset: usize) -> (Value, usize) {
+        match self.kind {
+            Kind::Chat => (logprobs::chat_object(entries), offset),
+            Kind::Completion => {
+                let tokens: Vec<_> = entries.iter().map(|e| e.token.clone()).collect();
+                let entries: Vec<_> = entries.iter().cloned().map(Some).collect();
+                logprobs::completion_object(&entries, &tokens, offset)
+            }
+        }
+    }
+
     /// The non-streamed response.
-    fn whole(&self, reasoning: &str, content: &str, ids: &[u32], finish: &str, usage: Usage) -> Value {
+    fn whole(
+        &self,
+        reasoning: &str,
+        content: &str,
+        ids: &[u32],
+        finish: &str,
+        usage: Usage,
+        logprobs: Option<Value>,
+    ) -> Value {
+        let logprobs = logprobs.unwrap_or(Value::Null);
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": 0, "text": content, "logprobs": null, "finish_reason": finish, "token_ids": ids})
+                json!({"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids})
             }
             Kind::Chat => {
                 let mut message = json!({"role": "assistant", "content": content});
                 if !reasoning.is_empty() {
                     message["reasoning_content"] = Value::from(reasoning);
                 }
-                json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish, "token_ids": ids})
+                json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids})
             }
         };
         json!({
@@ -356,6 +383,20 @@ impl Head {
     }
 }
 
+/// A chunk's `logprobs`, when the request asked for them.
+trait WithLogprobs {
+    fn with_logprobs(self, logprobs: Option<Value>) -> Self;
+}
+
+impl WithLogprobs for Value {
+    fn with_logprobs(mut self, logprobs: Option<Value>) -> Value {
+        if let Some(lp) = logprobs {
+            self["choices"][0]["logprobs"] = lp;
+        }
+        self
+    }
+}
+
 fn sse(v: &Value) -> Vec<u8> {
     let mut out = b"data: ".to_vec();
     out.extend(serde_json::to_vec(v).unwrap_or_default());
@@ -370,6 +411,10 @@ struct SseBody {
     rx: UnboundedReceiver<Event>,
     head: Head,
     include_usage: bool,
+    /// The request asked for log-probabilities: each chunk carries its tokens'.
+    with_logprobs: bool,
+    /// A completion's characters streamed so far (`text_offset` of the next token).
+    text_offset: usize,
     started: bool,
     finished: bool,
     /// The access log's line, written when the stream ends.
@@ -385,19 +430,30 @@ impl SseBody {
         }
         self.started = true;
         match event {
-            Event::Delta { reasoning, content, ids } => {
+            Event::Delta { reasoning, content, ids, logprobs } => {
+                let logprobs = self.with_logprobs.then(|| {
+                    let (v, next) = self.head.logprobs(&logprobs, self.text_offset);
+                    self.text_offset = next;
+                    v
+                });
                 if self.head.kind == Kind::Chat {
-                    // The ids go with the first chunk of the two (reasoning, content) sent.
-                    let mut ids = Some(ids);
+                    // The ids (and their log-probabilities) go with the first chunk of the two
+                    // (reasoning, content) sent.
+                    let mut ids = Some((ids, logprobs));
                     if !reasoning.is_empty() {
-                        let ids = if content.is_empty() { ids.take().unwrap_or_default() } else { Vec::new() };
-                        out.extend(sse(&self.head.chunk(json!({"reasoning_content": reasoning}), &ids, None, None)));
+                        let (ids, lp) =
+                            if content.is_empty() { ids.take().unwrap_or_default() } else { Default::default() };
+                        let delta = json!({"reasoning_content": reasoning});
+                        out.extend(sse(&self.head.chunk(delta, &ids, None, None).with_logprobs(lp)));
                     }
-                    if let Some(ids) = ids.filter(|i| !i.is_empty() || !content.is_empty()) {
-                        out.extend(sse(&self.head.chunk(json!({"content": content}), &ids, None, None)));
+                    if let Some((ids, lp)) = ids.filter(|(i, _)| !i.is_empty() || !content.is_empty()) {
+                        out.extend(sse(&self
+                            .head
+                            .chunk(json!({"content": content}), &ids, None, None)
+                            .with_logprobs(lp)));
                     }
                 } else {
-                    out.extend(sse(&self.head.chunk(Value::from(content), &ids, None, None)));
+                    out.extend(sse(&self.head.chunk(Value::from(content), &ids, None, None).with_logprobs(logprobs)));
                 }
             }
             Event::Done { finish_reason, usage } => {

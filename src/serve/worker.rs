@@ -18,10 +18,12 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{Job, Prompt, Usage};
 use super::error::ApiError;
+use super::logprobs::Entry;
 use super::metrics::{Shared, Snapshot};
 use crate::chat::parse::{Channel, CompletionParser, Event as ParseEvent};
 use crate::chat::template::{render, to_ids, Specials};
 use crate::config::Config;
+use crate::engine::logprobs::TokenLogprob;
 use crate::engine::{BatchRequest, BatchSink, Batcher, EngineError, FinishReason, Finished, Sampling, Ticket};
 use crate::model::weights::WeightSource;
 use crate::model::LayerHook;
@@ -49,6 +51,8 @@ pub enum Event {
         reasoning: String,
         content: String,
         ids: Vec<u32>,
+        /// One per id when the request asked for log-probabilities, else empty.
+        logprobs: Vec<Entry>,
     },
     Done {
         finish_reason: &'static str,
@@ -112,6 +116,8 @@ struct Sequence<'t> {
     reasoning: Text,
     content: Text,
     ids: Vec<u32>,
+    /// The log-probabilities of `ids` (requests that asked for them).
+    logprobs: Vec<Entry>,
     /// Where a stop string begins in the content: the content ends there.
     cut: Option<usize>,
     generated: usize,
@@ -140,7 +146,8 @@ impl Sequence<'_> {
             return !self.events.is_closed();
         }
         let ids = std::mem::take(&mut self.ids);
-        self.events.send(Event::Delta { reasoning, content, ids }).is_ok()
+        let logprobs = std::mem::take(&mut self.logprobs);
+        self.events.send(Event::Delta { reasoning, content, ids, logprobs }).is_ok()
     }
 }
 
@@ -154,6 +161,12 @@ struct Outputs<'t> {
 }
 
 impl BatchSink for Outputs<'_> {
+    fn logprob(&mut self, ticket: Ticket, logprob: TokenLogprob) {
+        if let Some(seq) = self.seqs.get_mut(&ticket) {
+            seq.logprobs.push(Entry::new(self.tok, &logprob));
+        }
+    }
+
     fn token(&mut self, ticket: Ticket, id: u32) -> bool {
         let Some(seq) = self.seqs.get_mut(&ticket) else { return true };
         seq.ids.push(id);
@@ -369,6 +382,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                             reasoning: Text::default(),
                             content: Text::default(),
                             ids: Vec::new(),
+                            logprobs: Vec::new(),
                             cut: None,
                             generated: 0,
                         };
@@ -445,7 +459,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
             crate::rng::splitmix64_at(self.seeds, 0)
         });
         let sampling = Sampling { temperature: job.temperature, top_k: job.top_k, top_p: job.top_p, seed };
-        Ok((BatchRequest { prompt, max_tokens, sampling, stop_ids }, chat))
+        Ok((BatchRequest { prompt, max_tokens, sampling, stop_ids, logprobs: job.logprobs }, chat))
     }
 
     /// Cancels every sequence whose client has gone.

@@ -127,7 +127,14 @@ fn batched(dir: &Path) -> Box<dyn std::any::Any> {
     for i in 0..4u32 {
         let sampling =
             Sampling { temperature: 0.7 * (i % 2) as f32, top_k: Some(40), top_p: Some(0.9), seed: u64::from(i) };
-        b.submit(BatchRequest { prompt: vec![512, 199 + i, 167], max_tokens: 50, sampling, stop_ids: vec![] }).unwrap();
+        b.submit(BatchRequest {
+            prompt: vec![512, 199 + i, 167],
+            max_tokens: 50,
+            sampling,
+            stop_ids: vec![],
+            logprobs: None,
+        })
+        .unwrap();
     }
     // Prefill and the first decode steps (first-touch growth of any lazily sized structure).
     for _ in 0..5 {

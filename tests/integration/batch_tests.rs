@@ -36,7 +36,7 @@ impl BatchSink for Collect {
 }
 
 /// Requests of mixed prompt lengths, sampling settings and token limits; `vocab` bounds ids.
-fn requests(n: usize, vocab: u32) -> Vec<BatchRequest> {
+pub fn requests(n: usize, vocab: u32) -> Vec<BatchRequest> {
     let base = prompt();
     (0..n)
         .map(|i| {
@@ -50,7 +50,13 @@ fn requests(n: usize, vocab: u32) -> Vec<BatchRequest> {
                 2 => Sampling { temperature: 1.1, top_k: None, top_p: Some(0.9), seed: 100 + i as u64 },
                 _ => Sampling { temperature: 0.6, top_k: Some(5), top_p: Some(0.95), seed: 7 },
             };
-            BatchRequest { prompt, max_tokens: [1, 6, 17, 30, 11][i % 5], sampling, stop_ids: Vec::new() }
+            BatchRequest {
+                prompt,
+                max_tokens: [1, 6, 17, 30, 11][i % 5],
+                sampling,
+                stop_ids: Vec::new(),
+                logprobs: None,
+            }
         })
         .collect()
 }
@@ -289,6 +295,7 @@ fn a_streamed_step_wider_than_one_slots_context_runs() {
             max_tokens: 5,
             sampling: Sampling::default(),
             stop_ids: vec![],
+            logprobs: None,
         })
         .collect();
     // The first step prefills 12 prompt tokens, more than a slot's 10 positions.
@@ -307,6 +314,7 @@ fn requests_that_cannot_run_are_refused_at_submission() {
         max_tokens,
         sampling: Sampling::default(),
         stop_ids: vec![],
+        logprobs: None,
     };
     let vocab = o.engine.model.cfg.vocab_size as u32;
     let empty = b.submit(req(vec![], 4)).unwrap_err();

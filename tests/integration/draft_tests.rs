@@ -205,6 +205,7 @@ fn repetitive_requests(vocab: u32) -> Vec<k3ring::engine::BatchRequest> {
             max_tokens: [20, 13, 25][i],
             sampling: Sampling::default(),
             stop_ids: Vec::new(),
+            logprobs: None,
         })
         .collect()
 }

@@ -269,6 +269,7 @@ fn serve_batcher_cancel_frees_the_slot_and_leaves_the_others_alone() {
         max_tokens: 12,
         sampling: Sampling { temperature: 0.8, top_k: None, top_p: None, seed },
         stop_ids: Vec::new(),
+        logprobs: None,
     };
     let reqs = [req(1, 5), req(2, 7), req(3, 3), req(4, 6)];
     let opts = k3ring::engine::BatchOptions { max_batch: 2, prefill_chunk: 8, context: 64, draft: None };
@@ -511,7 +512,7 @@ fn serve_limits_and_errors_have_their_status_and_the_openai_shape() {
     assert_error(&post(addr, "/v1/completions", &json!({"prompt": [999999]})), 400, "token outside the vocabulary");
     assert_error(&post(addr, "/v1/completions", &json!({"prompt": ""})), 400, "empty prompt");
     assert_error(&post(addr, "/v1/completions", &json!({"prompt": "a", "temperature": -1})), 400, "temperature");
-    assert_error(&post(addr, "/v1/completions", &json!({"prompt": "a", "logprobs": 3})), 400, "logprobs");
+    assert_error(&post(addr, "/v1/completions", &json!({"prompt": "a", "logprobs": 6})), 400, "logprobs");
     assert_error(&post(addr, "/v1/chat/completions", &json!({"messages": []})), 400, "no messages");
     assert_error(
         &post(addr, "/v1/chat/completions", &json!({"messages": [{"role": "assistant", "content": "a"}]})),
