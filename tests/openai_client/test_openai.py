@@ -161,6 +161,58 @@ def main():
         assert streamed_reasoning == reasoning, (streamed_reasoning, reasoning)
         assert usage is not None and usage.completion_tokens == len(got), usage
 
+    def solo_logprobs(top, *flags):
+        """`k3ring run --logprobs top` on the tiny model: [(id, logprob)] of the generated tokens."""
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run(
+                [BIN, "run", "--model", MODEL_DIR, "--json", out.name, "--logprobs", str(top), *flags],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
+            )
+            with open(out.name) as f:
+                return [(e["id"], e["logprob"]) for e in json.load(f)["logprobs"]]
+
+    def as_f32(x):
+        import struct
+        return struct.unpack("f", struct.pack("f", x))[0]
+
+    def completion_logprobs(stream):
+        want = solo_logprobs(3, "--prompt", "Hello world", "--gen", "8", "--ignore-eos")
+        kwargs = dict(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0, logprobs=3,
+                      extra_body={"ignore_eos": True})
+        if not stream:
+            lp = client.completions.create(**kwargs).choices[0].logprobs
+            values, tokens, tops, offsets = lp.token_logprobs, lp.tokens, lp.top_logprobs, lp.text_offset
+        else:
+            values, tokens, tops, offsets = [], [], [], []
+            for chunk in client.completions.create(stream=True, **kwargs):
+                if chunk.choices and chunk.choices[0].logprobs:
+                    lp = chunk.choices[0].logprobs
+                    values += lp.token_logprobs
+                    tokens += lp.tokens
+                    tops += lp.top_logprobs
+                    offsets += lp.text_offset
+        assert [as_f32(v) for v in values] == [as_f32(w[1]) for w in want], (values, want)
+        assert len(tokens) == len(tops) == len(offsets) == 8, (tokens, tops, offsets)
+        assert all(1 <= len(t) <= 3 and max(t.values()) == v for t, v in zip(tops, values)), tops
+        assert offsets == sorted(offsets), offsets
+
+    def chat_logprobs(stream):
+        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0,
+                      logprobs=True, top_logprobs=2)
+        whole = client.chat.completions.create(**kwargs)
+        content = whole.choices[0].logprobs.content
+        assert len(content) == whole.usage.completion_tokens, (content, whole.usage)
+        for e in content:
+            assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob, e
+            assert bytes(e.bytes).decode("utf-8", "replace") == e.token, e
+        if not stream:
+            return
+        streamed = []
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+                streamed += chunk.choices[0].logprobs.content
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content], streamed
+
     def refused(exc, status, **kwargs):
         try:
             client.completions.create(**kwargs)
@@ -187,6 +239,11 @@ def main():
     check("chat thinking on", lambda: chat(False, True))
     check("chat thinking off, streamed too", lambda: chat(True, False))
     check("chat thinking on, streamed too", lambda: chat(True, True))
+    check("completions logprobs equal run's", lambda: completion_logprobs(False))
+    check("completions logprobs streamed", lambda: completion_logprobs(True))
+    check("chat logprobs", lambda: chat_logprobs(False))
+    check("chat logprobs streamed too", lambda: chat_logprobs(True))
+    check("logprobs above 5 refused", lambda: refused(openai.BadRequestError, 400, model=MODEL, prompt="a", logprobs=6))
     check("n = 2 refused", lambda: refused(openai.BadRequestError, 400, model=MODEL, prompt="a", n=2))
     check("unknown model", lambda: refused(openai.NotFoundError, 404, model="gpt-4o", prompt="a"))
     check("max_tokens over the cap", lambda: refused(openai.BadRequestError, 400, model=MODEL, prompt="a", max_tokens=10**6))
