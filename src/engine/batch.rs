@@ -42,6 +42,10 @@ pub struct BatchRequest {
     /// Report each chosen token's log-probability with this many alternatives
     /// ([`BatchSink::logprob`]).
     pub logprobs: Option<usize>,
+    /// Report the prompt's log-probabilities too, each token's given the ones before it
+    /// ([`BatchSink::prompt_logprob`]; with `logprobs`). With `max_tokens` 0 the prompt is then
+    /// run and nothing generated.
+    pub prompt_logprobs: bool,
 }
 
 /// The batcher's name for a request, in submission order from 0.
@@ -77,6 +81,9 @@ pub trait BatchSink {
     /// The log-probability of the token `ticket`'s sequence is about to be given, for a request
     /// that asked for them; called just before [`BatchSink::token`].
     fn logprob(&mut self, _ticket: Ticket, _logprob: TokenLogprob) {}
+    /// The log-probability of prompt token `position` (from 1: nothing predicts the first),
+    /// in order, for a request with [`BatchRequest::prompt_logprobs`].
+    fn prompt_logprob(&mut self, _ticket: Ticket, _position: usize, _logprob: TokenLogprob) {}
     fn finished(&mut self, finished: Finished);
 }
 
@@ -189,6 +196,9 @@ pub struct Batcher<'e, S: WeightSource + LayerHook> {
     logit_rows: Vec<usize>,
     /// Per sequence with logits this step: its slot, its first row of logits and how many.
     logit_slots: Vec<(usize, usize, usize)>,
+    /// Per sequence whose prompt's log-probabilities are asked for: its slot, its first row of
+    /// logits, how many, and the prompt position of the first.
+    prompt_logit_slots: Vec<(usize, usize, usize, usize)>,
     candidates: Vec<(usize, f64)>,
     /// Journals not lent this step ([`BatchOptions::drafting_sequences`] in all).
     journals: Vec<Journal>,
@@ -258,6 +268,7 @@ impl<S: WeightSource + LayerHook> Engine<S> {
             segments: Vec::with_capacity(slots),
             logit_rows: Vec::with_capacity(slots),
             logit_slots: Vec::with_capacity(slots),
+            prompt_logit_slots: Vec::with_capacity(slots),
             candidates: Vec::with_capacity(cfg.vocab_size),
             journals: (0..opts.drafting_sequences()).map(|_| Journal::new(cfg, opts.decode_rows())).collect(),
             lent: Vec::with_capacity(opts.drafting_sequences()),
@@ -373,7 +384,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
     fn admit(&mut self, sink: &mut dyn BatchSink) {
         while let Some(slot) = self.slots.iter().position(Option::is_none) {
             let Some((ticket, request, submitted)) = self.queue.pop_front() else { break };
-            if request.max_tokens == 0 {
+            if request.max_tokens == 0 && !(request.prompt_logprobs && request.logprobs.is_some()) {
                 sink.finished(Finished {
                     ticket,
                     reason: FinishReason::Length,
@@ -458,6 +469,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         self.segments.clear();
         self.logit_rows.clear();
         self.logit_slots.clear();
+        self.prompt_logit_slots.clear();
         self.draft();
         let mut decode = 0;
         for &slot in &self.order {
@@ -475,20 +487,39 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         }
         let decode_rows = self.tokens.len();
         let mut budget = self.opts.prefill_chunk.max(1);
+        // Rows of logits the buffer holds: a prompt whose log-probabilities are asked for takes
+        // what the decoding rows leave (at least one, as it is not decoding itself).
+        let logit_capacity = self.logits.len() / self.engine.model.cfg.vocab_size.max(1);
         for &slot in &self.order {
             let Some(run) = &mut self.slots[slot] else { continue };
             if run.next.is_some() || budget == 0 {
                 continue;
             }
-            let take = (run.request.prompt.len() - run.prefilled).min(budget);
+            let echo = run.request.prompt_logprobs && run.request.logprobs.is_some();
+            let mut take = (run.request.prompt.len() - run.prefilled).min(budget);
+            if echo {
+                take = take.min(logit_capacity.saturating_sub(self.logit_rows.len()));
+                if take == 0 {
+                    continue;
+                }
+            }
             let row = self.tokens.len();
             self.tokens.extend_from_slice(&run.request.prompt[run.prefilled..run.prefilled + take]);
             self.segments.push(Segment { slot, rows: row..row + take });
+            if echo {
+                self.prompt_logit_slots.push((slot, self.logit_rows.len(), take, run.prefilled));
+                self.logit_rows.extend(row..row + take);
+            }
             run.prefilled += take;
             budget -= take;
-            if run.prefilled == run.request.prompt.len() {
-                self.logit_slots.push((slot, self.logit_rows.len(), 1));
-                self.logit_rows.push(row + take - 1);
+            if run.prefilled == run.request.prompt.len() && run.request.max_tokens > 0 {
+                if echo {
+                    // The prompt's last row is already among the rows of logits.
+                    self.logit_slots.push((slot, self.logit_rows.len() - 1, 1));
+                } else {
+                    self.logit_slots.push((slot, self.logit_rows.len(), 1));
+                    self.logit_rows.push(row + take - 1);
+                }
             }
         }
         self.stats.decode_rows += decode_rows as u64;
@@ -496,6 +527,34 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         self.stats.prefill_rows += (self.tokens.len() - decode_rows) as u64;
         self.stats.steps_by_width[decode] += 1;
         self.stats.steps_by_drafting[self.lent.len()] += 1;
+    }
+
+    /// Hands the prompt log-probabilities of this step's rows to `sink`; a request for no
+    /// tokens finishes once its prompt has run.
+    fn report_prompt_logprobs(&mut self, sink: &mut dyn BatchSink) {
+        let vocab = self.engine.model.cfg.vocab_size;
+        for &(slot, first, rows, position) in &self.prompt_logit_slots {
+            let Some(run) = &mut self.slots[slot] else { continue };
+            let top = run.request.logprobs.unwrap_or(0);
+            for r in 0..rows {
+                // Row p's logits predict prompt token p + 1.
+                let Some(&next) = run.request.prompt.get(position + r + 1) else { break };
+                let logits = &self.logits[(first + r) * vocab..(first + r + 1) * vocab];
+                sink.prompt_logprob(run.ticket, position + r + 1, token_logprob(logits, next, top));
+            }
+            if run.prefilled == run.request.prompt.len() && run.request.max_tokens == 0 {
+                sink.finished(Finished {
+                    ticket: run.ticket,
+                    reason: FinishReason::Length,
+                    prompt_tokens: run.request.prompt.len(),
+                    generated: 0,
+                    seconds: run.submitted.elapsed().as_secs_f64(),
+                    draft: DraftStats::default(),
+                });
+                self.slots[slot] = None;
+                self.order.retain(|&s| s != slot);
+            }
+        }
     }
 
     /// Samples each sequence's next token from its rows of logits (with a draft: from each row
@@ -506,6 +565,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         let (cfg, kernels) = (&self.engine.model.cfg, &self.engine.model.kernels);
         let vocab = cfg.vocab_size;
         let (mut guessed, mut guesses_kept) = (0, 0);
+        self.report_prompt_logprobs(sink);
         for i in 0..self.logit_slots.len() {
             let (slot, first, rows) = self.logit_slots[i];
             let Some(run) = &mut self.slots[slot] else { continue };

@@ -128,6 +128,7 @@ fn decode_batch<S: WeightSource + LayerHook>(
             sampling: Sampling::default(),
             stop_ids: Vec::new(),
             logprobs: None,
+            prompt_logprobs: false,
         };
         batcher.submit(request)?;
     }

@@ -47,6 +47,9 @@ pub struct Job {
     /// Each generated token's log-probability with this many alternatives
     /// ([`super::logprobs`]).
     pub logprobs: Option<usize>,
+    /// Completions: the reply's text starts with the prompt's, and with `logprobs` the prompt
+    /// tokens' log-probabilities come first.
+    pub echo: bool,
 }
 
 /// `stop`: one string or a list.
@@ -263,9 +266,6 @@ pub fn completion_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
         Some(Value::Array(items)) => prompt_array(&items)?,
         Some(_) => return Err(ApiError::param("prompt", "\"prompt\" must be text or an array of token ids")),
     };
-    if b.common.echo == Some(true) {
-        return Err(ApiError::param("echo", "echo is not supported"));
-    }
     if b.common.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::param("suffix", "suffix (insertion) is not supported"));
     }
@@ -273,7 +273,11 @@ pub fn completion_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
         return Err(ApiError::param("best_of", "best_of must be 1: one completion per request"));
     }
     let logprobs = super::logprobs::completion_ask(b.common.logprobs.as_ref(), b.common.top_logprobs.as_ref())?;
-    Ok(Job { logprobs, ..common_job(prompt, b.common, limits)? })
+    let echo = b.common.echo == Some(true);
+    if echo && b.common.stream == Some(true) {
+        return Err(ApiError::param("echo", "echo is not streamed: ask without \"stream\" (or with it false)"));
+    }
+    Ok(Job { logprobs, echo, ..common_job(prompt, b.common, limits)? })
 }
 
 /// `prompt` as an array: token ids, or a single text or id list inside it.
@@ -474,6 +478,7 @@ fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiErro
         return_token_ids: c.return_token_ids,
         skip_special_tokens: c.skip_special_tokens,
         logprobs: None,
+        echo: false,
     })
 }
 

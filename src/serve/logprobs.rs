@@ -70,7 +70,7 @@ pub struct Piece {
 }
 
 impl Piece {
-    fn new(tok: &Tokenizer, id: u32, logprob: f32) -> Piece {
+    pub fn new(tok: &Tokenizer, id: u32, logprob: f32) -> Piece {
         let bytes = tok.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default();
         Piece { text: String::from_utf8_lossy(&bytes).into_owned(), bytes, logprob }
     }
@@ -98,6 +98,24 @@ impl Entry {
         Entry {
             token: Piece::new(tok, lp.id, lp.logprob),
             top: lp.top.iter().map(|t| Piece::new(tok, t.id, t.logprob)).collect(),
+        }
+    }
+}
+
+/// What `echo` puts before a completion: the prompt's text and tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Echo {
+    pub text: String,
+    pub tokens: Vec<Piece>,
+}
+
+impl Echo {
+    /// `text` when the prompt was given as text, else the ids decoded (special tokens shown
+    /// unless `skip_special`).
+    pub fn new(tok: &Tokenizer, ids: &[u32], text: Option<&str>, skip_special: bool) -> Echo {
+        Echo {
+            text: text.map_or_else(|| tok.decode_or_mark(ids, !skip_special), str::to_owned),
+            tokens: ids.iter().map(|&id| Piece::new(tok, id, 0.0)).collect(),
         }
     }
 }

@@ -241,8 +241,8 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
         app.shared.release();
         return Err(ApiError::unavailable("the model thread has stopped"));
     }
-    let prompt_ids = match rx.recv().await {
-        Some(Event::Started { prompt_ids }) => prompt_ids,
+    let (prompt_ids, echo) = match rx.recv().await {
+        Some(Event::Started { prompt_ids, echo }) => (prompt_ids, echo),
         Some(Event::Refused(e) | Event::Aborted(e)) => return Err(e),
         _ => return Err(ApiError::unavailable("the model thread has stopped")),
     };
@@ -268,9 +268,27 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(r);
     }
+    let ask = Whole { head, echo, with_logprobs, prompt_ids: return_ids.then_some(prompt_ids) };
+    whole_reply(rx, ask).await
+}
+
+/// What a non-streamed reply is built from, besides its events.
+struct Whole {
+    head: Head,
+    echo: Option<logprobs::Echo>,
+    with_logprobs: bool,
+    /// `return_token_ids`: the prompt's ids go in the reply.
+    prompt_ids: Option<Vec<u32>>,
+}
+
+/// Collects a request's events into its non-streamed reply.
+async fn whole_reply(mut rx: UnboundedReceiver<Event>, ask: Whole) -> Result<Response, ApiError> {
+    let Whole { head, echo, with_logprobs, prompt_ids } = ask;
     let (mut reasoning, mut content, mut ids, mut entries) = (String::new(), String::new(), Vec::new(), Vec::new());
+    let mut prompt_entries = Vec::new();
     loop {
         match rx.recv().await {
+            Some(Event::PromptLogprobs(lps)) => prompt_entries.extend(lps),
             Some(Event::Delta { reasoning: r, content: c, ids: i, logprobs }) => {
                 reasoning.push_str(&r);
                 content.push_str(&c);
@@ -279,9 +297,18 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
             }
             Some(Event::Done { finish_reason, usage }) => {
                 let tokens = Tokens(usage.prompt_tokens, usage.completion_tokens);
-                let logprobs = with_logprobs.then(|| head.logprobs(&entries, 0).0);
-                let mut v = head.whole(&reasoning, &content, &ids, finish_reason, usage, logprobs);
-                if return_ids {
+                let mut v = match &echo {
+                    None => {
+                        let logprobs = with_logprobs.then(|| head.logprobs(&entries, 0).0);
+                        head.whole(&reasoning, &content, &ids, finish_reason, usage, logprobs)
+                    }
+                    Some(echo) => {
+                        let logprobs = with_logprobs.then(|| echoed_logprobs(echo, prompt_entries, &entries));
+                        let text = format!("{}{content}", echo.text);
+                        head.whole(&reasoning, &text, &ids, finish_reason, usage, logprobs)
+                    }
+                };
+                if let Some(prompt_ids) = &prompt_ids {
                     v["prompt_token_ids"] = json!(prompt_ids);
                 }
                 let mut r = axum::Json(v).into_response();
@@ -293,6 +320,16 @@ async fn generate(app: &App, headers: &HeaderMap, body: Body, kind: Kind) -> Res
             None => return Err(ApiError::unavailable("the model thread has stopped")),
         }
     }
+}
+
+/// A completion's `logprobs` with `echo`: the prompt's tokens first (the first with none, as
+/// nothing predicts it), then the generated ones.
+fn echoed_logprobs(echo: &logprobs::Echo, prompt: Vec<Entry>, generated: &[Entry]) -> Value {
+    let entries: Vec<Option<Entry>> =
+        std::iter::once(None).chain(prompt.into_iter().map(Some)).chain(generated.iter().cloned().map(Some)).collect();
+    let tokens: Vec<logprobs::Piece> =
+        echo.tokens.iter().cloned().chain(generated.iter().map(|e| e.token.clone())).collect();
+    logprobs::completion_object(&entries, &tokens, 0).0
 }
 
 fn now_secs() -> u64 {
@@ -477,7 +514,7 @@ impl SseBody {
                 out.extend(b"data: [DONE]\n\n");
                 self.finished = true;
             }
-            Event::Started { .. } | Event::Refused(_) => {}
+            Event::Started { .. } | Event::Refused(_) | Event::PromptLogprobs(_) => {}
         }
         (!out.is_empty()).then_some(out)
     }

@@ -18,7 +18,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{Job, Prompt, Usage};
 use super::error::ApiError;
-use super::logprobs::Entry;
+use super::logprobs::{Echo, Entry};
 use super::metrics::{Shared, Snapshot};
 use crate::chat::parse::{Channel, CompletionParser, Event as ParseEvent};
 use crate::chat::template::{render, to_ids, Specials};
@@ -40,10 +40,14 @@ pub struct Submission {
 /// then `Delta`s, then `Done` (or `Aborted`).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
-    /// Accepted (queued): the prompt's ids.
+    /// Accepted (queued): the prompt's ids, and what `echo` puts first.
     Started {
         prompt_ids: Vec<u32>,
+        echo: Option<Echo>,
     },
+    /// The log-probabilities of prompt tokens (from the second), in order (`echo` with
+    /// `logprobs`), before the first `Delta`.
+    PromptLogprobs(Vec<Entry>),
     Refused(ApiError),
     /// New text of each channel (either may be empty) and the ids generated since the last
     /// delta. Text is held back while it could still be the start of a stop string.
@@ -118,6 +122,8 @@ struct Sequence<'t> {
     ids: Vec<u32>,
     /// The log-probabilities of `ids` (requests that asked for them).
     logprobs: Vec<Entry>,
+    /// Prompt log-probabilities not yet sent (`echo` with `logprobs`).
+    prompt_logprobs: Vec<Entry>,
     /// Where a stop string begins in the content: the content ends there.
     cut: Option<usize>,
     generated: usize,
@@ -139,6 +145,12 @@ impl Sequence<'_> {
 
     /// Sends what can be sent; false when the receiver is gone.
     fn flush(&mut self) -> bool {
+        if !self.prompt_logprobs.is_empty() {
+            let lps = std::mem::take(&mut self.prompt_logprobs);
+            if self.events.send(Event::PromptLogprobs(lps)).is_err() {
+                return false;
+            }
+        }
         let end = self.safe_end();
         let content = self.content.take(end);
         let reasoning = self.reasoning.take(self.reasoning.text.len());
@@ -161,6 +173,12 @@ struct Outputs<'t> {
 }
 
 impl BatchSink for Outputs<'_> {
+    fn prompt_logprob(&mut self, ticket: Ticket, _position: usize, logprob: TokenLogprob) {
+        if let Some(seq) = self.seqs.get_mut(&ticket) {
+            seq.prompt_logprobs.push(Entry::new(self.tok, &logprob));
+        }
+    }
+
     fn logprob(&mut self, ticket: Ticket, logprob: TokenLogprob) {
         if let Some(seq) = self.seqs.get_mut(&ticket) {
             seq.logprobs.push(Entry::new(self.tok, &logprob));
@@ -363,6 +381,13 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                 let end_ids = request.stop_ids.clone();
                 let skip_special = s.job.skip_special_tokens;
                 let prompt_ids = if s.job.return_token_ids { request.prompt.clone() } else { Vec::new() };
+                let echo = s.job.echo.then(|| {
+                    let text = match &s.job.prompt {
+                        Prompt::Text(t) => Some(t.as_str()),
+                        _ => None,
+                    };
+                    Echo::new(self.out.tok, &request.prompt, text, skip_special)
+                });
                 match self.batcher.submit(request) {
                     Err(e) => {
                         shared.release();
@@ -370,7 +395,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                     }
                     Ok(ticket) => {
                         shared.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
-                        let _ = s.events.send(Event::Started { prompt_ids });
+                        let _ = s.events.send(Event::Started { prompt_ids, echo });
                         let parser = chat.map(|(sp, thinking)| CompletionParser::new(self.out.tok, sp, thinking));
                         let seq = Sequence {
                             events: s.events,
@@ -383,6 +408,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                             content: Text::default(),
                             ids: Vec::new(),
                             logprobs: Vec::new(),
+                            prompt_logprobs: Vec::new(),
                             cut: None,
                             generated: 0,
                         };
@@ -459,7 +485,10 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
             crate::rng::splitmix64_at(self.seeds, 0)
         });
         let sampling = Sampling { temperature: job.temperature, top_k: job.top_k, top_p: job.top_p, seed };
-        Ok((BatchRequest { prompt, max_tokens, sampling, stop_ids, logprobs: job.logprobs }, chat))
+        Ok((
+            BatchRequest { prompt, max_tokens, sampling, stop_ids, logprobs: job.logprobs, prompt_logprobs: job.echo },
+            chat,
+        ))
     }
 
     /// Cancels every sequence whose client has gone.

@@ -133,6 +133,7 @@ fn batched(dir: &Path) -> Box<dyn std::any::Any> {
             sampling,
             stop_ids: vec![],
             logprobs: None,
+            prompt_logprobs: false,
         })
         .unwrap();
     }

@@ -56,6 +56,7 @@ pub fn requests(n: usize, vocab: u32) -> Vec<BatchRequest> {
                 sampling,
                 stop_ids: Vec::new(),
                 logprobs: None,
+                prompt_logprobs: false,
             }
         })
         .collect()
@@ -296,6 +297,7 @@ fn a_streamed_step_wider_than_one_slots_context_runs() {
             sampling: Sampling::default(),
             stop_ids: vec![],
             logprobs: None,
+            prompt_logprobs: false,
         })
         .collect();
     // The first step prefills 12 prompt tokens, more than a slot's 10 positions.
@@ -315,6 +317,7 @@ fn requests_that_cannot_run_are_refused_at_submission() {
         sampling: Sampling::default(),
         stop_ids: vec![],
         logprobs: None,
+        prompt_logprobs: false,
     };
     let vocab = o.engine.model.cfg.vocab_size as u32;
     let empty = b.submit(req(vec![], 4)).unwrap_err();

@@ -206,6 +206,7 @@ fn repetitive_requests(vocab: u32) -> Vec<k3ring::engine::BatchRequest> {
             sampling: Sampling::default(),
             stop_ids: Vec::new(),
             logprobs: None,
+            prompt_logprobs: false,
         })
         .collect()
 }

@@ -127,3 +127,84 @@ fn run_writes_logprobs_to_json() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--logprobs"), "{err}");
 }
+
+/// Prompt log-probabilities (`echo`): batched, each prompt token's equals a log-softmax of the
+/// solo run's logits at the position before it, bit for bit, while other sequences decode and
+/// draft; a request for no tokens runs its prompt and finishes with nothing generated.
+#[test]
+fn batched_prompt_logprobs_equal_solo_prompt_logits() {
+    #[derive(Default)]
+    struct Prompts {
+        got: HashMap<Ticket, Vec<(usize, TokenLogprob)>>,
+        tokens: HashMap<Ticket, Vec<u32>>,
+        finished: HashMap<Ticket, Finished>,
+    }
+    impl BatchSink for Prompts {
+        fn prompt_logprob(&mut self, ticket: Ticket, position: usize, lp: TokenLogprob) {
+            assert!(!self.tokens.contains_key(&ticket), "prompt log-probabilities come before the tokens");
+            self.got.entry(ticket).or_default().push((position, lp));
+        }
+        fn token(&mut self, ticket: Ticket, id: u32) -> bool {
+            self.tokens.entry(ticket).or_default().push(id);
+            false
+        }
+        fn finished(&mut self, f: Finished) {
+            self.finished.insert(f.ticket, f);
+        }
+    }
+    let o = open(&tiny_dir(), 2, Isa::best());
+    let engine = &o.engine;
+    let vocab = engine.model.cfg.vocab_size as u32;
+    let mut reqs = requests(9, vocab);
+    for (i, r) in reqs.iter_mut().enumerate() {
+        if i % 2 == 0 {
+            r.prompt_logprobs = true;
+            r.logprobs = Some(i % 4);
+            r.max_tokens = if i % 4 == 0 { 0 } else { r.max_tokens };
+        }
+    }
+    let draft = Some(DraftOptions { sequences: 2, ..DraftOptions::default() });
+    // Two slots: the logits buffer has few rows beyond the decoding ones.
+    let mut b = engine.batcher(BatchOptions { max_batch: 2, prefill_chunk: 9, context: 64, draft }).unwrap();
+    let mut sink = Prompts::default();
+    let tickets: Vec<_> = reqs.iter().map(|r| b.submit(r.clone()).unwrap()).collect();
+    let mut steps = 0;
+    while b.step(&mut sink).unwrap() {
+        steps += 1;
+        assert!(steps < 10_000);
+    }
+    for (r, t) in reqs.iter().zip(&tickets) {
+        let f = &sink.finished[t];
+        assert_eq!(f.generated, sink.tokens.get(t).map_or(0, Vec::len));
+        if !r.prompt_logprobs {
+            assert!(!sink.got.contains_key(t));
+            continue;
+        }
+        let opts = GenerateOptions {
+            gen: r.max_tokens,
+            sampling: r.sampling.clone(),
+            prompt_logits: true,
+            ..GenerateOptions::default()
+        };
+        let solo = engine.generate(&r.prompt, &opts, |_| {}).unwrap();
+        let v = vocab as usize;
+        let want: Vec<(usize, TokenLogprob)> = (1..r.prompt.len())
+            .map(|p| {
+                (
+                    p,
+                    k3ring::engine::logprobs::token_logprob(
+                        &solo.prompt_logits[(p - 1) * v..p * v],
+                        r.prompt[p],
+                        r.logprobs.unwrap(),
+                    ),
+                )
+            })
+            .collect();
+        assert_eq!(sink.got.get(t).cloned().unwrap_or_default(), want, "request {t}");
+        if r.max_tokens == 0 {
+            assert_eq!(f.generated, 0);
+        } else {
+            assert_eq!(sink.tokens[t], solo.generated_ids);
+        }
+    }
+}

@@ -179,3 +179,43 @@ fn serve_refuses_logprobs_out_of_range_naming_the_field() {
     let (code, err) = server.stop_with(libc::SIGTERM);
     assert_eq!(code, 0, "{err}");
 }
+
+/// `echo` with `logprobs` and `max_tokens` 0, as evaluation harnesses score a text: the text is
+/// the prompt, the first token has no log-probability and each later one is the same number a
+/// greedy completion of the shorter prompt gave it; `echo` without `logprobs` only puts the
+/// prompt's text first; a streamed `echo` is refused.
+#[test]
+fn serve_echo_scores_the_prompt_as_generation_did() {
+    let server = Server::start(&[]);
+    let addr = &server.addr;
+    let prompt = [5u32, 17, 300];
+    let gen = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true, "logprobs": 2}),
+    );
+    assert_eq!(gen.status, 200, "{}", gen.body);
+    let g = gen.json();
+    let generated = ids(&g["choices"][0]["token_ids"]);
+    let full: Vec<u32> = prompt.iter().copied().chain(generated.iter().copied()).collect();
+    let scored = post(addr, "/v1/completions", &json!({"prompt": full, "max_tokens": 0, "echo": true, "logprobs": 2}));
+    assert_eq!(scored.status, 200, "{}", scored.body);
+    let s = scored.json();
+    let lp = &s["choices"][0]["logprobs"];
+    let values = lp["token_logprobs"].as_array().unwrap();
+    assert_eq!(values.len(), full.len());
+    assert!(values[0].is_null() && lp["top_logprobs"][0].is_null());
+    assert_eq!(&values[prompt.len()..], &g["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap()[..]);
+    assert_eq!(s["usage"]["completion_tokens"], 0);
+    assert_eq!(s["usage"]["prompt_tokens"], full.len());
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), full.len());
+    // A text prompt comes back as given, then the completion.
+    let text = post(addr, "/v1/completions", &json!({"prompt": "Hello world", "max_tokens": 3, "echo": true})).json();
+    assert!(text["choices"][0]["text"].as_str().unwrap().starts_with("Hello world"), "{text}");
+    assert!(text["choices"][0]["logprobs"].is_null());
+    let r = post(addr, "/v1/completions", &json!({"prompt": "a", "echo": true, "stream": true}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "echo");
+    let (code, err) = server.stop_with(libc::SIGTERM);
+    assert_eq!(code, 0, "{err}");
+}

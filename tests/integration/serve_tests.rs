@@ -270,6 +270,7 @@ fn serve_batcher_cancel_frees_the_slot_and_leaves_the_others_alone() {
         sampling: Sampling { temperature: 0.8, top_k: None, top_p: None, seed },
         stop_ids: Vec::new(),
         logprobs: None,
+        prompt_logprobs: false,
     };
     let reqs = [req(1, 5), req(2, 7), req(3, 3), req(4, 6)];
     let opts = k3ring::engine::BatchOptions { max_batch: 2, prefill_chunk: 8, context: 64, draft: None };
