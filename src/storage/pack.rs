@@ -245,7 +245,9 @@ pub fn write_pack_forced(
     if let Ok(m) = Manifest::load(out_dir) {
         let check = m.fingerprint == fp && !force && !keep_damaged;
         let damaged = if check { verify::first_damaged_unit(out_dir, &m)? } else { None };
-        let damaged = damaged.or_else(|| check.then(|| align::misaligned(m.alignment, alignment)).flatten());
+        let damaged = damaged
+            .or_else(|| check.then(|| align::misaligned(m.alignment, alignment)).flatten())
+            .or_else(|| check.then(|| m.expert_checksums(out_dir, index).err().map(|e| e.to_string())).flatten());
         if damaged.is_some() {
             repacked = damaged;
         } else if m.fingerprint == fp && !force {
