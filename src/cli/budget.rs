@@ -63,6 +63,7 @@ mod tests {
         let measured = MeasureError::Open(OpenError::Plan(PlanError::AboveAvailable {
             budget_gb: 9.0,
             available_gb: 1.0,
+            max_gb: 0.95,
             limited_by: "MemAvailable".into(),
         }));
         let named =

@@ -106,9 +106,17 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
         return Err(UsageError("--max-tokens 0 leaves no room for a reply".into()).into());
     }
     if args.context <= args.max_tokens {
+        // Advice that runs: twice the reply leaves as much again for the turn's prompt; half the
+        // context leaves the other half for it.
+        let lower = match args.context / 2 {
+            0 => String::new(),
+            half => format!(" or lower --max-tokens (e.g. to {half})"),
+        };
         return Err(UsageError(format!(
-            "--context {} leaves no room for a turn of up to --max-tokens {} after its prompt; raise --context or lower --max-tokens",
-            args.context, args.max_tokens
+            "--context {} leaves no room for a turn of up to --max-tokens {} after its prompt; raise --context (e.g. to {}){lower}",
+            args.context,
+            args.max_tokens,
+            args.max_tokens.saturating_mul(2)
         ))
         .into());
     }
@@ -328,8 +336,12 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
         let ids = conv.user_turn_ids(tok, text)?;
         let needed = conv.session.ids().len() + ids.len();
         if needed >= conv.session.capacity() {
+            // /reset helps only a conversation that holds more than what it keeps.
+            let fresh = conv.messages.iter().all(|m| m.role == crate::chat::template::Role::System);
+            let restart = format!("restart with --context {} or more", needed + self.args.max_tokens);
+            let advice = if fresh { restart } else { format!("/reset, or {restart}") };
             eprintln!(
-                "k3ring: this turn would take the conversation to {needed} of its {} positions; /reset, or restart with a larger --context",
+                "k3ring: this turn would take the conversation to {needed} of its {} positions; {advice}",
                 conv.session.capacity()
             );
             return Ok(());

@@ -70,12 +70,21 @@ fn parse_io_core(s: &str) -> Result<usize, String> {
     let cpus = parse_cpus(s)?.0;
     match cpus[..] {
         [cpu] => Ok(cpu),
-        [] => Err("give one CPU for the I/O thread, e.g. --io-cores 3".to_owned()),
-        [first, ..] => Err(format!(
-            "the I/O stage is one thread, pinned to one CPU, but {} CPUs were given: give one, e.g. --io-cores {first}",
-            cpus.len()
+        [] => Err(format!("give one CPU for the I/O thread, e.g. --io-cores {}", example_io_core(&cpus))),
+        [_, ..] => Err(format!(
+            "the I/O stage is one thread, pinned to one CPU, but {} CPUs were given: give one, e.g. --io-cores {}",
+            cpus.len(),
+            example_io_core(&cpus)
         )),
     }
+}
+
+/// A CPU the refusals of `--io-cores` can name that this machine runs: the first of `given`
+/// that is online, else the last online CPU (the default I/O core), else the first given.
+fn example_io_core(given: &[usize]) -> usize {
+    let online = crate::storage::io::Topology::detect().map(|t| t.cpus()).unwrap_or_default();
+    let first_online = given.iter().copied().find(|c| online.contains(c));
+    first_online.or_else(|| online.last().copied()).or_else(|| given.first().copied()).unwrap_or(0)
 }
 
 impl PipelineArgs {

@@ -77,7 +77,7 @@ pub enum MeasureError {
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(
-        "the budget holds {got} sequence slots, fewer than the {asked} a batch cell decodes together; raise the budget or lower the batch size"
+        "the budget holds {got} sequence slots, fewer than the {asked} a batch cell decodes together; lower the batch size to {got} (--batch {got}) or raise the budget"
     )]
     Slots { asked: usize, got: usize },
     #[error(

@@ -50,7 +50,7 @@ pub enum EngineError {
     #[error("cannot build a thread pool of {threads} threads: {message}")]
     Threads { threads: usize, message: String },
     #[error(
-        "the prompt's {prompt} tokens plus {gen} to generate need {total} positions, beyond the {slot} of a batch slot; raise the batch's context or lower max_tokens"
+        "the prompt's {prompt} tokens plus {gen} to generate need {total} positions, beyond the {slot} of a batch slot; raise --context to {total} or more, or lower max_tokens"
     )]
     SlotTooShort { prompt: usize, gen: usize, total: usize, slot: usize },
     #[error("the prompt is empty: give at least one token")]

@@ -14,6 +14,7 @@
 //! at a time per directory ([`lock`]). A content [`fingerprint`] of the source makes a second
 //! run on an up-to-date pack a no-op, also on a copy of the checkpoint.
 
+pub mod align;
 pub mod experts;
 pub mod fingerprint;
 pub mod lock;
@@ -204,16 +205,6 @@ fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
-/// Unit alignment for the pack directory: the device's O_DIRECT alignment, at least 4096.
-pub fn unit_alignment(out_dir: &Path) -> u64 {
-    let probe = out_dir.join(".k3ring-align-probe");
-    let align = File::create(&probe)
-        .map(|f| u64::from(super::io::dio_alignment(&f, &probe).offset_align))
-        .unwrap_or(UNIT_ALIGN_MIN);
-    let _ = std::fs::remove_file(&probe);
-    align.max(UNIT_ALIGN_MIN)
-}
-
 /// Writes (or confirms up to date) the trunk pack of a validated model into `out_dir`.
 /// `progress` is called with (bytes done, bytes total): the trunk copied, then the experts
 /// checksummed. Holds the directory's lock throughout; a failure removes the partial pack.
@@ -249,9 +240,14 @@ pub fn write_pack_forced(
     let fp = fingerprint(model_dir, index)?;
     let manifest_path = out_dir.join(MANIFEST_FILE);
     let mut repacked = force.then(|| "--force".to_owned());
+    let shards: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
+    let alignment = align::unit_alignment(out_dir, &shards);
     if let Ok(m) = Manifest::load(out_dir) {
         let check = m.fingerprint == fp && !force && !keep_damaged;
         let damaged = if check { verify::first_damaged_unit(out_dir, &m)? } else { None };
+        let damaged = damaged
+            .or_else(|| check.then(|| align::misaligned(m.alignment, alignment)).flatten())
+            .or_else(|| check.then(|| m.expert_checksums(out_dir, index).err().map(|e| e.to_string())).flatten());
         if damaged.is_some() {
             repacked = damaged;
         } else if m.fingerprint == fp && !force {
@@ -275,7 +271,6 @@ pub fn write_pack_forced(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(PackError::Io { op: "remove", path: manifest_path, source: e }),
     }
-    let alignment = unit_alignment(out_dir);
     let (units, pack_len) = layout(cfg, index, alignment)?;
     let pack_path = pack_out.target().map_or_else(|| out_dir.join(PACK_FILE), Path::to_path_buf);
     let partial = PartialFile(pack_path.with_file_name(format!("{PACK_FILE}{PARTIAL_SUFFIX}")));

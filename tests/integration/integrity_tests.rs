@@ -121,6 +121,12 @@ fn a_manifest_without_an_experts_checksum_is_refused() {
     let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &[]);
     assert_eq!(code, 3, "{err}");
     assert!(err.contains("trunk.manifest.json: no checksum for layer 1 expert 3 of the checkpoint"), "{err}");
+    // The advice, `k3ring pack` again, mends it (it once answered "up to date").
+    let (code, out, err) = k3ring(&["pack", "--model", s(&tiny_dir()), "--out", s(trunk.path())]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("packed ") && err.contains("no checksum for layer 1 expert 3"), "{out}{err}");
+    let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &[]);
+    assert_eq!(code, 0, "{err}");
 }
 
 // ---- the fingerprint ----

@@ -257,15 +257,32 @@ fn io_cores_takes_exactly_one_cpu() {
     let (code, out, err) = k3ring(&["run", "--prompt", "x", "--print-placement", "--io-cores", "0"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("| I/O on CPU 0"), "{out}");
-    for (list, why) in [
-        ("0,1", "the I/O stage is one thread, pinned to one CPU, but 2 CPUs were given: give one, e.g. --io-cores 0"),
-        ("2-5", "the I/O stage is one thread, pinned to one CPU, but 4 CPUs were given: give one, e.g. --io-cores 2"),
-        ("", "give one CPU for the I/O thread, e.g. --io-cores 3"),
+    // The example each refusal gives is a CPU this machine runs: following it succeeds. CPU 0
+    // is online everywhere; CPUs 4096 and up nowhere.
+    for (list, why, example) in [
+        (
+            "0,1",
+            "the I/O stage is one thread, pinned to one CPU, but 2 CPUs were given: give one, e.g. --io-cores ",
+            Some(0),
+        ),
+        (
+            "4096-4099",
+            "the I/O stage is one thread, pinned to one CPU, but 4 CPUs were given: give one, e.g. --io-cores ",
+            None,
+        ),
+        ("", "give one CPU for the I/O thread, e.g. --io-cores ", None),
     ] {
         let (code, _, err) = k3ring(&["run", "--prompt", "x", "--print-placement", "--io-cores", list]);
         assert_eq!(code, 2, "{list:?}: {err}");
-        let want = format!("error: invalid value '{list}' for '--io-cores <CPU>': {why}\n");
+        let want = format!("error: invalid value '{list}' for '--io-cores <CPU>': {why}");
         assert!(err.starts_with(&want), "{list:?}: {err}");
+        let named: String = err[want.len()..].chars().take_while(char::is_ascii_digit).collect();
+        if let Some(example) = example {
+            assert_eq!(named, example.to_string(), "{list:?}: {err}");
+        }
+        let (code, out, err) = k3ring(&["run", "--prompt", "x", "--print-placement", "--io-cores", &named]);
+        assert_eq!(code, 0, "{list:?}, then --io-cores {named}: {err}");
+        assert!(out.contains(&format!("| I/O on CPU {named}")), "{out}");
     }
 }
 

@@ -460,7 +460,8 @@ mod tests {
         let err = check_memlock(Some(8 << 20), 0, 3_435_973_837).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "RLIMIT_MEMLOCK is 8 MiB; the buffers need 3.2 GiB: raise `ulimit -l` or set LimitMEMLOCK=infinity"
+            "RLIMIT_MEMLOCK is 8 MiB; the buffers need 3.2 GiB, counted once for mlock and once more for io_uring: \
+             raise it to twice that (`ulimit -l 6710887`, in KiB) or set LimitMEMLOCK=infinity"
         );
         assert!(check_memlock(None, 0, u64::MAX).is_ok());
         assert!(check_memlock(Some(8 << 20), 4 << 20, 4 << 20).is_ok());

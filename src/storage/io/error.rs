@@ -29,8 +29,9 @@ pub enum IoError {
 
     /// `RLIMIT_MEMLOCK` is below what locking or registering the buffers needs.
     #[error(
-        "RLIMIT_MEMLOCK is {}; the buffers need {}: raise `ulimit -l` or set LimitMEMLOCK=infinity",
-        fmt_bytes(*have), fmt_bytes(*need)
+        "RLIMIT_MEMLOCK is {}; the buffers need {}, counted once for mlock and once more for io_uring: \
+         raise it to twice that (`ulimit -l {}`, in KiB) or set LimitMEMLOCK=infinity",
+        fmt_bytes(*have), fmt_bytes(*need), memlock_kib_advised(*need)
     )]
     MemLock { have: u64, need: u64 },
 
@@ -71,6 +72,12 @@ pub enum IoError {
 /// docs/USAGE.md "Exit codes": 3 when the data is at fault (a file shorter than the checkpoint says), 1
 /// for the engine's own bug (an unaligned or malformed op, a queue overrun: the engine built or
 /// queued the request wrongly), 4 for every I/O or system failure.
+/// The `ulimit -l` value (KiB) that the MemLock message advises for `need` bytes: locked buffers
+/// count against RLIMIT_MEMLOCK once for `mlock` and once more when io_uring registers them.
+pub(crate) fn memlock_kib_advised(need: u64) -> u64 {
+    need.saturating_mul(2).div_ceil(1024)
+}
+
 impl Classify for IoError {
     fn exit_code(&self) -> ExitCode {
         match self {
@@ -116,9 +123,12 @@ mod tests {
         let e = IoError::MemLock { have: 8 << 20, need: 3_435_973_837 };
         assert_eq!(
             e.to_string(),
-            "RLIMIT_MEMLOCK is 8 MiB; the buffers need 3.2 GiB: raise `ulimit -l` or set LimitMEMLOCK=infinity"
+            "RLIMIT_MEMLOCK is 8 MiB; the buffers need 3.2 GiB, counted once for mlock and once more for io_uring: \
+             raise it to twice that (`ulimit -l 6710887`, in KiB) or set LimitMEMLOCK=infinity"
         );
         assert_eq!(e.exit_code(), ExitCode::Io);
+        assert_eq!(super::memlock_kib_advised(4 << 20), 8192);
+        assert_eq!(super::memlock_kib_advised((4 << 20) + 1), 8193);
     }
 
     #[test]

@@ -19,8 +19,8 @@ pub enum PlanError {
         "a budget of {budget_gb:.4} GB is below this model's minimum of {min_gb:.4} GB ({detail}); raise the budget"
     )]
     BelowMinimum { budget_gb: f64, min_gb: f64, detail: String },
-    #[error("a budget of {budget_gb:.3} GB is above 95% of available memory ({available_gb:.3} GB available, limited by {limited_by}); lower the budget or free memory")]
-    AboveAvailable { budget_gb: f64, available_gb: f64, limited_by: String },
+    #[error("a budget of {budget_gb:.3} GB is above 95% of available memory ({available_gb:.3} GB available, limited by {limited_by}); lower the budget to {max_gb:.3} GB or less, or free memory")]
+    AboveAvailable { budget_gb: f64, available_gb: f64, max_gb: f64, limited_by: String },
     #[error("unknown preset {0:?}; choose from: laptop, desktop, workstation, server, max, auto")]
     UnknownPreset(String),
     #[error("a piece of {piece_mb:.6} MB is below this model's smallest piece of {min_mb:.6} MB (a block of rows that one computation needs whole); raise it")]
@@ -172,10 +172,13 @@ impl Plan {
     pub fn make(input: &PlanInput) -> Result<Plan, PlanError> {
         let to_gb = |b: u64| b as f64 / GB;
         if let Some(avail) = &input.mem_available {
-            if input.budget > avail.bytes / 100 * PRESET_MAX_PERCENT {
+            let max = avail.bytes / 100 * PRESET_MAX_PERCENT;
+            if input.budget > max {
                 return Err(PlanError::AboveAvailable {
                     budget_gb: to_gb(input.budget),
                     available_gb: to_gb(avail.bytes),
+                    // Rounded down to the MB, so the budget the message names is accepted.
+                    max_gb: (max / 1_000_000) as f64 / 1e3,
                     limited_by: avail.limited_by.to_string(),
                 });
             }

@@ -280,6 +280,23 @@ fn above_available_is_refused_naming_the_limit() {
     assert!(err.to_string().contains("limited by the cgroup v2 limit /cg/memory.max"), "{err}");
 }
 
+#[test]
+fn above_available_names_a_budget_it_accepts() {
+    for bytes in [3_456_789_012u64, 1_000_000_000, 999_999_999, 123_456_789] {
+        let mut i = input(bytes);
+        i.mem_available = available(bytes);
+        let err = Plan::make(&i).unwrap_err();
+        let text = err.to_string();
+        let named = text.split("lower the budget to ").nth(1).and_then(|t| t.split(' ').next()).unwrap();
+        let named: f64 = named.parse().unwrap();
+        i.budget = (named * GB) as u64;
+        assert!(Plan::make(&i).is_ok(), "{bytes} available: the named {named} GB is refused");
+        // Not far below what is accepted: a megabyte above it is refused.
+        i.budget = ((named + 0.001) * GB) as u64 + 1;
+        assert!(matches!(Plan::make(&i), Err(PlanError::AboveAvailable { .. })), "{bytes}: {named} + 1 MB");
+    }
+}
+
 /// `--preset max` is 95% of one reading of available memory, and the check compares against
 /// the same reading, so it never refuses its own preset (it did when memory was read twice).
 #[test]

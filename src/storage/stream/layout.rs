@@ -124,7 +124,7 @@ fn place_units(
         for t in &u.tensors {
             let id = index.position(&t.name).ok_or_else(|| {
                 StreamError::Mismatch(format!(
-                    "the trunk pack holds {} which the checkpoint lacks: run `k3ring pack` again",
+                    "the trunk pack holds {} which the checkpoint lacks: run `k3ring pack --force`",
                     t.name
                 ))
             })?;

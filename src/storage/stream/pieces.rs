@@ -147,7 +147,7 @@ impl RingItems {
             for s in &streamed {
                 let loc = pack.loc(s.mat.id).filter(|l| l.unit == u).ok_or_else(|| {
                     StreamError::Mismatch(format!(
-                        "tensor {} of {} is not in that unit of the pack: run `k3ring pack` again",
+                        "tensor {} of {} is not in that unit of the pack: run `k3ring pack --force`",
                         s.mat.id,
                         place.unit.name()
                     ))
