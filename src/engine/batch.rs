@@ -24,6 +24,7 @@ use serde::Serialize;
 
 use super::draft::{DraftOptions, DraftStats, Drafter};
 use super::logprobs::{token_logprob, TokenLogprob};
+use super::prefix_cache::{PrefixCache, PrefixCacheOptions, PrefixStats};
 use super::{context_needed, sampling, Engine, EngineError, Sampling};
 use crate::model::rewind::Journal;
 use crate::model::weights::WeightSource;
@@ -72,6 +73,8 @@ pub struct Finished {
     pub seconds: f64,
     /// The sequence's decode steps and drafting.
     pub draft: DraftStats,
+    /// Prompt tokens taken from the prefix cache instead of being prefilled.
+    pub cached_tokens: usize,
 }
 
 /// Receives what a step produced.
@@ -177,6 +180,8 @@ struct Running {
     guesses: Vec<u32>,
     /// Decode steps when not drafting.
     steps: u64,
+    /// Prompt tokens restored from the prefix cache.
+    cached: usize,
 }
 
 /// Sequences in flight and their slots. See the module docs.
@@ -199,6 +204,8 @@ pub struct Batcher<'e, S: WeightSource + LayerHook> {
     /// Per sequence whose prompt's log-probabilities are asked for: its slot, its first row of
     /// logits, how many, and the prompt position of the first.
     prompt_logit_slots: Vec<(usize, usize, usize, usize)>,
+    /// Snapshots of prompts' states, when enabled ([`Batcher::enable_prefix_cache`]).
+    prefix_cache: Option<PrefixCache>,
     candidates: Vec<(usize, f64)>,
     /// Journals not lent this step ([`BatchOptions::drafting_sequences`] in all).
     journals: Vec<Journal>,
@@ -269,6 +276,7 @@ impl<S: WeightSource + LayerHook> Engine<S> {
             logit_rows: Vec::with_capacity(slots),
             logit_slots: Vec::with_capacity(slots),
             prompt_logit_slots: Vec::with_capacity(slots),
+            prefix_cache: None,
             candidates: Vec::with_capacity(cfg.vocab_size),
             journals: (0..opts.drafting_sequences()).map(|_| Journal::new(cfg, opts.decode_rows())).collect(),
             lent: Vec::with_capacity(opts.drafting_sequences()),
@@ -288,6 +296,17 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
     /// Slots: sequences that run together at most.
     pub fn slots(&self) -> usize {
         self.opts.max_batch
+    }
+
+    /// Keeps snapshots of prompts' states from now on and starts new sequences from them
+    /// ([`super::prefix_cache`]); the outputs stay those of a cold start.
+    pub fn enable_prefix_cache(&mut self, opts: PrefixCacheOptions) {
+        self.prefix_cache = Some(PrefixCache::new(opts));
+    }
+
+    /// What the prefix cache did (None when it is off).
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefix_cache.as_ref().map(PrefixCache::stats)
     }
 
     pub fn options(&self) -> &BatchOptions {
@@ -376,6 +395,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             engine.model.forward_batch(src, hook, states, segments, scratch, tokens, logit_rows, logits, None)
         })?;
         self.stats.steps += 1;
+        self.store_prefixes()?;
         self.choose(sink, started.elapsed().as_secs_f64())?;
         Ok(true)
     }
@@ -392,10 +412,12 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
                     generated: 0,
                     seconds: submitted.elapsed().as_secs_f64(),
                     draft: DraftStats::default(),
+                    cached_tokens: 0,
                 });
                 continue;
             }
             self.states[slot].reset();
+            let cached = self.restore_prefix(slot, &request);
             let rng = SplitMix64::new(request.sampling.seed);
             let drafter = match &self.opts.draft {
                 Some(d) if request.sampling.is_greedy() => {
@@ -406,7 +428,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             self.slots[slot] = Some(Running {
                 ticket,
                 request,
-                prefilled: 0,
+                prefilled: cached,
                 next: None,
                 generated: 0,
                 rng,
@@ -414,9 +436,45 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
                 drafter,
                 guesses: Vec::new(),
                 steps: 0,
+                cached,
             });
             self.order.push(slot);
         }
+    }
+
+    /// Starts `slot`'s state from the longest cached prefix of `request`'s prompt; returns the
+    /// positions restored (0 without a cache, without a hit, or when the prompt's rows need their
+    /// logits). A snapshot that does not fit leaves the state cold.
+    fn restore_prefix(&mut self, slot: usize, request: &BatchRequest) -> usize {
+        let Some(cache) = &mut self.prefix_cache else { return 0 };
+        if request.prompt_logprobs && request.logprobs.is_some() {
+            return 0;
+        }
+        let Some(snap) = cache.lookup(&request.prompt) else { return 0 };
+        match self.states[slot].restore(snap) {
+            Ok(()) => snap.pos(),
+            Err(_) => {
+                self.states[slot].reset();
+                0
+            }
+        }
+    }
+
+    /// Snapshots the prefilling sequences that stand at one of their prompt's snapshot points.
+    fn store_prefixes(&mut self) -> Result<(), EngineError> {
+        let Some(cache) = &mut self.prefix_cache else { return Ok(()) };
+        for seg in &self.segments {
+            let Some(run) = &self.slots[seg.slot] else { continue };
+            let prompt = &run.request.prompt;
+            if run.next.is_some() || run.prefilled == 0 || run.prefilled >= prompt.len() {
+                continue;
+            }
+            if cache.next_point(prompt, run.prefilled - 1) == Some(run.prefilled) {
+                let snap = self.states[seg.slot].snapshot()?;
+                cache.insert(&prompt[..run.prefilled], snap);
+            }
+        }
+        Ok(())
     }
 
     /// Lends the pool's journals to the decoding sequences that guess this step, starting one
@@ -497,6 +555,10 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             }
             let echo = run.request.prompt_logprobs && run.request.logprobs.is_some();
             let mut take = (run.request.prompt.len() - run.prefilled).min(budget);
+            // A snapshot point ends the sequence's rows of this step.
+            if let Some(point) = self.prefix_cache.as_ref().and_then(|c| c.next_point(&run.request.prompt, run.prefilled)) {
+                take = take.min(point - run.prefilled);
+            }
             if echo {
                 take = take.min(logit_capacity.saturating_sub(self.logit_rows.len()));
                 if take == 0 {
@@ -550,6 +612,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
                     generated: 0,
                     seconds: run.submitted.elapsed().as_secs_f64(),
                     draft: DraftStats::default(),
+                    cached_tokens: run.cached,
                 });
                 self.slots[slot] = None;
                 self.order.retain(|&s| s != slot);
@@ -621,6 +684,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
                     generated: run.generated,
                     seconds: run.submitted.elapsed().as_secs_f64(),
                     draft,
+                    cached_tokens: run.cached,
                 });
                 self.slots[slot] = None;
                 self.order.retain(|&s| s != slot);

@@ -11,6 +11,7 @@ use decode::{Decode, End, Steps};
 pub mod draft;
 pub mod load;
 pub mod logprobs;
+pub mod prefix_cache;
 pub mod measure;
 pub mod measure_batch;
 pub mod read_tax;

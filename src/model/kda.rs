@@ -51,6 +51,21 @@ impl KdaState {
         super::take_f32s(bytes, &mut self.conv).map_err(|e| format!("KDA conv history: {e}"))
     }
 
+    /// The state matrices and conv history, for a snapshot ([`super::snapshot`]).
+    pub(super) fn parts(&self) -> (&[f32], &[f32]) {
+        (&self.s, &self.conv)
+    }
+
+    /// Sets what [`KdaState::parts`] gave; false when the sizes differ.
+    pub(super) fn set_parts(&mut self, s: &[f32], conv: &[f32]) -> bool {
+        if s.len() != self.s.len() || conv.len() != self.conv.len() {
+            return false;
+        }
+        self.s.copy_from_slice(s);
+        self.conv.copy_from_slice(conv);
+        true
+    }
+
     /// Bytes this state holds.
     pub fn bytes(cfg: &Config) -> u64 {
         let kd = &cfg.kda;

@@ -64,6 +64,21 @@ impl MlaCache {
         self.data.len() / self.width
     }
 
+    /// The cached rows, `len x width` values ([`super::snapshot`]).
+    pub(super) fn rows(&self) -> &[f32] {
+        &self.data[..self.len * self.width]
+    }
+
+    /// Sets the cache to `rows` (whole rows); false when they are not whole rows or do not fit.
+    pub(super) fn set_rows(&mut self, rows: &[f32]) -> bool {
+        if rows.len() % self.width != 0 || rows.len() > self.data.len() {
+            return false;
+        }
+        self.data[..rows.len()].copy_from_slice(rows);
+        self.len = rows.len() / self.width;
+        true
+    }
+
     /// Keeps the first `len` positions (rows past it are never read).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);

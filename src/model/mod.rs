@@ -18,6 +18,7 @@ pub mod kda;
 pub mod mla;
 pub mod moe;
 pub mod rewind;
+pub mod snapshot;
 pub mod weights;
 
 use kernels::{KernelError, Kernels};

@@ -20,6 +20,7 @@ mod oracle_tests;
 mod pieces_tests;
 mod pipeline_tests;
 mod plan_tests;
+mod prefix_cache_tests;
 mod row_block_tests;
 mod serve_conn_tests;
 mod serve_logprobs_tests;
