@@ -48,6 +48,9 @@ pub(super) struct OpenModel<'a> {
     pub context: usize,
     /// The drafting journals to plan for.
     pub drafting: crate::engine::DraftPlan,
+    /// Memory the command keeps beside the plan, with the flag that sizes it: taken from a
+    /// streaming budget.
+    pub reserved: Option<(&'static str, u64)>,
 }
 
 impl OpenModel<'_> {
@@ -63,6 +66,21 @@ impl OpenModel<'_> {
         let flag = typed_budget_flag(self.storage);
         let mut run = streaming_run(self.pipeline, self.storage, self.threads, self.chunk, self.context)
             .map_err(|e| name_budget_flag(e, &flag))?;
+        if let Some((reserved_flag, bytes)) = self.reserved {
+            let gb = |b: u64| b as f64 / crate::storage::plan::GB;
+            run.budget_bytes = run.budget_bytes.checked_sub(bytes).filter(|&b| b > 0).ok_or_else(|| {
+                crate::error::UsageError(format!(
+                    "{reserved_flag} {:.2} GB leaves nothing of the budget of {:.2} GB ({flag}): lower {reserved_flag} or raise the budget",
+                    gb(bytes),
+                    gb(run.budget_bytes)
+                ))
+            })?;
+            eprintln!(
+                "k3ring: {reserved_flag} takes {:.2} GB of the budget; the plan gets {:.2} GB",
+                gb(bytes),
+                gb(run.budget_bytes)
+            );
+        }
         run.sequences = self.sequences;
         run.drafting = self.drafting;
         run.placement = Some(self.placement);

@@ -13,6 +13,7 @@ use super::pipeline_flags::PipelineArgs;
 use super::run::refuse_streaming_flags;
 use super::StorageArgs;
 use crate::config::Config;
+use crate::engine::prefix_cache::PrefixCacheOptions;
 use crate::engine::{BatchOptions, Opened};
 use crate::error::UsageError;
 use crate::model::weights::WeightSource;
@@ -79,6 +80,15 @@ pub struct ServeArgs {
     /// Requests one connection may carry; the last is answered with `Connection: close`.
     #[arg(long, value_name = "N", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_requests_per_connection: u64,
+    /// GB of prompt-state snapshots kept for later requests that share a prefix (a system
+    /// prompt, a conversation's history); with a budget, taken from it. Default: 1, or a tenth
+    /// of the budget when that is less; 0: no prefix cache
+    #[arg(long, value_name = "GB")]
+    pub prefix_cache_gb: Option<f64>,
+    /// Positions between a prompt's snapshots: prompts that share only a beginning meet at the
+    /// last multiple before they part (each prompt is also kept one token short of its end)
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    pub prefix_stride: u64,
     /// Seconds requests in flight may go on after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, value_name = "S", default_value_t = 30.0)]
     pub grace: f64,
@@ -132,6 +142,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     }
     if !(args.grace.is_finite() && args.grace >= 0.0 && Duration::try_from_secs_f64(args.grace).is_ok()) {
         return Err(UsageError(format!("--grace {} is not a number of seconds >= 0", args.grace)).into());
+    }
+    if let Some(gb) = args.prefix_cache_gb.filter(|gb| !(gb.is_finite() && *gb >= 0.0 && *gb <= 1.0e6)) {
+        return Err(UsageError(format!("--prefix-cache-gb {gb} is not a size in GB >= 0")).into());
     }
     if args.max_connections == 0 {
         return Err(UsageError("--max-connections 0 would refuse every client".into()).into());
@@ -188,6 +201,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             idle: args.idle_timeout,
             max_requests: args.max_requests_per_connection,
         },
+        prefix_cache: prefix_cache_bytes(args, context).map(|bytes| PrefixCacheOptions {
+            bytes,
+            stride: usize::try_from(args.prefix_stride).unwrap_or(usize::MAX),
+        }),
         access_log: !args.no_access_log,
         health_needs_key: args.health_needs_key,
         grace: Duration::from_secs_f64(args.grace),
@@ -203,6 +220,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         chunk: opts.batch.step_rows(),
         context,
         drafting: opts.batch.draft_plan(args.drafting.draft.is_none()),
+        reserved: opts.prefix_cache.filter(|_| args.storage.trunk.is_some()).map(|c| ("--prefix-cache-gb", c.bytes)),
     };
     open.run(Start { listener, opts })
 }
@@ -264,6 +282,25 @@ fn start<S: WeightSource + LayerHook>(
     })?;
     eprintln!("k3ring: server stopped");
     Ok(())
+}
+
+/// Default prefix cache: 1 GB, or a tenth of the streaming budget when that is less.
+const DEFAULT_PREFIX_CACHE_GB: f64 = 1.0;
+
+/// The prefix cache's bytes (None: off): as given, else the default.
+fn prefix_cache_bytes(args: &ServeArgs, context: usize) -> Option<u64> {
+    let gb = crate::storage::plan::GB;
+    let bytes = match args.prefix_cache_gb {
+        Some(given) => (given * gb) as u64,
+        None => {
+            let default = (DEFAULT_PREFIX_CACHE_GB * gb) as u64;
+            let budget = args.storage.trunk.as_ref().and_then(|_| {
+                super::run::streaming_run(&args.pipeline, &args.storage, args.threads, args.prefill_chunk, context).ok()
+            });
+            budget.map_or(default, |r| default.min(r.budget_bytes / 10))
+        }
+    };
+    (bytes > 0).then_some(bytes)
 }
 
 /// A connection timeout in seconds: finite and above 0 (a limit of 0 would close every

@@ -556,7 +556,9 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             let echo = run.request.prompt_logprobs && run.request.logprobs.is_some();
             let mut take = (run.request.prompt.len() - run.prefilled).min(budget);
             // A snapshot point ends the sequence's rows of this step.
-            if let Some(point) = self.prefix_cache.as_ref().and_then(|c| c.next_point(&run.request.prompt, run.prefilled)) {
+            if let Some(point) =
+                self.prefix_cache.as_ref().and_then(|c| c.next_point(&run.request.prompt, run.prefilled))
+            {
                 take = take.min(point - run.prefilled);
             }
             if echo {

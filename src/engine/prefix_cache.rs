@@ -63,7 +63,12 @@ pub struct PrefixCache {
 
 impl PrefixCache {
     pub fn new(opts: PrefixCacheOptions) -> PrefixCache {
-        PrefixCache { opts: PrefixCacheOptions { stride: opts.stride.max(1), ..opts }, entries: Vec::new(), clock: 0, stats: PrefixStats::default() }
+        PrefixCache {
+            opts: PrefixCacheOptions { stride: opts.stride.max(1), ..opts },
+            entries: Vec::new(),
+            clock: 0,
+            stats: PrefixStats::default(),
+        }
     }
 
     pub fn stats(&self) -> PrefixStats {
@@ -118,7 +123,9 @@ impl PrefixCache {
             return;
         }
         while self.stats.bytes + need > self.opts.bytes {
-            let Some(oldest) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.used).map(|(i, _)| i) else { break };
+            let Some(oldest) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.used).map(|(i, _)| i) else {
+                break;
+            };
             let gone = self.entries.swap_remove(oldest);
             self.stats.bytes -= gone.bytes();
             self.stats.evictions += 1;
@@ -142,14 +149,16 @@ mod tests {
     }
 
     fn cfg() -> Config {
-        Config::from_model_dir(&std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3")).unwrap()
+        Config::from_model_dir(&std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3"))
+            .unwrap()
     }
 
     #[test]
     fn points_are_strides_and_the_last_but_one() {
         let c = PrefixCache::new(PrefixCacheOptions { bytes: 1 << 30, stride: 4 });
         let prompt: Vec<u32> = (0..11).collect();
-        let points: Vec<usize> = std::iter::successors(c.next_point(&prompt, 0), |&p| c.next_point(&prompt, p)).collect();
+        let points: Vec<usize> =
+            std::iter::successors(c.next_point(&prompt, 0), |&p| c.next_point(&prompt, p)).collect();
         assert_eq!(points, vec![4, 8, 10]);
         assert_eq!(c.next_point(&prompt[..1], 0), None);
         assert_eq!(c.next_point(&prompt[..2], 0), Some(1));

@@ -71,7 +71,7 @@ impl MlaCache {
 
     /// Sets the cache to `rows` (whole rows); false when they are not whole rows or do not fit.
     pub(super) fn set_rows(&mut self, rows: &[f32]) -> bool {
-        if rows.len() % self.width != 0 || rows.len() > self.data.len() {
+        if !rows.len().is_multiple_of(self.width) || rows.len() > self.data.len() {
             return false;
         }
         self.data[..rows.len()].copy_from_slice(rows);

@@ -492,6 +492,15 @@ pub struct Usage {
     /// outputs, and the decode steps (k3ring's own).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub completion_tokens_details: Option<CompletionDetails>,
+    /// With the prefix cache: the prompt tokens started from a cached state, not prefilled.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptDetails>,
+}
+
+/// `usage.prompt_tokens_details`, OpenAI's field for prompt caching.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct PromptDetails {
+    pub cached_tokens: usize,
 }
 
 /// `usage.completion_tokens_details` of a drafted sequence.
@@ -509,6 +518,7 @@ impl Usage {
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             completion_tokens_details: None,
+            prompt_tokens_details: None,
         }
     }
 }

@@ -19,6 +19,8 @@ pub struct Snapshot {
     pub overlap: Option<f64>,
     /// Expert lookups that found the expert resident (streaming runs).
     pub expert_hit_rate: Option<f64>,
+    /// The prefix cache's counters (when it is on).
+    pub prefix: Option<crate::engine::prefix_cache::PrefixStats>,
 }
 
 /// State shared by the handlers and the model thread.
@@ -169,6 +171,9 @@ impl Shared {
                 &one(o),
             );
         }
+        if let Some(p) = snap.prefix {
+            render_prefix(&mut metric, &p);
+        }
         if let Some(h) = snap.expert_hit_rate {
             metric("k3ring_expert_hit_ratio", "gauge", "Expert lookups that found the expert resident.", &one(h));
         }
@@ -198,6 +203,36 @@ impl Shared {
             &closed,
         );
     }
+}
+
+/// The prefix cache's counters.
+fn render_prefix(
+    metric: &mut impl FnMut(&str, &str, &str, &[(String, f64)]),
+    p: &crate::engine::prefix_cache::PrefixStats,
+) {
+    let one = |v: u64| vec![(String::new(), v as f64)];
+    metric("k3ring_prefix_cache_hits_total", "counter", "Sequences started from a cached prefix.", &one(p.hits));
+    metric("k3ring_prefix_cache_misses_total", "counter", "Sequences that found no cached prefix.", &one(p.misses));
+    metric(
+        "k3ring_prefix_cache_cached_tokens_total",
+        "counter",
+        "Prompt tokens taken from the prefix cache instead of prefilled.",
+        &one(p.cached_tokens),
+    );
+    metric("k3ring_prefix_cache_stored_total", "counter", "Snapshots taken into the prefix cache.", &one(p.stored));
+    metric(
+        "k3ring_prefix_cache_evictions_total",
+        "counter",
+        "Snapshots dropped to make room (least recently used first).",
+        &one(p.evictions),
+    );
+    metric(
+        "k3ring_prefix_cache_bytes",
+        "gauge",
+        "Bytes the prefix cache holds (--prefix-cache-gb at most).",
+        &one(p.bytes),
+    );
+    metric("k3ring_prefix_cache_entries", "gauge", "Snapshots the prefix cache holds.", &one(p.entries as u64));
 }
 
 #[cfg(test)]

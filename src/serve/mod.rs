@@ -54,6 +54,8 @@ pub struct ServeOptions {
     pub max_connections: usize,
     /// Per-connection timeouts and request cap.
     pub limits: limits::ConnLimits,
+    /// Snapshots of prompts' states for later requests to start from (None: off).
+    pub prefix_cache: Option<crate::engine::prefix_cache::PrefixCacheOptions>,
     /// How long requests in flight may go on after SIGINT/SIGTERM.
     pub grace: Duration,
     /// A line per request on stderr.
@@ -99,7 +101,10 @@ pub fn serve<S: WeightSource + LayerHook>(
     on_ready: impl FnOnce(&Ready),
 ) -> Result<(), ServeError> {
     let (engine, tok) = (&opened.engine, &opened.tokenizer);
-    let batcher = engine.batcher(opts.batch.clone())?;
+    let mut batcher = engine.batcher(opts.batch.clone())?;
+    if let Some(cache) = opts.prefix_cache {
+        batcher.enable_prefix_cache(cache);
+    }
     let slots = batcher.slots();
     let shared = Arc::new(Shared::default());
     let wopts = WorkerOptions { max_tokens: opts.max_tokens, grace: opts.grace };

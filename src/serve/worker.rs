@@ -170,6 +170,8 @@ struct Outputs<'t> {
     shared: Arc<Shared>,
     /// The server drafts (greedy requests): usages report what was guessed and kept.
     drafting: bool,
+    /// The batcher keeps a prefix cache: usages report the prompt tokens it gave.
+    prefix_cache: bool,
 }
 
 impl BatchSink for Outputs<'_> {
@@ -253,6 +255,9 @@ impl BatchSink for Outputs<'_> {
             FinishReason::Stop => "stop",
         };
         let mut usage = Usage::new(seq.prompt_tokens, f.generated);
+        if self.prefix_cache {
+            usage.prompt_tokens_details = Some(super::api::PromptDetails { cached_tokens: f.cached_tokens });
+        }
         if self.drafting {
             usage.completion_tokens_details = Some(super::api::CompletionDetails {
                 accepted_prediction_tokens: f.draft.accepted,
@@ -294,9 +299,10 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
         let seeds =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         let drafting = batcher.options().draft.is_some();
+        let prefix_cache = batcher.prefix_stats().is_some();
         Worker {
             batcher,
-            out: Outputs { tok, seqs: HashMap::new(), shared, drafting },
+            out: Outputs { tok, seqs: HashMap::new(), shared, drafting, prefix_cache },
             cfg,
             specials,
             opts,
@@ -558,6 +564,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
             read_bytes_per_second: rate(bytes, b0),
             overlap: overlap(),
             expert_hit_rate: hit_rate,
+            prefix: self.batcher.prefix_stats(),
         });
     }
 }

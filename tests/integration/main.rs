@@ -24,6 +24,7 @@ mod prefix_cache_tests;
 mod row_block_tests;
 mod serve_conn_tests;
 mod serve_logprobs_tests;
+mod serve_prefix_tests;
 mod serve_tests;
 mod soak_tests;
 mod streaming_tests;

@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 
 use k3ring::engine::prefix_cache::PrefixCacheOptions;
-use k3ring::engine::{BatchOptions, BatchRequest, BatchSink, DraftOptions, Engine, Finished, GenerateOptions, Sampling, Ticket};
+use k3ring::engine::{
+    BatchOptions, BatchRequest, BatchSink, DraftOptions, Engine, Finished, GenerateOptions, Sampling, Ticket,
+};
 use k3ring::model::weights::WeightSource;
 use k3ring::model::LayerHook;
 use kernels::Isa;
@@ -38,7 +40,8 @@ fn conversations(vocab: u32, users: usize, turns: usize) -> Vec<Vec<BatchRequest
         .map(|turn| {
             (0..users)
                 .map(|u| {
-                    let question: Vec<u32> = (0..3 + (u + turn) % 4).map(|j| ((u * 101 + turn * 13 + j * 7) as u32) % vocab).collect();
+                    let question: Vec<u32> =
+                        (0..3 + (u + turn) % 4).map(|j| ((u * 101 + turn * 13 + j * 7) as u32) % vocab).collect();
                     history[u].extend(question);
                     let sampling = match (u + turn) % 3 {
                         0 => Sampling::default(),
@@ -63,7 +66,12 @@ fn conversations(vocab: u32, users: usize, turns: usize) -> Vec<Vec<BatchRequest
 }
 
 fn solo<S: WeightSource + LayerHook>(engine: &Engine<S>, r: &BatchRequest) -> Vec<u32> {
-    let opts = GenerateOptions { gen: r.max_tokens, sampling: r.sampling.clone(), prefill_chunk: 5, ..GenerateOptions::default() };
+    let opts = GenerateOptions {
+        gen: r.max_tokens,
+        sampling: r.sampling.clone(),
+        prefill_chunk: 5,
+        ..GenerateOptions::default()
+    };
     engine.generate(&r.prompt, &opts, |_| {}).unwrap().generated_ids
 }
 
@@ -118,7 +126,8 @@ fn a_pool_too_small_for_every_prefix_evicts_and_stays_exact_streamed_too() {
     let vocab = o.engine.model.cfg.vocab_size as u32;
     let waves = conversations(vocab, 5, 3);
     // Room for about three snapshots of these prompts.
-    let mut probe = o.engine.batcher(BatchOptions { max_batch: 1, prefill_chunk: 8, context: 96, draft: None }).unwrap();
+    let mut probe =
+        o.engine.batcher(BatchOptions { max_batch: 1, prefill_chunk: 8, context: 96, draft: None }).unwrap();
     probe.enable_prefix_cache(PrefixCacheOptions { bytes: 1 << 30, stride: 1 << 20 });
     probe.submit(waves[1][0].clone()).unwrap();
     while probe.step(&mut Collect::default()).unwrap() {}
