@@ -182,6 +182,8 @@ struct Running {
     steps: u64,
     /// Prompt tokens restored from the prefix cache.
     cached: usize,
+    /// Where the prompt parts from the cached prompt it shares most with: a snapshot point.
+    shared: Option<usize>,
 }
 
 /// Sequences in flight and their slots. See the module docs.
@@ -418,6 +420,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             }
             self.states[slot].reset();
             let cached = self.restore_prefix(slot, &request);
+            let shared = self.prefix_cache.as_ref().and_then(|c| c.shared(&request.prompt));
             let rng = SplitMix64::new(request.sampling.seed);
             let drafter = match &self.opts.draft {
                 Some(d) if request.sampling.is_greedy() => {
@@ -437,6 +440,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
                 guesses: Vec::new(),
                 steps: 0,
                 cached,
+                shared,
             });
             self.order.push(slot);
         }
@@ -469,7 +473,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             if run.next.is_some() || run.prefilled == 0 || run.prefilled >= prompt.len() {
                 continue;
             }
-            if cache.next_point(prompt, run.prefilled - 1) == Some(run.prefilled) {
+            if cache.next_point(prompt, run.prefilled - 1, run.shared) == Some(run.prefilled) {
                 let snap = self.states[seg.slot].snapshot()?;
                 cache.insert(&prompt[..run.prefilled], snap);
             }
@@ -557,7 +561,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             let mut take = (run.request.prompt.len() - run.prefilled).min(budget);
             // A snapshot point ends the sequence's rows of this step.
             if let Some(point) =
-                self.prefix_cache.as_ref().and_then(|c| c.next_point(&run.request.prompt, run.prefilled))
+                self.prefix_cache.as_ref().and_then(|c| c.next_point(&run.request.prompt, run.prefilled, run.shared))
             {
                 take = take.min(point - run.prefilled);
             }

@@ -98,12 +98,27 @@ impl PrefixCache {
     }
 
     /// The next position after `from` where a prompt is snapshotted and no snapshot of its
-    /// prefix is cached yet.
-    pub fn next_point(&self, prompt: &[u32], from: usize) -> Option<usize> {
+    /// prefix is cached yet; `shared` is where the prompt parts from the cached prompt it shares
+    /// most with ([`PrefixCache::shared`]), also a point.
+    pub fn next_point(&self, prompt: &[u32], from: usize, shared: Option<usize>) -> Option<usize> {
         let last = prompt.len().checked_sub(1).filter(|&l| l > 0)?;
         let stride = self.opts.stride;
         let strides = (from / stride + 1..).map(|k| k * stride).take_while(|&p| p < last);
-        strides.chain(std::iter::once(last)).filter(|&p| p > from).find(|&p| !self.contains(&prompt[..p]))
+        let points = strides.chain(shared.filter(|&s| s > from && s < last)).chain(std::iter::once(last));
+        points.filter(|&p| p > from).filter(|&p| !self.contains(&prompt[..p])).min()
+    }
+
+    /// The longest prefix `prompt` shares with a cached snapshot's tokens, when it is longer than
+    /// that snapshot's own match: a prompt that parts from an earlier one between two strides (the
+    /// same system prompt, another question) is snapshotted where they part, so that the next
+    /// prompt like them starts there.
+    pub fn shared(&self, prompt: &[u32]) -> Option<usize> {
+        self.entries
+            .iter()
+            .filter(|e| !prompt.starts_with(&e.tokens))
+            .map(|e| e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count())
+            .max()
+            .filter(|&n| n > 0)
     }
 
     fn contains(&self, tokens: &[u32]) -> bool {
@@ -157,11 +172,14 @@ mod tests {
     fn points_are_strides_and_the_last_but_one() {
         let c = PrefixCache::new(PrefixCacheOptions { bytes: 1 << 30, stride: 4 });
         let prompt: Vec<u32> = (0..11).collect();
-        let points: Vec<usize> =
-            std::iter::successors(c.next_point(&prompt, 0), |&p| c.next_point(&prompt, p)).collect();
-        assert_eq!(points, vec![4, 8, 10]);
-        assert_eq!(c.next_point(&prompt[..1], 0), None);
-        assert_eq!(c.next_point(&prompt[..2], 0), Some(1));
+        let points = |shared| -> Vec<usize> {
+            std::iter::successors(c.next_point(&prompt, 0, shared), |&p| c.next_point(&prompt, p, shared)).collect()
+        };
+        assert_eq!(points(None), vec![4, 8, 10]);
+        assert_eq!(points(Some(6)), vec![4, 6, 8, 10]);
+        assert_eq!(points(Some(10)), vec![4, 8, 10]);
+        assert_eq!(c.next_point(&prompt[..1], 0, None), None);
+        assert_eq!(c.next_point(&prompt[..2], 0, None), Some(1));
     }
 
     #[test]
@@ -176,6 +194,10 @@ mod tests {
         assert!(c.lookup(&[1, 2, 3, 4]).is_some());
         assert_eq!(c.stats().cached_tokens, 5);
         assert!(c.lookup(&[2]).is_none());
+        // [1, 2, 5, 6] holds [1, 2] whole: it parts from [1, 2, 3] at 2, which is cached.
+        assert_eq!(c.shared(&[1, 2, 5, 6]), Some(2));
+        assert_eq!(c.shared(&[1, 9]), Some(1));
+        assert_eq!(c.shared(&[9]), None);
         // [1, 2] was used least recently: it goes to make room.
         c.insert(&[7, 8, 9], snap(&cfg));
         let s = c.stats();
