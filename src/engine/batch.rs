@@ -464,16 +464,19 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         }
     }
 
-    /// Snapshots the prefilling sequences that stand at one of their prompt's snapshot points.
+    /// Snapshots the prefilling sequences that stand at one of their prompt's snapshot points,
+    /// or at its end.
     fn store_prefixes(&mut self) -> Result<(), EngineError> {
         let Some(cache) = &mut self.prefix_cache else { return Ok(()) };
         for seg in &self.segments {
             let Some(run) = &self.slots[seg.slot] else { continue };
             let prompt = &run.request.prompt;
-            if run.next.is_some() || run.prefilled == 0 || run.prefilled >= prompt.len() {
+            if run.next.is_some() || run.prefilled == 0 {
                 continue;
             }
-            if cache.next_point(prompt, run.prefilled - 1, run.shared) == Some(run.prefilled) {
+            let at_end = run.prefilled == prompt.len();
+            let at_point = cache.next_point(prompt, run.prefilled - 1, run.shared) == Some(run.prefilled);
+            if (at_end || at_point) && cache.wants(&prompt[..run.prefilled]) {
                 let snap = self.states[seg.slot].snapshot()?;
                 cache.insert(&prompt[..run.prefilled], snap);
             }

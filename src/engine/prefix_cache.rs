@@ -3,12 +3,15 @@
 //! recently used first out). A new sequence starts from the longest cached prefix of its prompt
 //! and prefills only the rest; the tokens are the same as from a cold start.
 //!
-//! Where snapshots are taken (a prompt of n tokens): every `stride` positions, so that prompts
-//! sharing only a beginning (one system prompt, different questions) meet at the last stride
-//! before they part, and at n - 1, so that a prompt sent again, or continued (a conversation's
-//! next turn resends the history), starts one token short of where the last one ended: the
-//! prompt's last token always runs, as its logits choose the first generated token. A snapshot
-//! point is a step boundary: the batcher's prefill stops there for one step.
+//! Where snapshots are taken (a prompt of n tokens): at n, when its prefill ends (free: the
+//! step ends there anyway), so that a conversation's next turn, which resends the history and
+//! adds to it, starts where the last one's prompt ended; every `stride` positions, so that
+//! prompts sharing only a beginning (one system prompt, different questions) meet at the last
+//! stride before they part; and where the prompt parts from the cached prompt it shares most
+//! with, so that the next prompt like the two starts at their whole common part. A stride or
+//! parting point ends the sequence's rows of a prefill step. A prompt sent again unchanged
+//! starts from its last stride or parting point: its last token must run, as its logits
+//! choose the first generated token.
 
 use serde::Serialize;
 
@@ -101,11 +104,16 @@ impl PrefixCache {
     /// prefix is cached yet; `shared` is where the prompt parts from the cached prompt it shares
     /// most with ([`PrefixCache::shared`]), also a point.
     pub fn next_point(&self, prompt: &[u32], from: usize, shared: Option<usize>) -> Option<usize> {
-        let last = prompt.len().checked_sub(1).filter(|&l| l > 0)?;
+        let end = prompt.len();
         let stride = self.opts.stride;
-        let strides = (from / stride + 1..).map(|k| k * stride).take_while(|&p| p < last);
-        let points = strides.chain(shared.filter(|&s| s > from && s < last)).chain(std::iter::once(last));
+        let strides = (from / stride + 1..).map(|k| k * stride).take_while(|&p| p < end);
+        let points = strides.chain(shared.filter(|&s| s > from && s < end));
         points.filter(|&p| p > from).filter(|&p| !self.contains(&prompt[..p])).min()
+    }
+
+    /// Whether the state after `tokens` should be kept: not cached yet.
+    pub fn wants(&self, tokens: &[u32]) -> bool {
+        !tokens.is_empty() && !self.contains(tokens)
     }
 
     /// The longest prefix `prompt` shares with a cached snapshot's tokens, when it is longer than
@@ -169,17 +177,19 @@ mod tests {
     }
 
     #[test]
-    fn points_are_strides_and_the_last_but_one() {
+    fn points_are_strides_and_the_parting_point() {
         let c = PrefixCache::new(PrefixCacheOptions { bytes: 1 << 30, stride: 4 });
         let prompt: Vec<u32> = (0..11).collect();
         let points = |shared| -> Vec<usize> {
             std::iter::successors(c.next_point(&prompt, 0, shared), |&p| c.next_point(&prompt, p, shared)).collect()
         };
-        assert_eq!(points(None), vec![4, 8, 10]);
-        assert_eq!(points(Some(6)), vec![4, 6, 8, 10]);
+        // The prompt's end is no split point: its prefill ends there.
+        assert_eq!(points(None), vec![4, 8]);
+        assert_eq!(points(Some(6)), vec![4, 6, 8]);
         assert_eq!(points(Some(10)), vec![4, 8, 10]);
-        assert_eq!(c.next_point(&prompt[..1], 0, None), None);
-        assert_eq!(c.next_point(&prompt[..2], 0, None), Some(1));
+        assert_eq!(points(Some(11)), vec![4, 8]);
+        assert_eq!(c.next_point(&prompt[..4], 0, None), None);
+        assert!(c.wants(&prompt) && !c.wants(&[]));
     }
 
     #[test]

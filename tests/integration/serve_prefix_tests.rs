@@ -62,9 +62,16 @@ fn serve_reuses_prefixes_and_answers_as_a_cold_server() {
         assert_eq!(got, ids_and_cached(&cold.addr, c).0, "{c}");
         assert!(cached >= 64, "{cached} cached tokens for {c}");
     }
-    // The same prompt again: all but its last token.
+    // The same prompt again: from where the system prompt ends (its last token must run).
     let (_, cached) = ids_and_cached(&warm.addr, &cases[0]);
-    assert_eq!(cached, 72);
+    assert_eq!(cached, 70);
+    // A conversation's next turn resends the prompt and adds to it: it starts at its end.
+    let mut next = cases[0].clone();
+    let longer: Vec<Value> = next["prompt"].as_array().unwrap().iter().cloned().chain([json!(5), json!(6)]).collect();
+    next["prompt"] = json!(longer);
+    let (got, cached) = ids_and_cached(&warm.addr, &next);
+    assert_eq!(cached, 73);
+    assert_eq!(got, ids_and_cached(&cold.addr, &next).0);
     // Concurrently: a mixed batch of warm and new prompts.
     let handles: Vec<_> = (0..6)
         .map(|i| {

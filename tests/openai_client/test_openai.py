@@ -213,6 +213,25 @@ def main():
                 streamed += chunk.choices[0].logprobs.content
         assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content], streamed
 
+    def prefix_reuse():
+        system = "You are a careful assistant who answers briefly and checks every step. " * 20
+        def ask(question):
+            r = client.chat.completions.create(
+                model=MODEL, max_tokens=6, temperature=0,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+                extra_body={"return_token_ids": True, "thinking": False},
+            )
+            return r, extra(r, "prompt_token_ids"), extra(r.choices[0], "token_ids")
+        ask("What is a ring buffer?")
+        r, prompt_ids, got = ask("And what is a pipeline?")
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert len(prompt_ids) > 128 and 128 <= cached < len(prompt_ids), (cached, len(prompt_ids))
+        want, _ = solo_run("--ids", ",".join(map(str, prompt_ids)), "--gen", "6", "--temperature", "0")
+        assert got == want[: len(got)], (got, want)
+        r, _, again = ask("And what is a pipeline?")
+        assert cached <= r.usage.prompt_tokens_details.cached_tokens < len(prompt_ids), r.usage
+        assert again == got, (again, got)
+
     def refused(exc, status, **kwargs):
         try:
             client.completions.create(**kwargs)
@@ -243,6 +262,7 @@ def main():
     check("completions logprobs streamed", lambda: completion_logprobs(True))
     check("chat logprobs", lambda: chat_logprobs(False))
     check("chat logprobs streamed too", lambda: chat_logprobs(True))
+    check("prefix reuse: cached_tokens, cold tokens", prefix_reuse)
     check("logprobs above 5 refused", lambda: refused(openai.BadRequestError, 400, model=MODEL, prompt="a", logprobs=6))
     check("n = 2 refused", lambda: refused(openai.BadRequestError, 400, model=MODEL, prompt="a", n=2))
     check("unknown model", lambda: refused(openai.NotFoundError, 404, model="gpt-4o", prompt="a"))
