@@ -86,7 +86,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "GB")]
     pub prefix_cache_gb: Option<f64>,
     /// Positions between a prompt's snapshots: prompts that share only a beginning meet at the
-    /// last multiple before they part (each prompt is also kept one token short of its end)
+    /// last multiple before they part (each prompt is also kept where it ends)
     #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
     pub prefix_stride: u64,
     /// Seconds requests in flight may go on after SIGINT/SIGTERM before they are cancelled.
