@@ -410,3 +410,36 @@ fn the_greedy_warning_names_the_temperature_that_samples() {
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains("warning"), "{err}");
 }
+
+/// A request longer than a batch slot (the library's batcher, as `batch` and `serve` size it):
+/// the refusal's `--context` fits it.
+#[test]
+fn a_request_longer_than_a_slot_names_a_context_that_takes_it() {
+    use k3ring::engine::{BatchOptions, BatchRequest, BatchSink, Finished, Sampling, Ticket};
+    struct Count(usize);
+    impl BatchSink for Count {
+        fn token(&mut self, _: Ticket, _: u32) -> bool {
+            self.0 += 1;
+            false
+        }
+        fn finished(&mut self, _: Finished) {}
+    }
+    let o = open(&tiny_dir(), 1, kernels::Isa::best());
+    let request = BatchRequest {
+        prompt: (1..=12).collect(),
+        max_tokens: 9,
+        sampling: Sampling::default(),
+        stop_ids: Vec::new(),
+        logprobs: None,
+        prompt_logprobs: false,
+    };
+    let opts = BatchOptions { max_batch: 1, prefill_chunk: 8, context: 16, draft: None };
+    let err = o.engine.batcher(opts.clone()).unwrap().submit(request.clone()).unwrap_err().to_string();
+    assert!(err.contains("raise --context to"), "{err}");
+    let context: usize = number_after(&err, "raise --context to ").parse().unwrap();
+    let mut b = o.engine.batcher(BatchOptions { context, ..opts }).unwrap();
+    b.submit(request).unwrap();
+    let mut sink = Count(0);
+    while b.step(&mut sink).unwrap() {}
+    assert_eq!(sink.0, 9, "--context {context} holds the request");
+}
