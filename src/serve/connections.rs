@@ -17,6 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::error::ApiError;
+use super::limits::Watch;
 use super::metrics::Shared;
 
 /// How long a refused client gets to take its 503 before the socket is dropped.
@@ -48,7 +49,7 @@ impl axum::serve::Listener for CappedListener {
                 Ok(permit) => {
                     self.shared.connections.fetch_add(1, Ordering::Relaxed);
                     let shared = Arc::clone(&self.shared);
-                    return (Counted { io: stream, _permit: permit, shared }, addr);
+                    return (Counted { io: stream, _permit: permit, shared, watch: Watch::new() }, addr);
                 }
                 Err(_) => {
                     self.shared.connections_refused.fetch_add(1, Ordering::Relaxed);
@@ -86,11 +87,20 @@ async fn refuse(mut stream: TcpStream, max: usize) {
     let _ = tokio::time::timeout(REFUSE_LINGER, linger).await;
 }
 
-/// An accepted connection; its permit returns to the cap when it is dropped.
+/// An accepted connection; its permit returns to the cap when it is dropped. It tells its
+/// [`Watch`] when bytes arrive, for the per-connection limits.
 pub struct Counted {
     io: TcpStream,
     _permit: OwnedSemaphorePermit,
     shared: Arc<Shared>,
+    watch: Arc<Watch>,
+}
+
+impl Counted {
+    /// The connection's state for its limits ([`super::limits`]).
+    pub fn watch(&self) -> Arc<Watch> {
+        Arc::clone(&self.watch)
+    }
 }
 
 impl Drop for Counted {
@@ -101,7 +111,12 @@ impl Drop for Counted {
 
 impl AsyncRead for Counted {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.watch.bytes_read();
+        }
+        r
     }
 }
 

@@ -17,7 +17,7 @@ use hyper_util::rt::TokioIo;
 use tokio::sync::watch;
 
 use super::connections::CappedListener;
-use super::limits::{ConnLimits, Tracked, Watch, Watched};
+use super::limits::{ConnLimits, Tracked};
 use super::metrics::Shared;
 
 /// Serves `router` on `listener` until `stop` completes and the open connections have closed;
@@ -41,9 +41,8 @@ pub async fn serve(
             conn = axum::serve::Listener::accept(&mut listener) => conn,
             () = signal_tx.closed() => break,
         };
-        let conn_watch = Watch::new();
+        let conn_watch = io.watch();
         let service = Tracked::new(router.clone(), Arc::clone(&conn_watch), limits, Arc::clone(&shared));
-        let io = Watched::new(io, Arc::clone(&conn_watch));
         let (signal_tx, close_rx, shared) = (signal_tx.clone(), close_rx.clone(), Arc::clone(&shared));
         tokio::spawn(async move {
             let mut builder = hyper::server::conn::http1::Builder::new();

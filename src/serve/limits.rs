@@ -12,14 +12,13 @@
 //!
 //! Nothing here touches a request once its body is read: generation, however long, and a
 //! streamed reply are never cut by these limits. The connection's state lives in a [`Watch`]
-//! that three parties update: the socket wrapper ([`Watched`]) sees bytes arrive, the service
+//! that three parties update: the socket ([`super::connections::Counted`]) sees bytes arrive, the service
 //! wrapper ([`Tracked`]) sees heads parsed and replies finished, and the connection's task in
 //! [`super::http`] sleeps until the next deadline.
 #![forbid(unsafe_code)]
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -31,7 +30,6 @@ use axum::http::{header, HeaderValue, Request, Response};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::service::TowerToHyperService;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 use tokio::time::{Instant, Sleep};
 
@@ -136,8 +134,9 @@ impl Watch {
         self.base + Duration::from_nanos(stamp - 1)
     }
 
-    /// Bytes arrived: with no request in flight they start a new head.
-    fn bytes_read(&self) {
+    /// Bytes arrived (the socket, [`super::connections::Counted`], says so): with no request in
+    /// flight they start a new head.
+    pub(super) fn bytes_read(&self) {
         if self.in_flight.load(Ordering::Relaxed) == 0 && self.head_since.load(Ordering::Relaxed) == 0 {
             self.head_since.store(self.stamp(), Ordering::Relaxed);
             self.idle_since.store(0, Ordering::Relaxed);
@@ -177,55 +176,6 @@ impl Watch {
     /// Resolves when the state changed since the last call (the deadline may have moved).
     pub async fn changed(&self) {
         self.changed.notified().await;
-    }
-}
-
-/// The socket, telling the [`Watch`] when bytes arrive.
-pub struct Watched<IO> {
-    io: IO,
-    watch: Arc<Watch>,
-}
-
-impl<IO> Watched<IO> {
-    pub fn new(io: IO, watch: Arc<Watch>) -> Watched<IO> {
-        Watched { io, watch }
-    }
-}
-
-impl<IO: AsyncRead + Unpin> AsyncRead for Watched<IO> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.io).poll_read(cx, buf);
-        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.watch.bytes_read();
-        }
-        r
-    }
-}
-
-impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 
