@@ -117,3 +117,22 @@ fn the_release_config_gives_a_table_from_the_minimum_to_the_resident_trunk() {
     assert_eq!(code, 4, "{err}");
     assert!(err.contains("/nonexistent/config.json"), "{err}");
 }
+
+/// README's sizing table is `plan`'s own output on the release's config, row for row: it cannot
+/// drift from the planner.
+#[test]
+fn the_readme_sizing_table_is_plans_output() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/k3-config.json");
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme.split("## The real model").nth(1).expect("README has a real-model section");
+    let rows: Vec<&str> =
+        section.lines().skip_while(|l| !l.starts_with("| budget |")).take_while(|l| l.starts_with('|')).collect();
+    assert!(rows.len() > 3, "no sizing table in README's real-model section");
+    let (code, text, err) = k3ring(&["plan", "--config", config]);
+    assert_eq!(code, 0, "{err}");
+    let printed: Vec<&str> = text.lines().filter(|l| l.starts_with('|')).collect();
+    assert_eq!(
+        rows, printed,
+        "README's table differs from `k3ring plan --config tests/fixtures/k3-config.json`:\n{text}"
+    );
+}
