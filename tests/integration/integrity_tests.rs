@@ -418,3 +418,21 @@ fn pack_repacks_a_damaged_pack_and_force_repacks_an_intact_one() {
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("packed ") && err.contains("was packed again: --force"), "{out} {err}");
 }
+
+/// A manifest naming a tensor the checkpoint lacks (a pack of another layout, or a hand edit):
+/// the advice, `pack --force`, writes a pack the run takes.
+#[test]
+fn a_pack_tensor_the_checkpoint_lacks_is_mended_by_pack_force() {
+    let trunk = pack(&tiny_dir());
+    let path = trunk.path().join("trunk.manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    m["units"][0]["tensors"][0]["name"] = serde_json::json!("model.no_such_tensor.weight");
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+    let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &[]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("model.no_such_tensor.weight which the checkpoint lacks: run `k3ring pack --force`"), "{err}");
+    let (code, out, err) = k3ring(&["pack", "--force", "--model", s(&tiny_dir()), "--out", s(trunk.path())]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &[]);
+    assert_eq!(code, 0, "{err}");
+}
