@@ -436,3 +436,37 @@ fn a_pack_tensor_the_checkpoint_lacks_is_mended_by_pack_force() {
     let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &[]);
     assert_eq!(code, 0, "{err}");
 }
+
+/// A manifest that puts a tensor in another unit (it once panicked reading through the wrong
+/// unit's view) is refused with exit 3, and `pack --force`, as advised, mends it.
+#[test]
+fn a_pack_tensor_in_another_unit_is_refused_and_mended_by_pack_force() {
+    let trunk = pack(&tiny_dir());
+    let path = trunk.path().join("trunk.manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let units = m["units"].as_array_mut().unwrap();
+    let at = |units: &Vec<serde_json::Value>, name: &str| units.iter().position(|u| u["unit"] == name).unwrap();
+    let (l0, l1) = (at(units, "layer.0"), at(units, "layer.1"));
+    // The largest of layer 1's tensors that lies within layer 0's bytes (so no bounds check
+    // catches it): read through layer 0's view, it was the panic.
+    let room = units[l0]["len"].as_u64().unwrap();
+    let tensors = units[l1]["tensors"].as_array_mut().unwrap();
+    let fits = |t: &serde_json::Value| t["offset"].as_u64().unwrap() + t["len"].as_u64().unwrap() <= room;
+    let pick = (0..tensors.len()).filter(|&i| fits(&tensors[i])).max_by_key(|&i| tensors[i]["len"].as_u64()).unwrap();
+    let moved = tensors.remove(pick);
+    let name = moved["name"].as_str().unwrap().to_owned();
+    units[l0]["tensors"].as_array_mut().unwrap().push(moved);
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+    for budget in ["0.004", "0.01"] {
+        let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &["--mem-gb", budget]);
+        assert_eq!(code, 3, "--mem-gb {budget}: {err}");
+        assert!(
+            err.contains(&format!("holds {name} in unit layer.0, where it does not belong: run `k3ring pack --force`")),
+            "{err}"
+        );
+    }
+    let (code, out, err) = k3ring(&["pack", "--force", "--model", s(&tiny_dir()), "--out", s(trunk.path())]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &["--mem-gb", "0.004"]);
+    assert_eq!(code, 0, "{err}");
+}

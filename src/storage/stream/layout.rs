@@ -113,6 +113,17 @@ impl PackLayout {
     }
 }
 
+/// The unit a trunk tensor belongs to, by its name (as `pack` groups them): a layer's tensors in
+/// that layer's unit, the embedding in its own, the rest in the head.
+fn unit_of_tensor(name: &str) -> PackUnit {
+    let embed = format!("{}embed_tokens.weight", crate::checkpoint::MODEL_PREFIX);
+    if name == embed {
+        return PackUnit::Embed;
+    }
+    let layer = name.split_once(".layers.").and_then(|(_, rest)| rest.split('.').next()?.parse().ok());
+    layer.map_or(PackUnit::Head, PackUnit::Layer)
+}
+
 fn place_units(
     manifest: &Manifest,
     index: &CheckpointIndex,
@@ -128,6 +139,12 @@ fn place_units(
                     t.name
                 ))
             })?;
+            if unit_of_tensor(&t.name) != unit {
+                return Err(StreamError::Mismatch(format!(
+                    "the trunk pack holds {} in unit {}, where it does not belong: run `k3ring pack --force`",
+                    t.name, u.unit
+                )));
+            }
             if index.tensors[id].len != t.len {
                 return Err(StreamError::Mismatch(format!(
                     "{}: the pack and the checkpoint disagree on its size",
