@@ -17,6 +17,8 @@
 //! turn; the others decode one token. Which sequences draft never changes a token.
 #![forbid(unsafe_code)]
 
+mod prefix;
+
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -24,7 +26,7 @@ use serde::Serialize;
 
 use super::draft::{DraftOptions, DraftStats, Drafter};
 use super::logprobs::{token_logprob, TokenLogprob};
-use super::prefix_cache::{PrefixCache, PrefixCacheOptions, PrefixStats};
+use super::prefix_cache::PrefixCache;
 use super::{context_needed, sampling, Engine, EngineError, Sampling};
 use crate::model::rewind::Journal;
 use crate::model::weights::WeightSource;
@@ -300,17 +302,6 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
         self.opts.max_batch
     }
 
-    /// Keeps snapshots of prompts' states from now on and starts new sequences from them
-    /// ([`super::prefix_cache`]); the outputs stay those of a cold start.
-    pub fn enable_prefix_cache(&mut self, opts: PrefixCacheOptions) {
-        self.prefix_cache = Some(PrefixCache::new(opts));
-    }
-
-    /// What the prefix cache did (None when it is off).
-    pub fn prefix_stats(&self) -> Option<PrefixStats> {
-        self.prefix_cache.as_ref().map(PrefixCache::stats)
-    }
-
     pub fn options(&self) -> &BatchOptions {
         &self.opts
     }
@@ -444,44 +435,6 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             });
             self.order.push(slot);
         }
-    }
-
-    /// Starts `slot`'s state from the longest cached prefix of `request`'s prompt; returns the
-    /// positions restored (0 without a cache, without a hit, or when the prompt's rows need their
-    /// logits). A snapshot that does not fit leaves the state cold.
-    fn restore_prefix(&mut self, slot: usize, request: &BatchRequest) -> usize {
-        let Some(cache) = &mut self.prefix_cache else { return 0 };
-        if request.prompt_logprobs && request.logprobs.is_some() {
-            return 0;
-        }
-        let Some(snap) = cache.lookup(&request.prompt) else { return 0 };
-        match self.states[slot].restore(snap) {
-            Ok(()) => snap.pos(),
-            Err(_) => {
-                self.states[slot].reset();
-                0
-            }
-        }
-    }
-
-    /// Snapshots the prefilling sequences that stand at one of their prompt's snapshot points,
-    /// or at its end.
-    fn store_prefixes(&mut self) -> Result<(), EngineError> {
-        let Some(cache) = &mut self.prefix_cache else { return Ok(()) };
-        for seg in &self.segments {
-            let Some(run) = &self.slots[seg.slot] else { continue };
-            let prompt = &run.request.prompt;
-            if run.next.is_some() || run.prefilled == 0 {
-                continue;
-            }
-            let at_end = run.prefilled == prompt.len();
-            let at_point = cache.next_point(prompt, run.prefilled - 1, run.shared) == Some(run.prefilled);
-            if (at_end || at_point) && cache.wants(&prompt[..run.prefilled]) {
-                let snap = self.states[seg.slot].snapshot()?;
-                cache.insert(&prompt[..run.prefilled], snap);
-            }
-        }
-        Ok(())
     }
 
     /// Lends the pool's journals to the decoding sequences that guess this step, starting one
