@@ -531,6 +531,12 @@ impl Pieces<'_> {
         let used = pinned_bytes + plan.small_bytes + plan.ring_slots as u64 * plan.ring_slot_bytes;
         let slots = (avail.saturating_sub(used) / input.expert_slot_bytes.max(1)) as usize;
         plan.expert_slots = slots.max(MIN_EXPERT_SLOTS).min(input.experts_total.max(MIN_EXPERT_SLOTS));
+        let read_ahead = self.read_ahead_slots(input, &plan, &streamed, piece, pool_min);
+        plan.expert_slots -=
+            usize::try_from((read_ahead as u64 * plan.ring_slot_bytes).div_ceil(input.expert_slot_bytes.max(1)))
+                .unwrap_or(0);
+        plan.ring_slots += read_ahead;
+        let used = used + read_ahead as u64 * plan.ring_slot_bytes;
         plan.planned_bytes =
             plan.states_bytes + plan.scratch_bytes + used + plan.expert_slots as u64 * input.expert_slot_bytes;
         plan.pinned = pinned.iter().map(|u| u.0.name()).collect();
@@ -542,6 +548,36 @@ impl Pieces<'_> {
         plan.trunk_read_bytes_per_token = streamed.iter().map(|u| u.1).sum();
         plan.streamed_units = streamed.iter().map(|u| u.0).collect();
         plan
+    }
+}
+
+impl Pieces<'_> {
+    /// Ring slots added beyond the base ring, paid for by expert slots beyond the preferred
+    /// pool (`pool_min`). With trunk first (no `trunk_share`) those spare slots are less than
+    /// one streamed unit, so as a cache they hold a few percent of a token's experts (hits
+    /// 3-12% on the 6-layer synth at 6 GB, even with routing locality 0.75); as ring they let
+    /// the device read the next streamed pieces while the pinned layers compute, where it
+    /// otherwise idles (docs/BENCHMARKS.md, "Read-ahead from the spare pool"). At most as many
+    /// as a token's streamed items, beyond which the ring would wrap onto itself. Nothing
+    /// without read-ahead (`--serial`), without split units, or when `tune` sets the split.
+    fn read_ahead_slots(
+        &self,
+        input: &PlanInput,
+        plan: &Plan,
+        streamed: &[Unit],
+        piece: u64,
+        pool_min: usize,
+    ) -> usize {
+        // The store reads ahead with every ring slot only when some unit is split.
+        let split = streamed.iter().any(|u| self.is_split(u, piece));
+        if input.trunk_share.is_some() || input.readahead == 0 || !split || plan.ring_slot_bytes == 0 {
+            return 0;
+        }
+        let items: u64 = streamed.iter().map(|u| if self.is_split(u, piece) { u.1.div_ceil(piece) } else { 1 }).sum();
+        let spare = plan.expert_slots.saturating_sub(pool_min.max(MIN_EXPERT_SLOTS)) as u64 * input.expert_slot_bytes;
+        let affordable = spare / plan.ring_slot_bytes;
+        let useful = items.saturating_sub(plan.ring_slots as u64);
+        usize::try_from(affordable.min(useful)).unwrap_or(0)
     }
 }
 

@@ -309,3 +309,38 @@ fn presets_pass_their_own_check() {
         }
     }
 }
+
+/// Read-ahead from the spare pool: with trunk first, expert slots beyond the preferred pool
+/// (top-k + window = 8 here) become ring slots, no more than a token's streamed pieces, and
+/// never with `--serial` or a split set by `tune`.
+#[test]
+fn spare_expert_slots_become_read_ahead_ring_slots() {
+    let with = |budget: u64, readahead: usize, trunk_share: Option<f64>| {
+        Plan::make(&PlanInput { pieces: Some(pieces(None)), readahead, trunk_share, ..input(budget) }).unwrap()
+    };
+    // 700 holds pieces of 32 with the head and a few layers pinned, and more than 8 expert slots.
+    let p = with(700, 1, None);
+    assert_eq!(p.piece_bytes, Some(32), "{p:?}");
+    assert!(p.expert_slots >= 8 && p.expert_slots < 8 + 4, "the spare slots went to the ring: {p:?}");
+    assert!(p.ring_slots > PIECE_RING_SLOTS, "{p:?}");
+    assert!(p.planned_bytes <= p.budget_bytes, "{p:?}");
+    // What the ring gained came from the pool: the same trunk pinned as with the whole share
+    // set by hand (which keeps the pool), and no more planned.
+    let kept = with(700, 1, Some(1.0));
+    assert_eq!((kept.ring_slots, kept.pinned_bytes), (PIECE_RING_SLOTS, p.pinned_bytes), "{kept:?}");
+    let gained = (p.ring_slots - kept.ring_slots) as u64 * p.ring_slot_bytes;
+    assert!(gained > 0 && gained <= (kept.expert_slots - p.expert_slots) as u64 * 10, "{p:?}\n{kept:?}");
+    assert_eq!(with(700, 0, None).ring_slots, 2, "no read-ahead, no ring beyond two slots");
+    // No more ring slots than a token's streamed pieces (each split unit of 100-109 bytes is
+    // 4 pieces of 32).
+    let streamed: u64 = p.split.len() as u64 * 4;
+    assert!(p.ring_slots as u64 <= streamed, "{p:?}");
+    let big = with(1500, 1, None);
+    if !big.split.is_empty() {
+        assert!(big.ring_slots as u64 <= big.split.len() as u64 * 4 + 1, "{big:?}");
+    }
+    // A split chosen by `tune` keeps its pool.
+    let shared = with(700, 1, Some(0.5));
+    assert_eq!(shared.ring_slots, PIECE_RING_SLOTS, "{shared:?}");
+    assert!(shared.expert_slots > 8, "{shared:?}");
+}
