@@ -443,3 +443,22 @@ fn a_request_longer_than_a_slot_names_a_context_that_takes_it() {
     while b.step(&mut sink).unwrap() {}
     assert_eq!(sink.0, 9, "--context {context} holds the request");
 }
+
+/// States and KV cache beyond available memory: a model that states a context of 10^12
+/// positions accepts `-n 10^11`, the session check refuses it with the bytes it needs, and a
+/// shorter `--gen`, as advised, runs.
+#[test]
+fn states_beyond_available_memory_name_a_shorter_gen_that_runs() {
+    let (_tmp, dir) = copy_tiny();
+    let path = dir.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    cfg["text_config"]["max_position_embeddings"] = serde_json::json!(1_000_000_000_000_u64);
+    std::fs::write(&path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let d = dir.to_str().unwrap();
+    let (code, _, err) = k3ring(&["run", "-m", d, "--ids", "5,6,7", "-n", "100000000000", "--ignore-eos"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("the states and KV cache for 100000000003 positions need "), "{err}");
+    assert!(err.contains("use a shorter prompt or --gen"), "{err}");
+    let (code, _, err) = k3ring(&["run", "-m", d, "--ids", "5,6,7", "-n", "2", "--ignore-eos", "--json", "/dev/null"]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -470,3 +470,33 @@ fn a_pack_tensor_in_another_unit_is_refused_and_mended_by_pack_force() {
     let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &["--mem-gb", "0.004"]);
     assert_eq!(code, 0, "{err}");
 }
+
+/// A manifest that leaves one of a unit's matrices out (a hand edit, or a pack of another
+/// layout) is refused with exit 3 whether the unit streams whole or in pieces, and `pack`,
+/// as advised, mends it.
+#[test]
+fn a_pack_missing_a_tensor_is_refused_and_mended_by_the_pack_command_it_names() {
+    let trunk = pack(&tiny_dir());
+    let path = trunk.path().join("trunk.manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let units = m["units"].as_array_mut().unwrap();
+    let l1 = units.iter().position(|u| u["unit"] == "layer.1").unwrap();
+    let tensors = units[l1]["tensors"].as_array_mut().unwrap();
+    let largest = (0..tensors.len()).max_by_key(|&i| tensors[i]["len"].as_u64()).unwrap();
+    let name = tensors.remove(largest)["name"].as_str().unwrap().to_owned();
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+    let mut advice = None;
+    for budget in ["0.004", "0.01"] {
+        let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &["--mem-gb", budget]);
+        assert_eq!(code, 3, "--mem-gb {budget}: {err}");
+        let want = format!("the trunk pack lacks {name} of unit layer.1: run `k3ring pack --force`");
+        assert!(err.contains(&want), "--mem-gb {budget}: {err}");
+        advice = Some("--force");
+    }
+    let extra: Vec<&str> = advice.into_iter().filter(|a| !a.is_empty()).collect();
+    let (code, out, err) =
+        k3ring(&[&["pack", "--model", s(&tiny_dir()), "--out", s(trunk.path())][..], &extra[..]].concat());
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, _, err) = streamed(&tiny_dir(), trunk.path(), &["--mem-gb", "0.004"]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -75,6 +75,19 @@ impl PackLayout {
         pack_file: usize,
     ) -> Result<PackLayout, StreamError> {
         let (units, tensor_loc) = place_units(manifest, index)?;
+        // Every trunk tensor must be in the pack: a manifest that lost one would otherwise send
+        // its reads through another unit's view.
+        for (unit, tensors) in crate::storage::pack::plan_units(cfg) {
+            for t in tensors {
+                if index.position(&t.name).is_some_and(|id| tensor_loc[id].is_none()) {
+                    return Err(StreamError::Mismatch(format!(
+                        "the trunk pack lacks {} of unit {}: run `k3ring pack --force`",
+                        t.name,
+                        unit.name()
+                    )));
+                }
+            }
+        }
         let unit_idx = |u: PackUnit| units.iter().position(|p| p.unit == u);
         let missing = |what: &str| StreamError::Mismatch(format!("the trunk pack has no {what} unit"));
         let unit_of_layer = (0..cfg.n_layers)
