@@ -76,6 +76,66 @@ impl ExpertRef {
     }
 }
 
+/// One aligned read of an expert from a shard: `len` bytes at `offset` of shard `shard`, landing
+/// `at` bytes into the expert's slot; the first `min_len` must exist (a shard may end inside
+/// the alignment after its last tensor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertWindow {
+    pub shard: usize,
+    pub offset: u64,
+    pub len: u64,
+    pub min_len: u64,
+    pub at: u64,
+}
+
+/// How an expert is read at alignment `align` and where its parts land in the slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertImage {
+    /// One window for a contiguous expert, else one per part (each aligned on its own).
+    pub windows: Vec<ExpertWindow>,
+    /// (offset in the slot, length) of each part, in [`EXPERT_PARTS`] order.
+    pub parts: [(usize, usize); 6],
+    /// Bytes of the slot the windows fill.
+    pub len: u64,
+}
+
+impl ExpertImage {
+    /// The slot image of `r` read with windows aligned to `align` (a power of two): the same
+    /// bytes whether read from the shards or from an expert file that holds this image.
+    pub fn new(tensors: &[TensorInfo], r: &ExpertRef, align: u64) -> ExpertImage {
+        let down = |x: u64| x / align * align;
+        let up = |x: u64| x.div_ceil(align) * align;
+        let mut parts = [(0usize, 0usize); 6];
+        let mut windows = Vec::with_capacity(6);
+        if let Some((shard, start, end)) = r.contiguous {
+            let ws = down(start);
+            for (k, &id) in r.parts.iter().enumerate() {
+                let t = &tensors[id];
+                parts[k] = ((t.offset - ws) as usize, t.len as usize);
+            }
+            windows.push(ExpertWindow { shard, offset: ws, len: up(end) - ws, min_len: end - ws, at: 0 });
+        } else {
+            let mut cursor = 0u64;
+            for (k, &id) in r.parts.iter().enumerate() {
+                let t = &tensors[id];
+                let ws = down(t.offset);
+                let len = up(t.offset + t.len) - ws;
+                parts[k] = ((cursor + t.offset - ws) as usize, t.len as usize);
+                windows.push(ExpertWindow {
+                    shard: t.shard,
+                    offset: ws,
+                    len,
+                    min_len: t.offset + t.len - ws,
+                    at: cursor,
+                });
+                cursor += len;
+            }
+        }
+        let len = windows.iter().map(|w| w.len).sum();
+        ExpertImage { windows, parts, len }
+    }
+}
+
 /// All experts of a checkpoint, by layer then expert id (dense: 82k experts in the release).
 ///
 /// Each layer holds only the experts present, sorted by id, so memory follows the header, not

@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use crate::exit::{Classify, ExitCode};
 
-pub use experts::{ExpertPart, ExpertRef, ExpertTable, EXPERT_PARTS};
+pub use experts::{ExpertImage, ExpertPart, ExpertRef, ExpertTable, ExpertWindow, EXPERT_PARTS};
 pub use schema::{expected_tensors, Census, ExpectedTensor, LayerCensus, Validation, LANGUAGE_MODEL_PREFIX};
 
 /// Prefix of every language-model tensor except the head.

@@ -105,6 +105,10 @@ pub struct BenchArgs {
     /// real time over the page cache, sim:RATE[,LATENCY][,qdQ][xN] (e.g. `sim:7GB/s,80us x4`).
     #[arg(long = "io", value_name = "BACKEND", default_value = "uring", value_parser = super::parse_io)]
     pub io: String,
+    /// With `pack --experts-to` files and `--io sim:`: the modeled drives of each expert
+    /// directory, one flag per directory in the pack's order (as `run --device-io`).
+    #[arg(long = "device-io", value_name = "BACKEND", value_parser = super::parse_io)]
+    pub device_io: Vec<String>,
     /// Skip the read-tax probe (resident decode with and without a stream of reads beside it);
     /// the host floors are then not computed.
     #[arg(long)]
@@ -253,6 +257,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let cells_total = args.budgets.len() * (modes.len() + args.batch.len()) * args.repeats.max(1);
     let bar = progress_bar(cells_total + 4 + usize::from(batch.is_some()));
     let io = bench_io(&args.io)?;
+    super::device_kinds(io, &args.device_io)?;
     let host = Host::detect(kernels, io);
 
     bar.set_message("device: random reads of one expert");
@@ -664,5 +669,7 @@ fn cell_run(args: &BenchArgs, io: IoKind, spec: &MeasureSpec, budget: f64, mode:
 
 /// The backend and queue depth of every cell (and of the read-tax stream).
 fn cell_io(args: &BenchArgs, io: IoKind) -> IoOptions {
-    IoOptions { kind: io, queue_depth: args.queue_depth, ..IoOptions::default() }
+    // Checked at the start of the run (`check_device_io`).
+    let device_kinds = super::device_kinds(io, &args.device_io).unwrap_or_default();
+    IoOptions { kind: io, queue_depth: args.queue_depth, device_kinds, ..IoOptions::default() }
 }

@@ -95,6 +95,18 @@ pub struct PackArgs {
     /// re-packed only when a unit fails its checksum; with --verify, never: the damage is reported).
     #[arg(long)]
     pub force: bool,
+    /// Also copy the routed experts into one file per directory (one directory per drive), so
+    /// that runs read them from every drive at once; placed in proportion to each directory's
+    /// probed random-read rate.
+    #[arg(long, value_name = "DIR,...", value_delimiter = ',')]
+    pub experts_to: Vec<PathBuf>,
+    /// With --experts-to: place experts round-robin instead of by probed rate.
+    #[arg(long, requires = "experts_to", conflicts_with = "expert_rates")]
+    pub even: bool,
+    /// With --experts-to: place experts in proportion to these rates (GB/s, one per directory)
+    /// instead of probing.
+    #[arg(long, value_name = "GB/s,...", value_delimiter = ',', requires = "experts_to")]
+    pub expert_rates: Vec<f64>,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -206,6 +218,11 @@ pub struct StorageArgs {
     /// `sim:7GB/s,80us x4` (docs/BENCHMARKS.md).
     #[arg(long = "io", value_name = "BACKEND", default_value = "uring", value_parser = parse_io)]
     pub io: String,
+    /// With `pack --experts-to` files and `--io sim:`: the modeled drives of each expert
+    /// directory, in the pack's order, one flag per directory (e.g. `--device-io sim:2GB/s
+    /// --device-io sim:8GB/s`); directories beyond them read through `--io`.
+    #[arg(long = "device-io", value_name = "BACKEND", value_parser = parse_io)]
+    pub device_io: Vec<String>,
     /// Reads in flight at most (io_uring SQEs, or pread calls).
     #[arg(long, value_name = "Q", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub queue_depth: u32,
@@ -244,6 +261,29 @@ fn parse_share(s: &str) -> Result<f64, String> {
 const GB_MAX: f64 = 1e6;
 
 /// `--io`: a backend name or a modeled device, checked here so a typo is a usage error at once.
+/// The backends of `--device-io`: modeled drives only, and only beside a modeled `--io` (the
+/// reads' alignment and the page-cache warm-up are the modeled devices').
+pub(crate) fn device_kinds(
+    io: crate::pipeline::IoKind,
+    device_io: &[String],
+) -> Result<Vec<crate::pipeline::IoKind>, crate::error::UsageError> {
+    use crate::error::UsageError;
+    if device_io.is_empty() {
+        return Ok(Vec::new());
+    }
+    if io.modeled().is_none() {
+        return Err(UsageError("--device-io models the expert directories' drives; give --io sim:... too".to_owned()));
+    }
+    device_io
+        .iter()
+        .map(|d| match crate::pipeline::IoKind::parse(d) {
+            Ok(k) if k.modeled().is_some() => Ok(k),
+            Ok(_) => Err(UsageError(format!("--device-io {d}: give a modeled device, sim:RATE[,LATENCY][,qdQ][xN]"))),
+            Err(e) => Err(UsageError(format!("--device-io {e}"))),
+        })
+        .collect()
+}
+
 fn parse_io(s: &str) -> Result<String, String> {
     crate::pipeline::IoKind::parse(s).map(|_| s.to_owned())
 }

@@ -7,8 +7,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::PackArgs;
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
+use crate::error::UsageError;
+use crate::storage::expert_files::{probe_rate, write, write::Weights, ExpertFilesManifest};
 use crate::storage::pack::verify::{verify, verify_bytes};
-use crate::storage::pack::{write_pack_forced, Manifest};
+use crate::storage::pack::{write_pack_forced, Manifest, PackError};
 
 /// Mismatches printed one per line before the error (the rest are counted).
 const MISMATCHES_SHOWN: usize = 20;
@@ -63,8 +65,89 @@ pub fn run(args: &PackArgs) -> anyhow::Result<()> {
             (report.bytes + report.expert_bytes) as f64 / 1e9 / report.seconds.max(1e-9)
         );
     }
+    if !args.experts_to.is_empty() {
+        write_expert_files(args, &index)?;
+    }
     if args.verify {
         verify_everything(args, &cfg, &index)?;
+    }
+    Ok(())
+}
+
+/// `--experts-to`: the experts' files, one per directory, and their manifest in `--out`.
+fn write_expert_files(args: &PackArgs, index: &CheckpointIndex) -> anyhow::Result<()> {
+    let mut dirs = Vec::with_capacity(args.experts_to.len());
+    for dir in &args.experts_to {
+        std::fs::create_dir_all(dir).with_context(|| format!("--experts-to: cannot create {}", dir.display()))?;
+        let abs = dir.canonicalize().with_context(|| format!("--experts-to: cannot resolve {}", dir.display()))?;
+        if dirs.contains(&abs) {
+            return Err(UsageError(format!("--experts-to names {} twice", abs.display())).into());
+        }
+        dirs.push(abs);
+    }
+    if !args.expert_rates.is_empty() && args.expert_rates.len() != dirs.len() {
+        return Err(UsageError(format!(
+            "--expert-rates gives {} rates for {} --experts-to directories; give one per directory",
+            args.expert_rates.len(),
+            dirs.len()
+        ))
+        .into());
+    }
+    if let Some(bad) = args.expert_rates.iter().find(|r| !(r.is_finite() && **r > 0.0)) {
+        return Err(UsageError(format!("--expert-rates {bad} is not a rate (GB/s above 0)")).into());
+    }
+    let trunk = Manifest::load(&args.out)?;
+    let image_bytes = index
+        .experts
+        .iter()
+        .next()
+        .map_or(4096, |r| crate::checkpoint::ExpertImage::new(&index.tensors, r, trunk.alignment).len);
+    let weights = || -> Result<Weights, PackError> {
+        if args.even {
+            return Ok(Weights::Even);
+        }
+        if !args.expert_rates.is_empty() {
+            return Ok(Weights::Rates(args.expert_rates.clone()));
+        }
+        let mut rates = Vec::with_capacity(dirs.len());
+        for dir in &dirs {
+            let rate = probe_rate(dir, image_bytes)? / 1e9;
+            eprintln!("k3ring: {}: {rate:.2} GB/s of random {} reads", dir.display(), fmt_gb(image_bytes));
+            rates.push(rate);
+        }
+        Ok(Weights::Rates(rates))
+    };
+    let progress = bar("copying experts");
+    // A placement of the same kind is kept (probed rates are not probed again to compare).
+    let same = |m: &ExpertFilesManifest| match (args.even, args.expert_rates.is_empty()) {
+        (true, _) => m.placement == "even",
+        (false, true) => m.placement == "weighted",
+        (false, false) => {
+            m.placement == "weighted" && m.devices.iter().map(|d| d.rate_gb_s).eq(args.expert_rates.iter().copied())
+        }
+    };
+    let report = write::write(&args.out, &trunk, index, &dirs, (&same, &weights), args.force, &|done, total| {
+        progress.set_length(total);
+        progress.set_position(done);
+    })?;
+    progress.finish_and_clear();
+    let per_device: Vec<String> = report
+        .devices
+        .iter()
+        .map(|d| format!("{} {} (rate {:.2})", d.dir.display(), fmt_gb(d.expert_bytes), d.rate_gb_s))
+        .collect();
+    if report.up_to_date {
+        println!("expert files are up to date ({} experts, {}): nothing to do", report.experts, per_device.join(", "));
+    } else {
+        println!(
+            "copied {} experts into {} files ({} written, {} kept) in {:.2} s: {}",
+            report.experts,
+            report.devices.len(),
+            fmt_gb(report.written_bytes),
+            report.kept,
+            report.seconds,
+            per_device.join(", ")
+        );
     }
     Ok(())
 }

@@ -260,6 +260,7 @@ pub(super) fn streaming_run(
         }
     };
     let io = IoKind::parse(&st.io).map_err(|e| UsageError(format!("--io {e}")))?;
+    let device_kinds = super::device_kinds(io, &st.device_io)?;
     Ok(StreamingRun {
         drafting: Default::default(),
         budget_bytes: budget,
@@ -282,7 +283,7 @@ pub(super) fn streaming_run(
             ..StoreOptions::default()
         },
         pipeline: PipelineOptions {
-            io: IoOptions { kind: io, queue_depth: st.queue_depth, ..IoOptions::default() },
+            io: IoOptions { kind: io, queue_depth: st.queue_depth, device_kinds, ..IoOptions::default() },
             mode: pipe.mode(),
             speculation: pipe.speculation(),
         },

@@ -53,6 +53,24 @@ pub(super) fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u6
         p.planned_bytes as f64 / GB,
         peak.map_or_else(|| "unknown".to_owned(), |b| format!("{:.3} GB", b as f64 / GB)),
     );
+    if !s.devices.is_empty() {
+        let per: Vec<String> = s
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                format!(
+                    "{i} {}: {} in {} reads, busy {:.3} s at {:.2} GB/s",
+                    d.name,
+                    gb(d.bytes_read),
+                    d.reads,
+                    d.busy_seconds,
+                    d.read_bytes_per_second / 1e9
+                )
+            })
+            .collect();
+        eprintln!("k3ring: devices | {}", per.join(" | "));
+    }
     let recall = recall(s).unwrap_or(0.0);
     eprintln!(
         "k3ring: pipeline | I/O busy {:.0}% | compute busy {:.0}% | overlap {:.0}% | stalled {:.3} s | recall {:.0}% | speculative reads {} ({}, {} wasted, {} cancelled) | layer trials won {} lost {}",

@@ -41,6 +41,7 @@ use crate::model::{LayerHook, Model};
 use crate::storage::plan::Plan;
 use crate::storage::stream::policy::policy_by_name;
 use crate::storage::stream::reads::ReadQueue;
+use crate::storage::stream::stats::DeviceStats;
 use crate::storage::stream::{ExpertGuard, Store, StoreOptions, StreamError, StreamStats, TrunkGuard};
 use crate::trace::Tracer;
 
@@ -76,6 +77,8 @@ pub struct Pipeline {
     io: Arc<IoStage>,
     prefetcher: Prefetcher,
     mode: Mode,
+    /// What each device holds, for the per-device report.
+    device_names: Vec<String>,
 }
 
 impl Pipeline {
@@ -99,12 +102,15 @@ impl Pipeline {
         let prepared = Store::prepare(model_dir, trunk_dir, index, cfg, plan, &store_opts, |files| {
             io_stage::read_alignment(files, &opts.io)
         })?;
-        if let IoKind::Modeled(model) = opts.io.kind {
+        let devices = prepared.file_devices().iter().max().map_or(1, |d| d + 1);
+        let lanes = opts.io.per_device(devices);
+        if let Some(model) = lanes.iter().find_map(|o| o.kind.modeled()) {
             warm_for_modeled_device(&prepared, &model)?;
         }
-        let io = Arc::new(IoStage::start(
+        let io = Arc::new(IoStage::start_devices(
             prepared.files(),
-            &opts.io,
+            prepared.file_devices(),
+            &lanes,
             prepared.buffer(),
             prepared.align(),
             Arc::clone(&tracer),
@@ -115,17 +121,27 @@ impl Pipeline {
             ..StreamStats::default()
         };
         let window = opts.io.queue_depth.max(1) as usize * opts.io.chunk_bytes.max(1);
+        let device_names = prepared.device_names().to_vec();
         let reads: Arc<dyn ReadQueue> = Arc::clone(&io) as Arc<dyn ReadQueue>;
         let store = Store::open(prepared, reads, opts.io.kind == IoKind::Uring, stats, tracer, policy)?;
         let spec = opts.effective_speculation();
         let prefetcher =
             Prefetcher::new(cfg, store_opts.chunk_tokens, spec, Arc::clone(&io), window, cfg.expert_bytes());
-        Ok(Pipeline { store, io, prefetcher, mode: opts.mode })
+        Ok(Pipeline { store, io, prefetcher, mode: opts.mode, device_names })
     }
 
     /// Counters so far: the store's and the I/O stage's.
     pub fn stats(&self) -> StreamStats {
         let mut s = self.store.stats().with_io(self.io.stats());
+        if self.io.devices() > 1 {
+            s.devices = self
+                .io
+                .device_stats()
+                .iter()
+                .enumerate()
+                .map(|(d, io)| DeviceStats::new(self.device_names.get(d).cloned().unwrap_or_default(), io))
+                .collect();
+        }
         // Cancelled guesses wasted the part of their reads that reached the device.
         s.spec_wasted_bytes += s.spec_cancelled_window_bytes.saturating_sub(self.io.cancelled_bytes());
         (s.spec_trials_won, s.spec_trials_lost) = self.prefetcher.trials();

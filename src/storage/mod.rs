@@ -6,6 +6,7 @@
 //! This and `storage::io` are the only modules allowed unsafe code (mmap, io_uring buffers,
 //! mlock, the SIGBUS handler of [`sigbus`]); each unsafe block states its invariant.
 
+pub mod expert_files;
 pub mod io;
 pub mod mmap;
 pub mod pack;

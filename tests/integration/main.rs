@@ -10,6 +10,7 @@ mod cli_tests;
 mod common;
 mod config_tests;
 mod draft_tests;
+mod expert_files_tests;
 mod fault_tests;
 mod faults_doc_tests;
 mod hostile_tests;

@@ -8,7 +8,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{lock, Msg, Shared, TicketState, OPS_IN_BACKEND_MAX, STATS_PERIOD_MS};
+use super::{lock, Msg, NeededBusy, Shared, TicketState, OPS_IN_BACKEND_MAX, STATS_PERIOD_MS};
 use crate::storage::io::{Completion, IoError, ReadBackend};
 use crate::storage::stream::reads::{OpMeta, Priority, SendOp, Ticket};
 use crate::trace::{SpanArgs, SpanKind, Tracer};
@@ -140,6 +140,7 @@ pub(super) fn run(
     mut backend: Box<dyn ReadBackend>,
     rx: Receiver<Msg>,
     shared: &Shared,
+    lane: usize,
     limits: Limits,
     tracer: &Tracer,
 ) {
@@ -158,7 +159,7 @@ pub(super) fn run(
             break;
         }
         stopping |= take_messages(first, &rx, &mut q, shared, &limits);
-        account_needed(&q, shared);
+        account_needed(&q, &shared.needed[lane], shared);
         fill_backend(&mut *backend, &mut q, shared, &limits, tracer);
         if backend.in_flight() == 0 {
             continue;
@@ -190,26 +191,26 @@ pub(super) fn run(
                 finish_one(shared, r.ticket, c.result);
             }
         }
-        account_needed(&q, shared);
+        account_needed(&q, &shared.needed[lane], shared);
         tracer.counter("bytes in flight", q.bytes_in_backend as f64);
         if last_stats.elapsed().as_millis() >= STATS_PERIOD_MS || backend.in_flight() == 0 {
-            *lock(&shared.stats) = backend.stats();
+            *lock(&shared.stats[lane]) = backend.stats();
             last_stats = Instant::now();
         }
     }
-    account_needed(&Queues::new(0), shared);
-    *lock(&shared.stats) = backend.stats();
+    account_needed(&Queues::new(0), &shared.needed[lane], shared);
+    *lock(&shared.stats[lane]) = backend.stats();
 }
 
 /// Opens or closes the period during which reads compute needs are outstanding.
-fn account_needed(q: &Queues, shared: &Shared) {
-    let since = shared.needed_busy_since_ns.load(Ordering::Relaxed);
+fn account_needed(q: &Queues, needed: &NeededBusy, shared: &Shared) {
+    let since = needed.since_ns.load(Ordering::Relaxed);
     match (q.needed() > 0, since > 0) {
-        (true, false) => shared.needed_busy_since_ns.store(shared.now_ns(), Ordering::Release),
+        (true, false) => needed.since_ns.store(shared.now_ns(), Ordering::Release),
         (false, true) => {
             let now = shared.now_ns();
-            shared.needed_busy_ns.fetch_add(now.saturating_sub(since), Ordering::AcqRel);
-            shared.needed_busy_since_ns.store(0, Ordering::Release);
+            needed.closed_ns.fetch_add(now.saturating_sub(since), Ordering::AcqRel);
+            needed.since_ns.store(0, Ordering::Release);
         }
         _ => {}
     }

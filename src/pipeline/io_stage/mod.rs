@@ -62,22 +62,41 @@ struct Tickets {
 struct Shared {
     tickets: Mutex<Tickets>,
     done: Condvar,
-    stats: Mutex<IoStats>,
+    /// Per lane (device), its backend's counters.
+    stats: Vec<Mutex<IoStats>>,
     /// Bytes sent to the I/O thread and not yet completed (queued or in the device).
     outstanding_bytes: AtomicUsize,
     /// Bytes of cancelled reads that never entered the device.
     cancelled_bytes: AtomicU64,
-    /// Nanoseconds (since `epoch`) during which demand or read-ahead reads were queued or in
-    /// the device, closed periods only; and the start of the open period (0: none).
-    needed_busy_ns: AtomicU64,
-    needed_busy_since_ns: AtomicU64,
+    /// Per lane: nanoseconds (since `epoch`) during which demand or read-ahead reads were
+    /// queued or in its device, closed periods only; and the start of the open period (0: none).
+    needed: Vec<NeededBusy>,
     epoch: Instant,
     /// Reads completed and recorded in the trace; with `outstanding_bytes` at 0 and the
     /// published stats counting as many ops, the trace and the report agree (see `settle`).
     reads_traced: AtomicU64,
 }
 
+#[derive(Default)]
+struct NeededBusy {
+    closed_ns: AtomicU64,
+    since_ns: AtomicU64,
+}
+
 impl Shared {
+    fn new(lanes: usize) -> Shared {
+        Shared {
+            tickets: Mutex::default(),
+            done: Condvar::new(),
+            stats: (0..lanes).map(|_| Mutex::default()).collect(),
+            outstanding_bytes: AtomicUsize::new(0),
+            cancelled_bytes: AtomicU64::new(0),
+            needed: (0..lanes).map(|_| NeededBusy::default()).collect(),
+            epoch: Instant::now(),
+            reads_traced: AtomicU64::new(0),
+        }
+    }
+
     fn now_ns(&self) -> u64 {
         // At least 1, so that 0 can mean "no open period".
         (self.epoch.elapsed().as_nanos() as u64).max(1)
@@ -102,13 +121,23 @@ enum Msg {
     Stop,
 }
 
-/// Handle to the I/O thread.
-pub struct IoStage {
-    /// What the backend uses, as it described itself.
-    pub backend_info: String,
+/// One device's I/O thread and its channel.
+struct Lane {
     tx: SyncSender<Msg>,
-    shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    backend_info: String,
+}
+
+/// Handle to the I/O threads: one per device (lane), each owning its backend (an io_uring
+/// ring); a batch's reads go to the lanes of their files and its ticket completes when every
+/// lane has finished its part.
+pub struct IoStage {
+    /// What the backends use, as they described themselves (one line per device).
+    pub backend_info: String,
+    lanes: Vec<Lane>,
+    /// Per file index: its lane.
+    file_lane: Vec<usize>,
+    shared: Arc<Shared>,
     /// Memory the reads target. Dropped only after `Drop` has joined the I/O thread (which
     /// waits for every read in the backend), so no read can outlive its buffer.
     _targets: Vec<Arc<AlignedBuf>>,
@@ -186,6 +215,57 @@ impl BackendSpec {
 /// Builds the backend on the I/O thread (a ring must live on the thread that uses it).
 type BackendFactory = Box<dyn FnOnce() -> Result<Box<dyn ReadBackend>, IoError> + Send>;
 
+/// What one lane's thread is started with: its backend, the bytes it keeps in the backend,
+/// the piece size of read-ahead and guesses, and the CPU it is pinned to.
+struct LaneSpec {
+    factory: BackendFactory,
+    window: usize,
+    piece: usize,
+    pin_to: Option<usize>,
+}
+
+/// Starts lane `index`'s thread and waits until its backend is built.
+fn spawn_lane(index: usize, spec: LaneSpec, shared: &Arc<Shared>, tracer: &Arc<Tracer>) -> Result<Lane, IoError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(CHANNEL_BATCHES_MAX);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let thread_shared = Arc::clone(shared);
+    let tracer = Arc::clone(tracer);
+    let LaneSpec { factory, window, piece, pin_to } = spec;
+    let name = if index == 0 { "k3ring-io".to_owned() } else { format!("k3ring-io{index}") };
+    let thread = std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            let _dead_on_exit = DeadOnExit(Arc::clone(&thread_shared));
+            if let Some(cpu) = pin_to {
+                if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
+                    tracing::warn!("could not pin the I/O thread to CPU {cpu}");
+                }
+            }
+            match factory() {
+                Ok(backend) => {
+                    let _ = ready_tx.send(Ok(backend.describe()));
+                    let limits = Limits::new(window, piece);
+                    run(backend, rx, &thread_shared, index, limits, &tracer);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|source| IoError::Setup { what: "the I/O thread".to_owned(), source })?;
+    match ready_rx.recv() {
+        Ok(Ok(backend_info)) => Ok(Lane { tx, thread: Some(thread), backend_info }),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => Err(IoError::Setup {
+            what: "the I/O thread".to_owned(),
+            source: std::io::Error::other("it exited before reporting"),
+        }),
+    }
+}
+
 impl IoStage {
     /// Starts the I/O thread over `files`, reading into `arena` with reads aligned to `align`;
     /// fails if its backend cannot be built.
@@ -196,23 +276,52 @@ impl IoStage {
         align: u64,
         tracer: Arc<Tracer>,
     ) -> Result<IoStage, IoError> {
-        let qd = opts.queue_depth.max(1);
-        let chunk = (opts.chunk_bytes as u64).max(align) / align * align;
-        let spec = BackendSpec {
-            files: files.to_vec(),
-            opts: IoOptions { queue_depth: qd, chunk_bytes: chunk as usize, ..opts.clone() },
-            align: align as u32,
-            registered: vec![Arc::clone(arena)],
-            ops_max: OPS_IN_BACKEND_MAX,
-        };
-        let factory: BackendFactory = Box::new(move || spec.build());
-        let window = qd as usize * chunk as usize;
-        IoStage::spawn(factory, window, chunk as usize, opts.io_core, tracer, vec![Arc::clone(arena)])
+        IoStage::start_devices(files, &vec![0; files.len()], std::slice::from_ref(opts), arena, align, tracer)
     }
 
-    /// Starts the thread; it keeps up to `bytes_in_backend_max` bytes of reads in the backend
-    /// (at least one read), and hands read-ahead and guesses to it in pieces of `piece_bytes`
-    /// (see [`Limits`]).
+    /// [`IoStage::start`] with one I/O thread and backend per device: `file_devices[f]` is the
+    /// device of file `f`, and device d runs `opts[d]` (the last entry for devices beyond).
+    pub fn start_devices(
+        files: &[PathBuf],
+        file_devices: &[usize],
+        opts: &[IoOptions],
+        arena: &Arc<AlignedBuf>,
+        align: u64,
+        tracer: Arc<Tracer>,
+    ) -> Result<IoStage, IoError> {
+        let lanes = file_devices.iter().max().map_or(1, |d| d + 1);
+        let mut factories = Vec::with_capacity(lanes);
+        for lane in 0..lanes {
+            let Some(o) = opts.get(lane).or(opts.last()) else {
+                return Err(IoError::Setup {
+                    what: "the I/O threads".to_owned(),
+                    source: std::io::Error::other("no I/O options"),
+                });
+            };
+            let qd = o.queue_depth.max(1);
+            let chunk = (o.chunk_bytes as u64).max(align) / align * align;
+            let spec = BackendSpec {
+                files: files.to_vec(),
+                opts: IoOptions { queue_depth: qd, chunk_bytes: chunk as usize, ..o.clone() },
+                align: align as u32,
+                registered: vec![Arc::clone(arena)],
+                ops_max: OPS_IN_BACKEND_MAX,
+            };
+            let factory: BackendFactory = Box::new(move || spec.build());
+            factories.push(LaneSpec {
+                factory,
+                window: qd as usize * chunk as usize,
+                piece: chunk as usize,
+                pin_to: o.io_core,
+            });
+        }
+        IoStage::spawn_lanes(factories, file_devices.to_vec(), tracer, vec![Arc::clone(arena)])
+    }
+
+    /// Starts one thread over one backend (tests); it keeps up to `bytes_in_backend_max` bytes
+    /// of reads in the backend (at least one read), and hands read-ahead and guesses to it in
+    /// pieces of `piece_bytes` (see [`Limits`]).
+    #[cfg(test)]
     fn spawn(
         factory: BackendFactory,
         bytes_in_backend_max: usize,
@@ -221,51 +330,43 @@ impl IoStage {
         tracer: Arc<Tracer>,
         targets: Vec<Arc<AlignedBuf>>,
     ) -> Result<IoStage, IoError> {
-        let (tx, rx) = std::sync::mpsc::sync_channel(CHANNEL_BATCHES_MAX);
-        let shared = Arc::new(Shared {
-            tickets: Mutex::default(),
-            done: Condvar::new(),
-            stats: Mutex::default(),
-            outstanding_bytes: AtomicUsize::new(0),
-            cancelled_bytes: AtomicU64::new(0),
-            needed_busy_ns: AtomicU64::new(0),
-            needed_busy_since_ns: AtomicU64::new(0),
-            epoch: Instant::now(),
-            reads_traced: AtomicU64::new(0),
-        });
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let thread_shared = Arc::clone(&shared);
-        let thread = std::thread::Builder::new()
-            .name("k3ring-io".to_owned())
-            .spawn(move || {
-                let _dead_on_exit = DeadOnExit(Arc::clone(&thread_shared));
-                if let Some(cpu) = pin_to {
-                    if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
-                        tracing::warn!("could not pin the I/O thread to CPU {cpu}");
-                    }
+        let lane = LaneSpec { factory, window: bytes_in_backend_max, piece: piece_bytes, pin_to };
+        IoStage::spawn_lanes(vec![lane], Vec::new(), tracer, targets)
+    }
+
+    /// Starts a thread per lane; each builds its backend, and the stage is up once all have.
+    fn spawn_lanes(
+        specs: Vec<LaneSpec>,
+        file_lane: Vec<usize>,
+        tracer: Arc<Tracer>,
+        targets: Vec<Arc<AlignedBuf>>,
+    ) -> Result<IoStage, IoError> {
+        let shared = Arc::new(Shared::new(specs.len()));
+        let mut lanes: Vec<Lane> = Vec::with_capacity(specs.len());
+        let mut failure = None;
+        for (index, spec) in specs.into_iter().enumerate() {
+            match spawn_lane(index, spec, &shared, &tracer) {
+                Ok(lane) => lanes.push(lane),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
                 }
-                match factory() {
-                    Ok(backend) => {
-                        let _ = ready_tx.send(Ok(backend.describe()));
-                        let limits = Limits::new(bytes_in_backend_max, piece_bytes);
-                        run(backend, rx, &thread_shared, limits, &tracer);
-                    }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                    }
-                }
-            })
-            .map_err(|source| IoError::Setup { what: "the I/O thread".to_owned(), source })?;
-        match ready_rx.recv() {
-            Ok(Ok(backend_info)) => Ok(IoStage { backend_info, tx, shared, thread: Some(thread), _targets: targets }),
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                Err(e)
             }
-            Err(_) => Err(IoError::Setup {
-                what: "the I/O thread".to_owned(),
-                source: std::io::Error::other("it exited before reporting"),
-            }),
+        }
+        let backend_info = match lanes.len() {
+            1 => lanes[0].backend_info.clone(),
+            _ => lanes
+                .iter()
+                .enumerate()
+                .map(|(i, l)| format!("device {i}: {}", l.backend_info))
+                .collect::<Vec<_>>()
+                .join("; "),
+        };
+        let stage = IoStage { backend_info, lanes, file_lane, shared, _targets: targets };
+        match failure {
+            // Dropping the stage stops and joins the lanes already started.
+            Some(e) => Err(e),
+            None => Ok(stage),
         }
     }
 
@@ -285,11 +386,20 @@ impl IoStage {
     /// between two readings, the difference of the second minus that of the first is the time
     /// the device had for guesses.
     pub fn needed_busy(&self) -> (u64, u64) {
+        // With several devices, their mean: guesses may use what the devices leave on average.
         let now = self.shared.now_ns();
-        let closed = self.shared.needed_busy_ns.load(Ordering::Acquire);
-        let since = self.shared.needed_busy_since_ns.load(Ordering::Acquire);
-        let open = if since > 0 { now.saturating_sub(since) } else { 0 };
-        (now, closed + open)
+        let lanes = self.shared.needed.len().max(1) as u64;
+        let total: u64 = self
+            .shared
+            .needed
+            .iter()
+            .map(|n| {
+                let closed = n.closed_ns.load(Ordering::Acquire);
+                let since = n.since_ns.load(Ordering::Acquire);
+                closed + if since > 0 { now.saturating_sub(since) } else { 0 }
+            })
+            .sum();
+        (now, total / lanes)
     }
 
     /// Tickets held (finished or not), for tests that check the table does not grow.
@@ -297,9 +407,48 @@ impl IoStage {
         lock(&self.shared.tickets).states.len()
     }
 
-    /// The backend's counters as of its last report.
+    /// The backends' counters as of their last reports, summed over the devices (busy and
+    /// wait time: the longest device's, as the devices read at once).
     pub fn stats(&self) -> IoStats {
-        *lock(&self.shared.stats)
+        let per = self.device_stats();
+        let mut all = IoStats::default();
+        for s in &per {
+            all.ops += s.ops;
+            all.ops_failed += s.ops_failed;
+            all.bytes_read += s.bytes_read;
+            all.sqes_submitted += s.sqes_submitted;
+            all.submit_syscalls += s.submit_syscalls;
+            all.enter_syscalls += s.enter_syscalls;
+            all.short_read_resubmits += s.short_read_resubmits;
+            all.retries += s.retries;
+            all.busy_ns = all.busy_ns.max(s.busy_ns);
+            all.wait_ns = all.wait_ns.max(s.wait_ns);
+        }
+        all
+    }
+
+    /// Each device's counters as of its last report.
+    pub fn device_stats(&self) -> Vec<IoStats> {
+        self.shared.stats.iter().map(|s| *lock(s)).collect()
+    }
+
+    /// Devices (lanes) the stage reads from.
+    pub fn devices(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// The lane of a file; lane 0 for files the map does not name (one-lane stages).
+    fn lane_of(&self, file: usize) -> usize {
+        self.file_lane.get(file).copied().filter(|&l| l < self.lanes.len()).unwrap_or(0)
+    }
+
+    /// Sends `msg` to every lane.
+    fn broadcast(&self, msg: impl Fn() -> Msg) {
+        for lane in &self.lanes {
+            if lane.tx.send(msg()).is_err() {
+                self.mark_dead();
+            }
+        }
     }
 
     /// Waits (at most `timeout`) until no read is queued or in the device and the published
@@ -354,8 +503,16 @@ impl ReadQueue for IoStage {
         self.shared.outstanding_bytes.fetch_add(bytes, Ordering::Relaxed);
         if ops.is_empty() {
             self.shared.done.notify_all();
-        } else if self.tx.send(Msg::Batch { priority, ops }).is_err() {
-            self.mark_dead();
+            return;
+        }
+        let mut by_lane: Vec<Vec<(Ticket, SendOp)>> = (0..self.lanes.len()).map(|_| Vec::new()).collect();
+        for op in ops {
+            by_lane[self.lane_of(op.1.file())].push(op);
+        }
+        for (lane, ops) in self.lanes.iter().zip(by_lane) {
+            if !ops.is_empty() && lane.tx.send(Msg::Batch { priority, ops }).is_err() {
+                self.mark_dead();
+            }
         }
     }
 
@@ -399,23 +556,23 @@ impl ReadQueue for IoStage {
     }
 
     fn cancel(&self, ticket: Ticket) {
-        if self.tx.send(Msg::Cancel(ticket)).is_err() {
-            self.mark_dead();
-        }
+        self.broadcast(|| Msg::Cancel(ticket));
     }
 
     fn promote(&self, ticket: Ticket) {
-        if self.tx.send(Msg::Promote(ticket)).is_err() {
-            self.mark_dead();
-        }
+        self.broadcast(|| Msg::Promote(ticket));
     }
 }
 
 impl Drop for IoStage {
     fn drop(&mut self) {
-        let _ = self.tx.send(Msg::Stop);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        for lane in &self.lanes {
+            let _ = lane.tx.send(Msg::Stop);
+        }
+        for lane in &mut self.lanes {
+            if let Some(t) = lane.thread.take() {
+                let _ = t.join();
+            }
         }
     }
 }

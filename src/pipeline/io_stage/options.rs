@@ -71,6 +71,9 @@ pub struct IoOptions {
     /// Options of the simulator when `kind` is `Sim`.
     pub sim: Option<SimOptions>,
     pub pread_threads: usize,
+    /// The backends of the expert directories' devices, in `pack --experts-to` order
+    /// (`--device-io`); devices beyond the list, and all of them when it is empty, use `kind`.
+    pub device_kinds: Vec<IoKind>,
 }
 
 impl Default for IoOptions {
@@ -83,7 +86,21 @@ impl Default for IoOptions {
             inject: None,
             sim: None,
             pread_threads: 4,
+            device_kinds: Vec::new(),
         }
+    }
+}
+
+impl IoOptions {
+    /// The options of each device's I/O thread: device 0 (the shards and the trunk) runs
+    /// `kind`, device d > 0 the (d-1)-th of `device_kinds`, or `kind` beyond them.
+    pub fn per_device(&self, devices: usize) -> Vec<IoOptions> {
+        (0..devices.max(1))
+            .map(|d| {
+                let kind = d.checked_sub(1).and_then(|i| self.device_kinds.get(i)).copied().unwrap_or(self.kind);
+                IoOptions { kind, device_kinds: Vec::new(), ..self.clone() }
+            })
+            .collect()
     }
 }
 

@@ -139,3 +139,64 @@ fn needed_busy_time_counts_demand_and_read_ahead_not_guesses() {
     let (_, after_guess) = io.needed_busy();
     assert_eq!(after_guess, after_demand, "guesses are not time compute needed the device for");
 }
+
+/// Several devices (issue 31): a batch's reads go to their files' lanes and its ticket waits
+/// for every lane; a read that fails on one device fails the ticket with that device's error,
+/// never completing with the bytes missing, while the other device's reads still succeed.
+#[test]
+fn a_batch_split_over_devices_completes_on_both_and_a_failing_device_fails_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("data");
+    let pattern: Vec<u8> = (0..64 * PIECE).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&path, &pattern).unwrap();
+    // File 0 on device 0, file 1 (the same bytes) on device 1, whose reads all fail.
+    let files = vec![path.clone(), path];
+    let clean = IoOptions { kind: IoKind::Sim, sim: Some(SimOptions::fault_free(1)), ..IoOptions::default() };
+    let failing =
+        IoOptions { sim: Some(SimOptions { eio_ppm: 1_000_000, ..SimOptions::fault_free(2) }), ..clean.clone() };
+    let buf = Arc::new(AlignedBuf::new(1 << 20, &BufOptions::default()).unwrap());
+    let tracer = Arc::new(Tracer::new(false));
+    let start = |lanes: &[IoOptions]| {
+        IoStage::start_devices(&files, &[0, 1], lanes, &buf, PIECE as u64, Arc::clone(&tracer)).unwrap()
+    };
+    let arena = Arena::new(Arc::clone(&buf), false);
+    let read = |io: &IoStage, files_read: &[usize]| {
+        let ticket = io.reserve();
+        let meta = OpMeta { name: "test read", kind: Priority::Demand.kind(), layer: None, expert: None };
+        let mut slots: Vec<_> = files_read
+            .iter()
+            .enumerate()
+            .map(|(i, _)| arena.slot(Region { off: i * 8 * PIECE, len: 8 * PIECE }))
+            .collect();
+        let ops = files_read
+            .iter()
+            .zip(&mut slots)
+            .map(|(&file, slot)| {
+                let target = slot.start_read(ticket);
+                arena.op(target, 0, FileRange { file, offset: PIECE as u64, len: 8 * PIECE, min_len: 8 * PIECE }, meta)
+            })
+            .collect();
+        io.submit(Priority::Demand, vec![(ticket, ops)]);
+        (io.wait(ticket), slots)
+    };
+    let io = start(std::slice::from_ref(&clean));
+    assert_eq!(io.devices(), 2);
+    let (result, mut slots) = read(&io, &[0, 1]);
+    result.unwrap();
+    for slot in &mut slots {
+        slot.landed();
+        let filled = slot.filled().unwrap();
+        assert_eq!(arena.bytes(filled), &pattern[PIECE..9 * PIECE]);
+    }
+    let per = io.device_stats();
+    assert!(per[0].ops == 1 && per[1].ops == 1, "one read on each device: {per:?}");
+    assert_eq!(io.stats().ops, 2);
+    drop(io);
+    let io = start(&[clean, failing]);
+    let (result, _) = read(&io, &[0]);
+    result.unwrap();
+    let (result, _) = read(&io, &[0, 1]);
+    let err = result.unwrap_err();
+    assert!(err.to_string().contains("Input/output error"), "{err}");
+    assert_eq!(crate::exit::Classify::exit_code(&*err), crate::exit::ExitCode::Io);
+}

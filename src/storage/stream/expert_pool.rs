@@ -19,10 +19,10 @@ use super::arena::{Filled, Region, Slot};
 use super::policy::{CachePolicy, ExpertKey};
 use super::reads::{OpMeta, Priority, SendOp, Ticket};
 use super::{lock, Store};
+use crate::checkpoint::ExpertImage;
 use crate::model::weights::{ExpertBytes, ExpertView, SourceError};
 use crate::storage::pack::experts::expert_checksum;
 use crate::storage::stream::arena::FileRange;
-use crate::storage::stream::layout::align_up;
 
 /// Where each of an expert's six tensors sits in its slot: (offset, len), in EXPERT_PARTS order.
 type PartPlaces = [(usize, usize); 6];
@@ -614,33 +614,32 @@ impl Store {
             what: format!("layer {} expert {}", key.0, key.1),
             message: "not in the checkpoint".to_owned(),
         })?;
-        let a = self.align;
-        let mut parts = [(0usize, 0usize); 6];
-        let mut windows: Vec<(usize, FileRange)> = Vec::with_capacity(6);
-        if let Some((shard, start, end)) = r.contiguous {
-            let ws = start / a * a;
-            let we = align_up(end, a);
-            for (k, &id) in r.parts.iter().enumerate() {
-                let t = &self.index.tensors[id];
-                parts[k] = ((t.offset - ws) as usize, t.len as usize);
+        let (image, windows): (ExpertImage, Vec<(usize, FileRange)>) = match self.placed.get(key) {
+            // An expert file holds the image at the pack's alignment, whole: one read.
+            Some(at) => {
+                let image = ExpertImage::new(&self.index.tensors, r, at.align);
+                let len = image.len as usize;
+                (image, vec![(0, FileRange { file: at.file, offset: at.offset, len, min_len: len })])
             }
-            let len = (we - ws) as usize;
-            windows.push((0, FileRange { file: shard, offset: ws, len, min_len: (end - ws) as usize }));
-        } else {
-            let mut cursor = 0usize;
-            for (k, &id) in r.parts.iter().enumerate() {
-                let t = &self.index.tensors[id];
-                let ws = t.offset / a * a;
-                let we = align_up(t.offset + t.len, a);
-                parts[k] = (cursor + (t.offset - ws) as usize, t.len as usize);
-                let len = (we - ws) as usize;
-                windows.push((
-                    cursor,
-                    FileRange { file: t.shard, offset: ws, len, min_len: (t.offset + t.len - ws) as usize },
-                ));
-                cursor += len;
+            None => {
+                let image = ExpertImage::new(&self.index.tensors, r, self.align);
+                let windows = image
+                    .windows
+                    .iter()
+                    .map(|w| {
+                        let range = FileRange {
+                            file: w.shard,
+                            offset: w.offset,
+                            len: w.len as usize,
+                            min_len: w.min_len as usize,
+                        };
+                        (w.at as usize, range)
+                    })
+                    .collect();
+                (image, windows)
             }
-        }
+        };
+        let parts = image.parts;
         let used = windows.iter().map(|w| w.1.len).sum::<usize>();
         if used > region.len {
             return Err(SourceError::Internal(format!(
@@ -651,9 +650,12 @@ impl Store {
         Ok((windows.into_iter().map(|(at, w)| self.arena.op(target, at, w, meta)).collect(), parts))
     }
 
-    /// Where an expert's first tensor sits (shard, offset): reads issued in this order sweep
+    /// Where an expert's first tensor sits (file, offset): reads issued in this order sweep
     /// the disk forwards. Unknown experts sort last (their read then fails with a named error).
     pub fn disk_position(&self, key: ExpertKey) -> (usize, u64) {
+        if let Some(at) = self.placed.get(key) {
+            return (at.file, at.offset);
+        }
         self.index.experts.get(key.0, key.1).map_or((usize::MAX, 0), |r| {
             let t = &self.index.tensors[r.parts[0]];
             (t.shard, t.offset)

@@ -44,6 +44,7 @@ use self::layout::{ArenaLayout, PackLayout};
 use self::pieces::RingItems;
 use self::reads::{Priority, ReadQueue, Ticket};
 use self::trunk_ring::TrunkRing;
+use super::expert_files::{ExpertFiles, ExpertPlacement};
 use super::io::{AlignedBuf, BufOptions, IoError};
 use super::pack::{Manifest, PackError, PACK_FILE};
 use super::plan::Plan;
@@ -160,12 +161,28 @@ pub struct Prepared {
     pinned_units: usize,
     expert_sums: Vec<Vec<u64>>,
     items: RingItems,
+    placed: ExpertPlacement,
+    /// Per file: the device it is read from (0 for the shards and the trunk pack; the expert
+    /// files' devices after).
+    devices: Vec<usize>,
+    device_names: Vec<String>,
 }
 
 impl Prepared {
-    /// The files reads address by index: the checkpoint's shards, then the trunk pack.
+    /// The files reads address by index: the checkpoint's shards, then the trunk pack, then
+    /// the expert files of `pack --experts-to`, if any.
     pub fn files(&self) -> &[PathBuf] {
         &self.files
+    }
+
+    /// Per file of [`Prepared::files`], the device that reads it: one I/O ring per device.
+    pub fn file_devices(&self) -> &[usize] {
+        &self.devices
+    }
+
+    /// What each device holds, for the report ("shards and trunk", an expert directory).
+    pub fn device_names(&self) -> &[String] {
+        &self.device_names
     }
 
     /// The memory every read targets.
@@ -185,7 +202,11 @@ impl Prepared {
         let mut ranges = Vec::new();
         let mut expert_bytes = 0;
         for r in self.index.experts.iter() {
-            if let Some((shard, start, end)) = r.contiguous {
+            if let Some(at) = self.placed.get((r.layer, r.expert)) {
+                let len = crate::checkpoint::ExpertImage::new(&self.index.tensors, r, at.align).len;
+                ranges.push((at.file, at.offset, at.offset + len));
+                expert_bytes += len;
+            } else if let Some((shard, start, end)) = r.contiguous {
                 ranges.push((shard, start, end));
                 expert_bytes += end - start;
             } else {
@@ -221,6 +242,8 @@ pub struct Store {
     verify_experts: bool,
     /// Per MoE layer, each expert's checksum (from the pack's manifest), by expert id.
     expert_sums: Vec<Vec<u64>>,
+    /// Experts read from `pack --experts-to` files (empty: from the shards).
+    placed: ExpertPlacement,
     /// Per unit: the bytes of a pinned unit (loaded and verified at open).
     pinned: Vec<Option<Filled>>,
     /// What the ring cycles through: whole units and the pieces of split ones.
@@ -252,6 +275,22 @@ impl Store {
         let pack_path = trunk_dir.join(PACK_FILE);
         let mut files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
         files.push(pack_path.clone());
+        let pack_file = files.len() - 1;
+        let expert_files = ExpertFiles::open(trunk_dir, &manifest, &index)?;
+        let mut devices = vec![0; files.len()];
+        let mut device_names = vec!["shards and trunk".to_owned()];
+        let placed = match &expert_files {
+            Some(ef) => {
+                let placed = ef.placement(files.len());
+                for (d, path) in ef.paths.iter().enumerate() {
+                    files.push(path.clone());
+                    devices.push(d + 1);
+                    device_names.push(ef.manifest.devices[d].dir.display().to_string());
+                }
+                placed
+            }
+            None => ExpertPlacement::default(),
+        };
         let align = alignment(&files)?;
         if manifest.alignment % align != 0 {
             return Err(StreamError::Mismatch(format!(
@@ -259,7 +298,7 @@ impl Store {
                 manifest.alignment
             )));
         }
-        let pack = PackLayout::new(&manifest, &index, cfg, pack_path, files.len() - 1)?;
+        let pack = PackLayout::new(&manifest, &index, cfg, pack_path, pack_file)?;
         let weights = crate::model::weights::ModelWeights::resolve(cfg, &index)
             .map_err(|e| StreamError::Mismatch(e.to_string()))?;
         let pinned: Vec<usize> =
@@ -279,6 +318,9 @@ impl Store {
             pinned_units: plan.pinned_units.len(),
             expert_sums,
             items,
+            placed,
+            devices,
+            device_names,
         })
     }
 
@@ -334,6 +376,7 @@ impl Store {
             verify_experts: p.opts.verify_experts,
             expert_sums: p.expert_sums,
             items: p.items,
+            placed: p.placed,
             small: None,
             ring: Mutex::new(ring),
             pool: Mutex::new(pool),

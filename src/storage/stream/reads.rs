@@ -74,6 +74,11 @@ impl SendOp {
         self.op.len == 0
     }
 
+    /// Index of the file it reads, in the run's file list.
+    pub fn file(&self) -> usize {
+        self.op.file
+    }
+
     pub fn meta(&self) -> OpMeta {
         self.meta
     }

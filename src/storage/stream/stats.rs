@@ -61,6 +61,34 @@ pub struct StreamStats {
     pub io: IoStats,
     /// Per MoE layer: reads, hits, recall and stalls.
     pub per_layer: Vec<LayerStats>,
+    /// Per device when reads go to several (`pack --experts-to`): what each read.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<DeviceStats>,
+}
+
+/// One device's reads.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DeviceStats {
+    /// What it holds: "shards and trunk", or an expert directory.
+    pub name: String,
+    pub reads: u64,
+    pub bytes_read: u64,
+    pub busy_seconds: f64,
+    /// Bytes per second while busy.
+    pub read_bytes_per_second: f64,
+}
+
+impl DeviceStats {
+    pub fn new(name: String, io: &IoStats) -> DeviceStats {
+        let busy = io.busy_ns as f64 / 1e9;
+        DeviceStats {
+            name,
+            reads: io.ops,
+            bytes_read: io.bytes_read,
+            busy_seconds: busy,
+            read_bytes_per_second: if busy > 0.0 { io.bytes_read as f64 / busy } else { 0.0 },
+        }
+    }
 }
 
 /// One layer's share of the store's work.
