@@ -169,7 +169,15 @@ fn a_missing_stale_or_damaged_expert_file_fails_the_run_naming_it() {
         std::fs::write(&file, &bytes).unwrap();
         let (code, _, err) = run_ids(trunk.path(), "0.004", &["-n", "64"]);
         assert_eq!(code, 3, "{err}");
-        assert!(err.contains("checksum"), "{err}");
+        assert!(err.contains("fails its checksum") && err.contains(&file.display().to_string()), "{err}");
+        // A plain pack samples the file and finds nothing to do; the advice forces the rewrite.
+        let advice = err.split("run `").nth(1).and_then(|a| a.split("` to rewrite").next()).unwrap();
+        let words: Vec<&str> = advice.split_whitespace().collect();
+        assert_eq!((words[..2].to_vec(), words.last()), (vec!["k3ring", "pack"], Some(&"--force")), "{advice}");
+        let (code, out, err) = k3ring(&words[1..]);
+        assert_eq!(code, 0, "{out}{err}");
+        let (code, _, err) = run_ids(trunk.path(), "0.004", &["-n", "64"]);
+        assert_eq!(code, 0, "{err}");
     }
 }
 
@@ -214,4 +222,48 @@ fn modeled_drives_per_device_give_the_same_tokens() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(got, want);
     assert!(err.contains("device 2: sim:4GB/s,10us"), "{err}");
+}
+
+/// A read that fails on one expert directory's device fails the run with the I/O class (exit 4),
+/// naming that directory's file: the other devices' reads never stand in for it.
+#[test]
+fn a_read_failing_on_one_device_fails_the_run_with_exit_4_naming_its_file() {
+    use k3ring::engine::{open_streaming, GenerateOptions};
+    use k3ring::exit::ExitCode;
+    use k3ring::pipeline::{IoKind, IoOptions};
+    use k3ring::storage::io::sim::SimOptions;
+    use kernels::{Isa, Kernels};
+
+    use crate::streaming_tests::{minimum_budget, run_options};
+
+    let model = tiny_dir();
+    let trunk = pack(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
+    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let min = minimum_budget(&model, trunk.path());
+    // Device 0 (shards and trunk) and device 1 (directory a) read through io_uring; device 2
+    // (directory b) is the seeded simulator failing every read with EIO.
+    let io = IoOptions {
+        device_kinds: vec![IoKind::Uring, IoKind::Sim],
+        sim: Some(SimOptions { eio_ppm: 1_000_000, ..SimOptions::fault_free(3) }),
+        ..IoOptions::default()
+    };
+    let opened =
+        open_streaming(&model, trunk.path(), &run_options(min, io), Kernels::with_isa(Isa::best()).unwrap(), |_| {});
+    let err = match opened {
+        Err(e) => anyhow::Error::new(e),
+        Ok((o, _)) => {
+            let opts = GenerateOptions { gen: 12, prefill_chunk: 8, ..Default::default() };
+            match o.engine.generate(&prompt(), &opts, |_| {}) {
+                Ok(g) => panic!("a device failing every read still generated {:?}", g.generated_ids),
+                Err(e) => anyhow::Error::new(e),
+            }
+        }
+    };
+    let text = format!("{err:#}");
+    assert_eq!(k3ring::error::exit_code_for(&err), ExitCode::Io, "{text}");
+    let file = dirs[1].join("k3ring-experts.bin");
+    assert!(text.contains(&file.display().to_string()) && text.contains("Input/output error"), "{text}");
 }

@@ -17,7 +17,7 @@ use crate::common::*;
 
 const GEN: usize = 12;
 
-fn run_options(budget: u64, io: IoOptions) -> StreamingRun {
+pub(crate) fn run_options(budget: u64, io: IoOptions) -> StreamingRun {
     StreamingRun {
         budget_bytes: budget,
         sequences: 1,
@@ -58,7 +58,7 @@ fn same(a: &Generation, b: &Generation) -> bool {
 }
 
 /// The smallest budget the planner accepts for this run.
-fn minimum_budget(model: &Path, trunk: &Path) -> u64 {
+pub(crate) fn minimum_budget(model: &Path, trunk: &Path) -> u64 {
     let (_, plan, _) = streamed_with(model, trunk, &run_options(64_000_000, IoOptions::default())).unwrap();
     plan.minimum_bytes
 }

@@ -90,6 +90,10 @@ pub struct Placed {
 #[derive(Clone, Debug, Default)]
 pub struct ExpertPlacement {
     by_layer: Vec<Vec<Option<Placed>>>,
+    /// The data files, in device order, for messages.
+    paths: Vec<PathBuf>,
+    /// The command that rewrites every expert file, for messages.
+    rewrite: String,
 }
 
 impl ExpertPlacement {
@@ -99,6 +103,17 @@ impl ExpertPlacement {
 
     pub fn is_empty(&self) -> bool {
         self.by_layer.is_empty()
+    }
+
+    /// The data file a placed expert is read from.
+    pub fn path(&self, at: &Placed) -> Option<&Path> {
+        self.paths.get(at.device).map(PathBuf::as_path)
+    }
+
+    /// `k3ring pack ... --force`, which rewrites every expert file (a damage the open check
+    /// does not sample leaves a plain `pack` with nothing to do).
+    pub fn rewrite_command(&self) -> &str {
+        &self.rewrite
     }
 }
 
@@ -200,7 +215,7 @@ impl ExpertFiles {
     }
 
     /// The lookup a run uses, with the data files at `first_file..` of its file list.
-    pub fn placement(&self, first_file: usize) -> ExpertPlacement {
+    pub fn placement(&self, first_file: usize, trunk_dir: &Path, index: &CheckpointIndex) -> ExpertPlacement {
         let mut by_layer: Vec<Vec<Option<Placed>>> = Vec::new();
         for e in &self.manifest.experts {
             if by_layer.len() <= e.layer {
@@ -217,16 +232,22 @@ impl ExpertFiles {
                 device: e.device,
             });
         }
-        ExpertPlacement { by_layer }
+        let rewrite = command(&self.manifest, trunk_dir, index) + " --force";
+        ExpertPlacement { by_layer, paths: self.paths.clone(), rewrite }
     }
 }
 
-/// The command that writes the expert files again as they were placed.
+/// The advice that writes the expert files again as they were placed.
 fn again(m: &ExpertFilesManifest, trunk_dir: &Path, index: &CheckpointIndex) -> String {
+    format!("run `{}` again", command(m, trunk_dir, index))
+}
+
+/// `k3ring pack` with the model, trunk, directories and placement of `m`.
+fn command(m: &ExpertFilesManifest, trunk_dir: &Path, index: &CheckpointIndex) -> String {
     let dirs: Vec<String> = m.devices.iter().map(|d| d.dir.display().to_string()).collect();
     let placement = if m.placement == "even" { " --even" } else { "" };
     format!(
-        "run `k3ring pack --model {} --out {} --experts-to {}{placement}` again",
+        "k3ring pack --model {} --out {} --experts-to {}{placement}",
         index.dir.display(),
         trunk_dir.display(),
         dirs.join(",")

@@ -366,6 +366,18 @@ impl Store {
         if want == Some(got) {
             return Ok(());
         }
+        let want = want.map_or_else(|| "none".to_owned(), |w| format!("{w:016x}"));
+        if let Some(at) = self.placed.get(key) {
+            let file = self.placed.path(at).map_or_else(String::new, |p| p.display().to_string());
+            return Err(SourceError::Corrupt {
+                what: format!("layer {} expert {} in {file} at offset {}", key.0, key.1, at.offset),
+                message: format!(
+                    "fails its checksum (manifest {want}, read {got:016x}): the expert file changed since \
+                     `k3ring pack` or the read returned damaged bytes; if it persists, run `{}` to rewrite it",
+                    self.placed.rewrite_command()
+                ),
+            });
+        }
         let r = self.index.experts.get(key.0, key.1);
         let mut files: Vec<String> = r
             .map(|r| {
@@ -379,9 +391,8 @@ impl Store {
         Err(SourceError::Corrupt {
             what: format!("layer {} expert {} in {}", key.0, key.1, files.join(", ")),
             message: format!(
-                "fails its checksum (manifest {}, read {got:016x}): the shard changed since `k3ring pack` or the \
-                 read returned damaged bytes; `k3ring pack --verify` checks every expert",
-                want.map_or_else(|| "none".to_owned(), |w| format!("{w:016x}"))
+                "fails its checksum (manifest {want}, read {got:016x}): the shard changed since `k3ring pack` or the \
+                 read returned damaged bytes; `k3ring pack --verify` checks every expert"
             ),
         })
     }

@@ -190,7 +190,8 @@ pub struct ArenaLayout {
 }
 
 impl ArenaLayout {
-    /// Assigns arena regions: pinned units, ring slots, expert slots, the embedding row buffer
+    /// Assigns arena regions, each aligned to `align`: pinned units, ring slots, expert slots
+    /// (holding an expert read at `expert_align`), the embedding row buffer
     /// (for `chunk_tokens` rows), the small tensors of split units (`small_bytes`). Whether the
     /// ring slots hold every streamed item is checked by [`super::pieces::RingItems::new`].
     pub fn new(
@@ -198,7 +199,7 @@ impl ArenaLayout {
         cfg: &Config,
         plan: &Plan,
         chunk_tokens: usize,
-        align: u64,
+        (align, expert_align): (u64, u64),
         small_bytes: usize,
     ) -> Result<ArenaLayout, StreamError> {
         let mut off = 0u64;
@@ -216,7 +217,7 @@ impl ArenaLayout {
             pinned.push((i, take(pack.units[i].len)));
         }
         let ring = (0..plan.ring_slots).map(|_| take(plan.ring_slot_bytes)).collect();
-        let slot = expert_slot_bytes(cfg, align);
+        let slot = expert_slot_bytes(cfg, expert_align);
         if slot > plan.expert_slot_bytes {
             return Err(StreamError::Mismatch(format!(
                 "expert slots of {} bytes planned, {slot} needed",

@@ -281,7 +281,7 @@ impl Store {
         let mut device_names = vec!["shards and trunk".to_owned()];
         let placed = match &expert_files {
             Some(ef) => {
-                let placed = ef.placement(files.len());
+                let placed = ef.placement(files.len(), trunk_dir, &index);
                 for (d, path) in ef.paths.iter().enumerate() {
                     files.push(path.clone());
                     devices.push(d + 1);
@@ -304,7 +304,10 @@ impl Store {
         let pinned: Vec<usize> =
             plan.pinned_units.iter().filter_map(|want| pack.units.iter().position(|u| u.unit == *want)).collect();
         let items = RingItems::new(&pack, &weights, cfg, plan, &pinned, align)?;
-        let layout = ArenaLayout::new(&pack, cfg, plan, opts.chunk_tokens, align, items.small_bytes)?;
+        // An expert file holds each expert's image at the pack's alignment, which may be
+        // stricter than the device's: its slots must hold that image.
+        let expert_align = if placed.is_empty() { align } else { align.max(manifest.alignment) };
+        let layout = ArenaLayout::new(&pack, cfg, plan, opts.chunk_tokens, (align, expert_align), items.small_bytes)?;
         let buf_opts = BufOptions { node: opts.numa_node, lock: opts.lock_memory, ..BufOptions::default() };
         let buf = Arc::new(AlignedBuf::new(layout.total.max(align as usize), &buf_opts)?);
         Ok(Prepared {
