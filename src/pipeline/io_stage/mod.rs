@@ -505,6 +505,13 @@ impl ReadQueue for IoStage {
             self.shared.done.notify_all();
             return;
         }
+        if let [lane] = &self.lanes[..] {
+            // One device: the batch goes whole, with no list allocated to split it.
+            if lane.tx.send(Msg::Batch { priority, ops }).is_err() {
+                self.mark_dead();
+            }
+            return;
+        }
         let mut by_lane: Vec<Vec<(Ticket, SendOp)>> = (0..self.lanes.len()).map(|_| Vec::new()).collect();
         for op in ops {
             by_lane[self.lane_of(op.1.file())].push(op);

@@ -625,40 +625,31 @@ impl Store {
             what: format!("layer {} expert {}", key.0, key.1),
             message: "not in the checkpoint".to_owned(),
         })?;
-        let (image, windows): (ExpertImage, Vec<(usize, FileRange)>) = match self.placed.get(key) {
-            // An expert file holds the image at the pack's alignment, whole: one read.
-            Some(at) => {
-                let image = ExpertImage::new(&self.index.tensors, r, at.align);
-                let len = image.len as usize;
-                (image, vec![(0, FileRange { file: at.file, offset: at.offset, len, min_len: len })])
-            }
-            None => {
-                let image = ExpertImage::new(&self.index.tensors, r, self.align);
-                let windows = image
-                    .windows
-                    .iter()
-                    .map(|w| {
-                        let range = FileRange {
-                            file: w.shard,
-                            offset: w.offset,
-                            len: w.len as usize,
-                            min_len: w.min_len as usize,
-                        };
-                        (w.at as usize, range)
-                    })
-                    .collect();
-                (image, windows)
-            }
-        };
-        let parts = image.parts;
-        let used = windows.iter().map(|w| w.1.len).sum::<usize>();
-        if used > region.len {
+        let placed = self.placed.get(key);
+        let image = ExpertImage::new(&self.index.tensors, r, placed.map_or(self.align, |at| at.align));
+        if image.len as usize > region.len {
             return Err(SourceError::Internal(format!(
-                "expert ({}, {}) needs {used} bytes, slot holds {}",
-                key.0, key.1, region.len
+                "expert ({}, {}) needs {} bytes, slot holds {}",
+                key.0, key.1, image.len, region.len
             )));
         }
-        Ok((windows.into_iter().map(|(at, w)| self.arena.op(target, at, w, meta)).collect(), parts))
+        let ops = match placed {
+            // An expert file holds the image at the pack's alignment, whole: one read.
+            Some(at) => {
+                let len = image.len as usize;
+                vec![self.arena.op(target, 0, FileRange { file: at.file, offset: at.offset, len, min_len: len }, meta)]
+            }
+            None => image
+                .windows
+                .iter()
+                .map(|w| {
+                    let range =
+                        FileRange { file: w.shard, offset: w.offset, len: w.len as usize, min_len: w.min_len as usize };
+                    self.arena.op(target, w.at as usize, range, meta)
+                })
+                .collect(),
+        };
+        Ok((ops, image.parts))
     }
 
     /// Where an expert's first tensor sits (file, offset): reads issued in this order sweep
