@@ -174,6 +174,9 @@ pub(super) fn run_naming_budget(args: &RunArgs, budget_flag: Option<&str>) -> an
             .map_err(|e| name_budget_flag(e, &flag))?;
     let s = opened.engine.src.stats();
     eprintln!("k3ring: reads: {} | buffers: {}", s.backend_info, s.buffers);
+    if !s.expert_placement.is_empty() {
+        eprintln!("k3ring: {}", s.expert_placement);
+    }
     let mut args = args.clone();
     args.drafting.yield_to(&plan);
     let args = &args;

@@ -59,8 +59,14 @@ pub(super) fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u6
             .iter()
             .enumerate()
             .map(|(i, d)| {
+                let wall = metrics.wall_us / 1e6;
+                let share = if wall > 0.0 {
+                    format!(" ({:.0}% of the run)", 100.0 * d.busy_seconds / wall)
+                } else {
+                    String::new()
+                };
                 format!(
-                    "{i} {}: {} in {} reads, busy {:.3} s at {:.2} GB/s",
+                    "{i} {}: {} in {} reads, busy {:.3} s{share} at {:.2} GB/s",
                     d.name,
                     gb(d.bytes_read),
                     d.reads,

@@ -63,10 +63,48 @@ pub struct Measurement {
     /// (issue 19); `k3ring bench` sets it against its triad. `None` for streaming runs.
     #[serde(skip)]
     pub attribution: Option<Window>,
+    /// Streaming runs over several devices (`pack --experts-to`): each device's share of the
+    /// measured window, in device order (device 0 holds the shards and the trunk).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<DeviceWindow>,
     /// Drafted cells: the measured window's steps, guesses made and kept (its tokens are
     /// `steps + accepted`, at least `tokens`; per-token figures are over them).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub draft: Option<DraftStats>,
+}
+
+/// One device's reads over a measured window.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DeviceWindow {
+    /// What it holds: "shards and trunk", or an expert directory.
+    pub name: String,
+    pub bytes_per_token: f64,
+    /// Bytes per second of the time this device had a read in flight.
+    pub read_rate_busy: f64,
+    /// The share of the window this device had a read in flight.
+    pub busy_fraction: f64,
+}
+
+impl DeviceWindow {
+    /// Each device's reads between `before` and `after`, over `seconds` and `tokens`.
+    pub fn of(before: &StreamStats, after: &StreamStats, seconds: f64, tokens: f64) -> Vec<DeviceWindow> {
+        after
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                let b = before.devices.get(i);
+                let bytes = a.bytes_read - b.map_or(0, |b| b.bytes_read);
+                let busy = a.busy_seconds - b.map_or(0.0, |b| b.busy_seconds);
+                DeviceWindow {
+                    name: a.name.clone(),
+                    bytes_per_token: bytes as f64 / tokens.max(1.0),
+                    read_rate_busy: if busy > 0.0 { bytes as f64 / busy } else { 0.0 },
+                    busy_fraction: if seconds > 0.0 { busy / seconds } else { 0.0 },
+                }
+            })
+            .collect()
+    }
 }
 
 /// Errors of a measurement: opening or running.
@@ -258,6 +296,7 @@ pub fn measure_streaming_drafted(
         overlappable_seconds_per_token: None,
         plan: Some(plan),
         attribution: None,
+        devices: DeviceWindow::of(before, after, seconds, n),
         draft: drafted,
     })
 }

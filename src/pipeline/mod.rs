@@ -118,6 +118,7 @@ impl Pipeline {
         let stats = StreamStats {
             backend: opts.io.kind.name().to_owned(),
             backend_info: io.backend_info.clone(),
+            expert_placement: prepared.placement_note().unwrap_or_default().to_owned(),
             ..StreamStats::default()
         };
         let window = opts.io.queue_depth.max(1) as usize * opts.io.chunk_bytes.max(1);

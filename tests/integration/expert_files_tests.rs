@@ -63,6 +63,10 @@ fn experts_read_from_several_directories_give_the_shards_tokens() {
                 assert_eq!(&got, ids, "{names:?} --mem-gb {budget} --io {io}");
                 if budget == "0.004" && io == "uring" {
                     assert!(err.contains("k3ring: devices | 0 shards and trunk: "), "{err}");
+                    assert!(err.contains("% of the run) at "), "{err}");
+                    let placement = if names.len() == 3 { "weighted" } else { "even" };
+                    let line = format!("k3ring: experts {placement} over {} devices | 1 ", dirs.len());
+                    assert!(err.contains(&line), "{err}");
                     for d in &dirs {
                         assert!(err.contains(&d.canonicalize().unwrap().display().to_string()), "{err}");
                     }
@@ -266,4 +270,30 @@ fn a_read_failing_on_one_device_fails_the_run_with_exit_4_naming_its_file() {
     assert_eq!(k3ring::error::exit_code_for(&err), ExitCode::Io, "{text}");
     let file = dirs[1].join("k3ring-experts.bin");
     assert!(text.contains(&file.display().to_string()) && text.contains("Input/output error"), "{text}");
+}
+
+/// The trace draws each device's reads on a track of its own (its I/O thread's).
+#[test]
+fn the_trace_has_a_read_track_per_device() {
+    let trunk = pack(&tiny_dir());
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
+    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let trace = tmp.path().join("trace.json");
+    let (code, _, err) = run_ids(trunk.path(), "0.004", &["-n", "12", "--trace", s(&trace)]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    let track = |thread: &str| {
+        events
+            .iter()
+            .find(|e| e["ph"] == "M" && e["name"] == "thread_name" && e["args"]["name"] == format!("{thread}/io"))
+            .map(|e| e["tid"].clone())
+    };
+    for thread in ["k3ring-io", "k3ring-io1", "k3ring-io2"] {
+        let tid = track(thread).unwrap_or_else(|| panic!("no track {thread}"));
+        let reads = events.iter().filter(|e| e["ph"] == "b" && e["tid"] == tid).count();
+        assert!(reads > 0, "no reads on {thread}'s track");
+    }
 }

@@ -134,6 +134,7 @@ fn print_cells(r: &Report) {
             c.m.spec_wasted_bytes_per_token / 1e9
         );
     }
+    print_devices(&r.cells);
     for (b, s) in &r.speedups {
         println!("speedup at {b} GB: pipelined is {s:.2}x serial");
     }
@@ -172,6 +173,28 @@ fn print_cells(r: &Report) {
         "floor*: the floor without routing prediction: a layer's expert reads start at its router, so they overlap \
          only the experts' compute (cells that predict routing can beat it)"
     );
+}
+
+/// Each cell's reads per device, when the experts live on several (`pack --experts-to`): on a
+/// server with several drives, what each one delivered and how busy it was.
+fn print_devices(cells: &[Cell]) {
+    for c in cells.iter().filter(|c| !c.m.devices.is_empty()) {
+        let per: Vec<String> =
+            c.m.devices
+                .iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    format!(
+                        "{i} {}: {:.3} GB/token, busy {:.0}% at {:.2} GB/s",
+                        d.name,
+                        d.bytes_per_token / 1e9,
+                        100.0 * d.busy_fraction,
+                        d.read_rate_busy / 1e9
+                    )
+                })
+                .collect();
+        println!("devices at {} GB, {} | {}", c.budget_gb, c.mode, per.join(" | "));
+    }
 }
 
 /// `v` right-aligned in `width` with `prec` decimals, or a dash when it was not measured.

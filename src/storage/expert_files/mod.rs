@@ -214,6 +214,30 @@ impl ExpertFiles {
         Ok(Some(ExpertFiles { manifest, paths }))
     }
 
+    /// Where the experts are, for the console: per directory, its experts and bytes and the
+    /// rate its share was weighted by.
+    pub fn describe(&self) -> String {
+        let m = &self.manifest;
+        let total: u64 = m.devices.iter().map(|d| d.expert_bytes).sum::<u64>().max(1);
+        let per: Vec<String> = m
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(d, dev)| {
+                let n = m.experts.iter().filter(|e| e.device == d).count();
+                format!(
+                    "{} {}: {n} experts, {:.4} GB ({:.0}%, rate {:.2})",
+                    d + 1,
+                    dev.dir.display(),
+                    dev.expert_bytes as f64 / 1e9,
+                    100.0 * dev.expert_bytes as f64 / total as f64,
+                    dev.rate_gb_s
+                )
+            })
+            .collect();
+        format!("experts {} over {} devices | {}", m.placement, m.devices.len(), per.join(" | "))
+    }
+
     /// The lookup a run uses, with the data files at `first_file..` of its file list.
     pub fn placement(&self, first_file: usize, trunk_dir: &Path, index: &CheckpointIndex) -> ExpertPlacement {
         let mut by_layer: Vec<Vec<Option<Placed>>> = Vec::new();

@@ -166,6 +166,8 @@ pub struct Prepared {
     /// files' devices after).
     devices: Vec<usize>,
     device_names: Vec<String>,
+    /// [`ExpertFiles::describe`], when the experts come from expert files.
+    placement_note: Option<String>,
 }
 
 impl Prepared {
@@ -183,6 +185,11 @@ impl Prepared {
     /// What each device holds, for the report ("shards and trunk", an expert directory).
     pub fn device_names(&self) -> &[String] {
         &self.device_names
+    }
+
+    /// Where the expert files put the experts, for the console; `None` when the shards hold them.
+    pub fn placement_note(&self) -> Option<&str> {
+        self.placement_note.as_deref()
     }
 
     /// The memory every read targets.
@@ -291,6 +298,7 @@ impl Store {
             }
             None => ExpertPlacement::default(),
         };
+        let placement_note = expert_files.as_ref().map(ExpertFiles::describe);
         let align = alignment(&files)?;
         if manifest.alignment % align != 0 {
             return Err(StreamError::Mismatch(format!(
@@ -324,6 +332,7 @@ impl Store {
             placed,
             devices,
             device_names,
+            placement_note,
         })
     }
 

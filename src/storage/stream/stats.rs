@@ -11,6 +11,9 @@ pub struct StreamStats {
     pub backend: String,
     pub backend_info: String,
     pub buffers: String,
+    /// Where the experts were placed by `pack --experts-to` (empty: read from the shards).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub expert_placement: String,
     pub trunk_pinned_units: usize,
     pub trunk_streamed_units: usize,
     /// Streamed units read in pieces, and how many pieces they have together.
