@@ -1,13 +1,16 @@
 //! Routed experts copied out of the shards into one file per device (`k3ring pack
 //! --experts-to DIR1,DIR2,...`), so that a run reads them from several drives at once.
 //!
-//! Each directory gets [`DATA_FILE`]: the experts placed there, one after another, each as the
-//! image a slot holds ([`ExpertImage`] at the trunk pack's alignment: the same bytes, the same
-//! part offsets as a read from the shards), so that one aligned read fetches an expert and the
-//! output cannot depend on where it was read from. The trunk directory gets [`MANIFEST_FILE`]:
-//! which expert lives where, each file's length and a hash of sampled windows of it, and the
-//! fingerprint of the checkpoint it was copied from. Each expert's bytes are checked against
-//! the trunk manifest's expert checksum on every read, as from the shards.
+//! Every expert is striped over the directories ([`assign::stripe`]): its image as a slot holds
+//! it ([`ExpertImage`] at the trunk pack's alignment: the same bytes, the same part offsets as a
+//! read from the shards) is cut into one aligned piece per device, sized by the devices' rates,
+//! and each directory's [`DATA_FILE`] holds its pieces of every expert one after another. A read
+//! of an expert is one read per device, each landing where its piece sits in the slot, so the
+//! output cannot depend on where the bytes came from, and a layer's misses keep every drive
+//! busy in proportion to its rate whatever the routing. The trunk directory gets
+//! [`MANIFEST_FILE`]: which piece lives where, each file's length and a hash of sampled windows
+//! of it, and the fingerprint of the checkpoint it was copied from. Each expert's bytes are
+//! checked against the trunk manifest's expert checksum on every read, as from the shards.
 //!
 //! At open ([`ExpertFiles::open`]) a missing file, a file of another length or with other
 //! sampled bytes, or a manifest of another checkpoint is refused (exit 3, naming the file).
@@ -31,7 +34,7 @@ pub const MANIFEST_FILE: &str = "experts.manifest.json";
 /// In each expert directory: its experts' images.
 pub const DATA_FILE: &str = "k3ring-experts.bin";
 pub const FORMAT: &str = "k3ring-expert-files";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Sampled windows per data file (first at its start, last at its end).
 const SAMPLE_WINDOWS: u64 = 16;
 const SAMPLE_BYTES: u64 = 4096;
@@ -49,11 +52,12 @@ pub struct DeviceEntry {
     pub samples: String,
     /// The random-read rate its share was weighted by (GB/s), or 1 for `--even`.
     pub rate_gb_s: f64,
-    /// Bytes of experts placed there.
+    /// Bytes of expert images placed there (its pieces).
     pub expert_bytes: u64,
 }
 
-/// One expert's place: `len` bytes at `offset` of device `device`'s file.
+/// One piece of an expert: bytes `at..at + len` of its image, at `offset` of device `device`'s
+/// file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlacedEntry {
     pub layer: usize,
@@ -61,6 +65,7 @@ pub struct PlacedEntry {
     pub device: usize,
     pub offset: u64,
     pub len: u64,
+    pub at: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -77,19 +82,25 @@ pub struct ExpertFilesManifest {
     pub experts: Vec<PlacedEntry>,
 }
 
-/// Where a run reads an expert placed in a file: `file` indexes the run's file list.
+/// Where a run reads one piece of an expert: `len` bytes at `offset` of file `file` (an index
+/// into the run's file list), landing at `at` of the expert's slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Placed {
     pub file: usize,
     pub offset: u64,
-    pub align: u64,
+    pub len: u64,
+    pub at: u64,
     pub device: usize,
 }
 
-/// Every expert's place, by layer then expert id; empty when experts come from the shards.
+/// Every expert's pieces, by layer then expert id; empty when experts come from the shards.
 #[derive(Clone, Debug, Default)]
 pub struct ExpertPlacement {
-    by_layer: Vec<Vec<Option<Placed>>>,
+    /// Per layer and expert, its range of `pieces` (empty: not placed).
+    by_layer: Vec<Vec<(u32, u32)>>,
+    pieces: Vec<Placed>,
+    /// The images' alignment (the trunk pack's).
+    align: u64,
     /// The data files, in device order, for messages.
     paths: Vec<PathBuf>,
     /// The command that rewrites every expert file, for messages.
@@ -97,17 +108,24 @@ pub struct ExpertPlacement {
 }
 
 impl ExpertPlacement {
-    pub fn get(&self, (layer, expert): (usize, usize)) -> Option<&Placed> {
-        self.by_layer.get(layer)?.get(expert)?.as_ref()
+    /// The pieces of an expert, in image order; `None` when it is read from the shards.
+    pub fn get(&self, (layer, expert): (usize, usize)) -> Option<&[Placed]> {
+        let &(start, end) = self.by_layer.get(layer)?.get(expert)?;
+        (end > start).then(|| &self.pieces[start as usize..end as usize])
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_layer.is_empty()
+        self.pieces.is_empty()
     }
 
-    /// The data file a placed expert is read from.
-    pub fn path(&self, at: &Placed) -> Option<&Path> {
-        self.paths.get(at.device).map(PathBuf::as_path)
+    /// The alignment the expert images were cut at.
+    pub fn align(&self) -> u64 {
+        self.align
+    }
+
+    /// The data file a piece is read from.
+    pub fn path(&self, piece: &Placed) -> Option<&Path> {
+        self.paths.get(piece.device).map(PathBuf::as_path)
     }
 
     /// `k3ring pack ... --force`, which rewrites every expert file (a damage the open check
@@ -226,7 +244,7 @@ impl ExpertFiles {
             .map(|(d, dev)| {
                 let n = m.experts.iter().filter(|e| e.device == d).count();
                 format!(
-                    "{} {}: {n} experts, {:.4} GB ({:.0}%, rate {:.2})",
+                    "{} {}: pieces of {n} experts, {:.4} GB ({:.0}%, rate {:.2})",
                     d + 1,
                     dev.dir.display(),
                     dev.expert_bytes as f64 / 1e9,
@@ -240,24 +258,34 @@ impl ExpertFiles {
 
     /// The lookup a run uses, with the data files at `first_file..` of its file list.
     pub fn placement(&self, first_file: usize, trunk_dir: &Path, index: &CheckpointIndex) -> ExpertPlacement {
-        let mut by_layer: Vec<Vec<Option<Placed>>> = Vec::new();
-        for e in &self.manifest.experts {
+        let mut entries: Vec<&PlacedEntry> = self.manifest.experts.iter().collect();
+        entries.sort_by_key(|e| (e.layer, e.expert, e.at));
+        let mut by_layer: Vec<Vec<(u32, u32)>> = Vec::new();
+        let mut pieces = Vec::with_capacity(entries.len());
+        for e in entries {
             if by_layer.len() <= e.layer {
                 by_layer.resize(e.layer + 1, Vec::new());
             }
             let layer = &mut by_layer[e.layer];
             if layer.len() <= e.expert {
-                layer.resize(e.expert + 1, None);
+                layer.resize(e.expert + 1, (0, 0));
             }
-            layer[e.expert] = Some(Placed {
+            let at = pieces.len() as u32;
+            let range = &mut layer[e.expert];
+            if range.1 == range.0 {
+                *range = (at, at);
+            }
+            range.1 = at + 1;
+            pieces.push(Placed {
                 file: first_file + e.device,
                 offset: e.offset,
-                align: self.manifest.align,
+                len: e.len,
+                at: e.at,
                 device: e.device,
             });
         }
         let rewrite = command(&self.manifest, trunk_dir, index) + " --force";
-        ExpertPlacement { by_layer, paths: self.paths.clone(), rewrite }
+        ExpertPlacement { by_layer, pieces, align: self.manifest.align, paths: self.paths.clone(), rewrite }
     }
 }
 
@@ -278,41 +306,54 @@ fn command(m: &ExpertFilesManifest, trunk_dir: &Path, index: &CheckpointIndex) -
     )
 }
 
-/// Every expert of the checkpoint placed once, each image inside its file at an aligned offset
-/// with the length its image has.
+/// Every expert of the checkpoint placed once: its pieces, aligned and inside their files, tile
+/// its image from its first byte to its last.
 fn check_places(path: &Path, m: &ExpertFilesManifest, index: &CheckpointIndex, again: &str) -> Result<(), PackError> {
-    let mut seen = std::collections::HashSet::new();
+    let mut covered: std::collections::HashMap<(usize, usize), Vec<(u64, u64)>> = std::collections::HashMap::new();
     for e in &m.experts {
-        let Some(r) = index.experts.get(e.layer, e.expert) else {
-            return Err(corrupt(
-                path,
-                format!("places layer {} expert {}, which the checkpoint lacks; {again}", e.layer, e.expert),
-            ));
-        };
         let Some(d) = m.devices.get(e.device) else {
             return Err(corrupt(
                 path,
                 format!("places layer {} expert {} on device {}, which it does not list", e.layer, e.expert, e.device),
             ));
         };
-        let want = ExpertImage::new(&index.tensors, r, m.align).len;
         let fits = e.offset.checked_add(e.len).is_some_and(|end| end <= d.len);
-        if e.len != want || !fits || e.offset % m.align != 0 {
+        let aligned = [e.offset, e.len, e.at].iter().all(|x| x % m.align.max(1) == 0);
+        if !fits || !aligned || e.len == 0 {
             return Err(corrupt(
                 path,
                 format!(
-                    "layer {} expert {}: {} bytes at {} of a {}-byte file, its image is {want} bytes; {again}",
+                    "layer {} expert {}: a piece of {} bytes at {} of a {}-byte file is empty, unaligned or past \
+                     its end; {again}",
                     e.layer, e.expert, e.len, e.offset, d.len
                 ),
             ));
         }
-        if !seen.insert((e.layer, e.expert)) {
-            return Err(corrupt(path, format!("places layer {} expert {} twice", e.layer, e.expert)));
+        covered.entry((e.layer, e.expert)).or_default().push((e.at, e.len));
+    }
+    for r in index.experts.iter() {
+        let want = ExpertImage::new(&index.tensors, r, m.align).len;
+        let mut pieces = covered.remove(&(r.layer, r.expert)).unwrap_or_default();
+        pieces.sort_unstable();
+        let mut end = 0;
+        for (at, len) in &pieces {
+            if *at != end {
+                break;
+            }
+            end = at + len;
+        }
+        if end != want || pieces.iter().map(|p| p.1).sum::<u64>() != want {
+            return Err(corrupt(
+                path,
+                format!("layer {} expert {}: its pieces do not tile its {want}-byte image; {again}", r.layer, r.expert),
+            ));
         }
     }
-    let total = index.experts.iter().count();
-    if seen.len() != total {
-        return Err(corrupt(path, format!("places {} of the checkpoint's {total} experts; {again}", seen.len())));
+    if let Some((layer, expert)) = covered.keys().min() {
+        return Err(corrupt(
+            path,
+            format!("places layer {layer} expert {expert}, which the checkpoint lacks; {again}"),
+        ));
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
-//! `k3ring pack --experts-to DIR1,DIR2,...`: copies every routed expert's image into one file per
-//! directory, placed by [`super::assign`], and writes the manifest last.
+//! `k3ring pack --experts-to DIR1,DIR2,...`: reads every routed expert's image once, checks it
+//! against the trunk manifest's checksum, writes its pieces ([`super::assign::stripe`]) into
+//! one file per directory, and writes the manifest last.
 //!
 //! Crash safety and resuming, as for the trunk pack: the manifest is removed first and written
 //! (synced, renamed) only once every file is complete; each data file is written under a
@@ -29,7 +30,7 @@ pub type WeightsOf<'a> = dyn Fn() -> Result<Weights, PackError> + 'a;
 /// How experts are spread over the directories.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Weights {
-    /// Round-robin (`--even`).
+    /// Equal pieces (`--even`).
     Even,
     /// In proportion to these rates (GB/s), one per directory: given (`--expert-rates`) or
     /// probed.
@@ -90,41 +91,37 @@ pub fn write(
     }
     let sums = trunk.expert_checksums(trunk_dir, index)?;
     let total: u64 = planned.devices.iter().map(|d| d.len).sum();
-    let done = std::sync::atomic::AtomicU64::new(0);
-    let tick = |n: u64| {
-        let at = done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
-        progress(at, total);
+    let mut done = 0u64;
+    let mut tick = |n: u64| {
+        done += n;
+        progress(done, total);
     };
-    // One thread per directory: each device writes its own file.
-    let results: Vec<Result<(DeviceEntry, bool), PackError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = planned
-            .devices
-            .iter()
-            .enumerate()
-            .map(|(d, dev)| {
-                let (planned, sums, tick) = (&planned, &sums, &tick);
-                s.spawn(move || write_device(index, planned, d, dev, sums, force, tick))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(PackError::Corrupt {
-                        path: trunk_dir.to_path_buf(),
-                        message: "a thread writing expert files panicked".to_owned(),
-                    })
-                })
-            })
-            .collect()
-    });
-    let mut devices = Vec::with_capacity(results.len());
+    let mut files = Vec::with_capacity(planned.devices.len());
+    for (d, dev) in planned.devices.iter().enumerate() {
+        let file = open_device(&planned, d, dev, force)?;
+        if let DeviceFile::Kept(_) = &file {
+            tick(dev.len);
+        }
+        files.push(file);
+    }
+    copy_pieces(index, &planned, &sums, &files, &mut tick)?;
+    let mut devices = Vec::with_capacity(files.len());
     let (mut kept, mut written) = (0, 0);
-    for r in results {
-        let (dev, was_kept) = r?;
-        kept += usize::from(was_kept);
-        written += if was_kept { 0 } else { dev.len };
-        devices.push(dev);
+    for (d, file) in files.into_iter().enumerate() {
+        let dev = &planned.devices[d];
+        let entry = match file {
+            DeviceFile::Kept(samples) => {
+                kept += 1;
+                DeviceEntry { samples, ..dev.clone() }
+            }
+            DeviceFile::Writing { file, partial, cleanup } => {
+                written += dev.len;
+                let entry = finish_device(&planned, d, dev, file, &partial)?;
+                std::mem::forget(cleanup);
+                entry
+            }
+        };
+        devices.push(entry);
     }
     let manifest = ExpertFilesManifest { devices, ..planned };
     let out = crate::files::Output::resolve_file("--out", &manifest_path)?;
@@ -143,7 +140,7 @@ fn report(
         up_to_date,
         kept,
         devices: m.devices.clone(),
-        experts: m.experts.len(),
+        experts: m.experts.iter().map(|e| (e.layer, e.expert)).collect::<std::collections::HashSet<_>>().len(),
         bytes: m.devices.iter().map(|d| d.len).sum(),
         written_bytes: written,
         seconds: start.elapsed().as_secs_f64(),
@@ -154,31 +151,29 @@ fn report(
 fn plan(trunk: &Manifest, index: &CheckpointIndex, dirs: &[PathBuf], weights: &Weights) -> ExpertFilesManifest {
     let mut experts: Vec<_> = index.experts.iter().collect();
     experts.sort_by_key(|r| (r.layer, r.expert));
-    let mut per_layer: Vec<usize> = Vec::new();
-    let mut last = None;
-    for r in &experts {
-        if last != Some(r.layer) {
-            per_layer.push(0);
-            last = Some(r.layer);
-        }
-        if let Some(n) = per_layer.last_mut() {
-            *n += 1;
-        }
-    }
     let (rates, placement) = match weights {
         Weights::Even => (vec![1.0; dirs.len()], "even"),
         Weights::Rates(r) => (r.clone(), "weighted"),
     };
-    let devices_of = super::assign::assign(&per_layer, &rates);
+    let align = trunk.alignment.max(1);
+    let images: Vec<u64> = experts.iter().map(|r| ExpertImage::new(&index.tensors, r, align).len).collect();
+    let units: Vec<u64> = images.iter().map(|len| len / align).collect();
+    let cuts = super::assign::stripe(&units, &rates);
     let mut ends = vec![0u64; dirs.len()];
-    let mut bytes = vec![0u64; dirs.len()];
-    let mut placed = Vec::with_capacity(experts.len());
-    for (r, &device) in experts.iter().zip(&devices_of) {
-        let image = ExpertImage::new(&index.tensors, r, trunk.alignment);
-        placed.push(PlacedEntry { layer: r.layer, expert: r.expert, device, offset: ends[device], len: image.len });
-        ends[device] += image.len;
-        bytes[device] += r.parts.iter().map(|&id| index.tensors[id].len).sum::<u64>();
+    let mut placed = Vec::with_capacity(experts.len() * dirs.len());
+    for (r, counts) in experts.iter().zip(&cuts) {
+        let mut at = 0;
+        for (device, &count) in counts.iter().enumerate() {
+            let len = count * align;
+            if len == 0 {
+                continue;
+            }
+            placed.push(PlacedEntry { layer: r.layer, expert: r.expert, device, offset: ends[device], len, at });
+            ends[device] += len;
+            at += len;
+        }
     }
+    let bytes = ends.clone();
     let devices = dirs
         .iter()
         .enumerate()
@@ -201,40 +196,67 @@ fn plan(trunk: &Manifest, index: &CheckpointIndex, dirs: &[PathBuf], weights: &W
     }
 }
 
-/// Writes device `d`'s file (or keeps it, when its marker matches the plan and its bytes
-/// their samples); returns its entry with the samples and whether it was kept.
-fn write_device(
-    index: &CheckpointIndex,
+/// A device's data file during a pack: kept as it was (with its samples), or being written.
+enum DeviceFile {
+    Kept(String),
+    Writing { file: File, partial: PathBuf, cleanup: Partial },
+}
+
+/// Device `d`'s pieces, as its marker lists them.
+fn pieces_of(planned: &ExpertFilesManifest, d: usize) -> Vec<PlacedEntry> {
+    planned.experts.iter().filter(|e| e.device == d).copied().collect()
+}
+
+/// Keeps device `d`'s file when its marker matches the plan and its bytes their samples (not
+/// with `force`); otherwise starts its partial file.
+fn open_device(
     planned: &ExpertFilesManifest,
     d: usize,
     dev: &DeviceEntry,
-    sums: &[Vec<u64>],
     force: bool,
-    tick: &(dyn Fn(u64) + Sync),
-) -> Result<(DeviceEntry, bool), PackError> {
+) -> Result<DeviceFile, PackError> {
     std::fs::create_dir_all(&dev.dir).map_err(io_err("create", &dev.dir))?;
     let data = dev.dir.join(DATA_FILE);
     let marker_path = dev.dir.join(MARKER_FILE);
-    let mine: Vec<PlacedEntry> = planned.experts.iter().filter(|e| e.device == d).copied().collect();
+    let mine = pieces_of(planned, d);
     let want = |m: &Marker| m.source == planned.source && m.align == planned.align && m.experts == mine;
     if !force {
         let marker: Option<Marker> =
             std::fs::read(&marker_path).ok().and_then(|b| serde_json::from_slice(&b).ok()).filter(want);
         if let Some(m) = marker {
             if sampled_hash(&data).ok().is_some_and(|(len, s)| len == m.len && s == m.samples) {
-                tick(m.len);
-                return Ok((DeviceEntry { samples: m.samples, len: m.len, ..dev.clone() }, true));
+                return Ok(DeviceFile::Kept(m.samples));
             }
         }
     }
     let _ = std::fs::remove_file(&marker_path);
     let partial = dev.dir.join(format!("{DATA_FILE}{PARTIAL_SUFFIX}"));
     let file = File::create(&partial).map_err(io_err("create", &partial))?;
-    let cleanup = Partial(&partial);
+    Ok(DeviceFile::Writing { file, cleanup: Partial(partial.clone()), partial })
+}
+
+/// Reads each expert's image once (when some device's file is being written), checks it
+/// against the trunk manifest's checksum, and writes its pieces into the files being written.
+fn copy_pieces(
+    index: &CheckpointIndex,
+    planned: &ExpertFilesManifest,
+    sums: &[Vec<u64>],
+    files: &[DeviceFile],
+    tick: &mut dyn FnMut(u64),
+) -> Result<(), PackError> {
+    if files.iter().all(|f| matches!(f, DeviceFile::Kept(_))) {
+        return Ok(());
+    }
     let shards = open_shards(index)?;
     let mut buf = Vec::new();
-    for e in &mine {
-        let Some(r) = index.experts.get(e.layer, e.expert) else { continue };
+    let mut pieces = planned.experts.iter().peekable();
+    while let Some(first) = pieces.next() {
+        let key = (first.layer, first.expert);
+        let mut mine = vec![first];
+        while let Some(p) = pieces.next_if(|p| (p.layer, p.expert) == key) {
+            mine.push(p);
+        }
+        let Some(r) = index.experts.get(key.0, key.1) else { continue };
         let image = ExpertImage::new(&index.tensors, r, planned.align);
         buf.clear();
         buf.resize(image.len as usize, 0);
@@ -246,38 +268,59 @@ fn write_device(
             shards[w.shard].read_exact_at(&mut buf[at..at + n], w.offset).map_err(io_err("read", &shard.path))?;
         }
         let parts: Vec<&[u8]> = image.parts.iter().map(|&(o, l)| &buf[o..o + l]).collect();
-        let want_sum = sums.get(e.layer).and_then(|l| l.get(e.expert)).copied();
+        let want_sum = sums.get(key.0).and_then(|l| l.get(key.1)).copied();
         if want_sum != Some(expert_checksum(&parts)) {
             return Err(PackError::Corrupt {
                 path: index.shards[image.windows[0].shard].path.clone(),
                 message: format!(
                     "layer {} expert {} does not match its checksum in the trunk manifest: the checkpoint changed \
                      since `k3ring pack`, or a shard is damaged (`k3ring pack --verify` checks every expert)",
-                    e.layer, e.expert
+                    key.0, key.1
                 ),
             });
         }
-        file.write_all_at(&buf, e.offset).map_err(io_err("write", &partial))?;
-        tick(image.len);
+        for p in mine {
+            if let Some(DeviceFile::Writing { file, partial, .. }) = files.get(p.device) {
+                let (at, len) = (p.at as usize, p.len as usize);
+                file.write_all_at(&buf[at..at + len], p.offset).map_err(io_err("write", partial))?;
+                tick(p.len);
+            }
+        }
     }
-    file.set_len(dev.len).map_err(io_err("write", &partial))?;
-    file.sync_all().map_err(io_err("sync", &partial))?;
+    Ok(())
+}
+
+/// Syncs and renames device `d`'s written file and writes its marker; returns its entry.
+fn finish_device(
+    planned: &ExpertFilesManifest,
+    d: usize,
+    dev: &DeviceEntry,
+    file: File,
+    partial: &Path,
+) -> Result<DeviceEntry, PackError> {
+    let data = dev.dir.join(DATA_FILE);
+    file.set_len(dev.len).map_err(io_err("write", partial))?;
+    file.sync_all().map_err(io_err("sync", partial))?;
     drop(file);
-    std::fs::rename(&partial, &data).map_err(io_err("rename", &partial))?;
-    std::mem::forget(cleanup);
+    std::fs::rename(partial, &data).map_err(io_err("rename", partial))?;
     let (len, samples) = sampled_hash(&data)?;
-    let marker =
-        Marker { source: planned.source.clone(), align: planned.align, len, samples: samples.clone(), experts: mine };
-    let out = crate::files::Output::resolve_file("--experts-to", &marker_path)?;
+    let marker = Marker {
+        source: planned.source.clone(),
+        align: planned.align,
+        len,
+        samples: samples.clone(),
+        experts: pieces_of(planned, d),
+    };
+    let out = crate::files::Output::resolve_file("--experts-to", &dev.dir.join(MARKER_FILE))?;
     out.write_all(&serde_json::to_vec(&marker).unwrap_or_default())?;
-    Ok((DeviceEntry { samples, len, ..dev.clone() }, false))
+    Ok(DeviceEntry { samples, len, ..dev.clone() })
 }
 
 /// Removes a partial data file when a copy fails.
-struct Partial<'a>(&'a Path);
+struct Partial(PathBuf);
 
-impl Drop for Partial<'_> {
+impl Drop for Partial {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(self.0);
+        let _ = std::fs::remove_file(&self.0);
     }
 }

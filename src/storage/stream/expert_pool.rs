@@ -367,10 +367,16 @@ impl Store {
             return Ok(());
         }
         let want = want.map_or_else(|| "none".to_owned(), |w| format!("{w:016x}"));
-        if let Some(at) = self.placed.get(key) {
-            let file = self.placed.path(at).map_or_else(String::new, |p| p.display().to_string());
+        if let Some(pieces) = self.placed.get(key) {
+            let places: Vec<String> = pieces
+                .iter()
+                .map(|p| {
+                    let file = self.placed.path(p).map_or_else(String::new, |f| f.display().to_string());
+                    format!("{file} at offset {}", p.offset)
+                })
+                .collect();
             return Err(SourceError::Corrupt {
-                what: format!("layer {} expert {} in {file} at offset {}", key.0, key.1, at.offset),
+                what: format!("layer {} expert {} in {}", key.0, key.1, places.join(", ")),
                 message: format!(
                     "fails its checksum (manifest {want}, read {got:016x}): the expert file changed since \
                      `k3ring pack` or the read returned damaged bytes; if it persists, run `{}` to rewrite it",
@@ -626,7 +632,8 @@ impl Store {
             message: "not in the checkpoint".to_owned(),
         })?;
         let placed = self.placed.get(key);
-        let image = ExpertImage::new(&self.index.tensors, r, placed.map_or(self.align, |at| at.align));
+        let align = if placed.is_some() { self.placed.align() } else { self.align };
+        let image = ExpertImage::new(&self.index.tensors, r, align);
         if image.len as usize > region.len {
             return Err(SourceError::Internal(format!(
                 "expert ({}, {}) needs {} bytes, slot holds {}",
@@ -634,11 +641,16 @@ impl Store {
             )));
         }
         let ops = match placed {
-            // An expert file holds the image at the pack's alignment, whole: one read.
-            Some(at) => {
-                let len = image.len as usize;
-                vec![self.arena.op(target, 0, FileRange { file: at.file, offset: at.offset, len, min_len: len }, meta)]
-            }
+            // The expert files hold the image at the pack's alignment, one piece per device:
+            // one read each, into its place in the slot.
+            Some(pieces) => pieces
+                .iter()
+                .map(|p| {
+                    let len = p.len as usize;
+                    let range = FileRange { file: p.file, offset: p.offset, len, min_len: len };
+                    self.arena.op(target, p.at as usize, range, meta)
+                })
+                .collect(),
             None => image
                 .windows
                 .iter()
@@ -655,8 +667,8 @@ impl Store {
     /// Where an expert's first tensor sits (file, offset): reads issued in this order sweep
     /// the disk forwards. Unknown experts sort last (their read then fails with a named error).
     pub fn disk_position(&self, key: ExpertKey) -> (usize, u64) {
-        if let Some(at) = self.placed.get(key) {
-            return (at.file, at.offset);
+        if let Some(p) = self.placed.get(key).and_then(<[_]>::first) {
+            return (p.file, p.offset);
         }
         self.index.experts.get(key.0, key.1).map_or((usize::MAX, 0), |r| {
             let t = &self.index.tensors[r.parts[0]];

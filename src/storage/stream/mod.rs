@@ -209,10 +209,11 @@ impl Prepared {
         let mut ranges = Vec::new();
         let mut expert_bytes = 0;
         for r in self.index.experts.iter() {
-            if let Some(at) = self.placed.get((r.layer, r.expert)) {
-                let len = crate::checkpoint::ExpertImage::new(&self.index.tensors, r, at.align).len;
-                ranges.push((at.file, at.offset, at.offset + len));
-                expert_bytes += len;
+            if let Some(pieces) = self.placed.get((r.layer, r.expert)) {
+                for p in pieces {
+                    ranges.push((p.file, p.offset, p.offset + p.len));
+                    expert_bytes += p.len;
+                }
             } else if let Some((shard, start, end)) = r.contiguous {
                 ranges.push((shard, start, end));
                 expert_bytes += end - start;
