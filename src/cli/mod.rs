@@ -96,15 +96,15 @@ pub struct PackArgs {
     #[arg(long)]
     pub force: bool,
     /// Also copy the routed experts into one file per directory (one directory per drive), so
-    /// that runs read them from every drive at once; placed in proportion to each directory's
-    /// probed random-read rate.
+    /// that runs read them from every drive at once; each expert is striped over them in
+    /// proportion to each directory's probed random-read rate.
     #[arg(long, value_name = "DIR,...", value_delimiter = ',')]
     pub experts_to: Vec<PathBuf>,
-    /// With --experts-to: place experts round-robin instead of by probed rate.
+    /// With --experts-to: cut every expert into equal pieces instead of by probed rate.
     #[arg(long, requires = "experts_to", conflicts_with = "expert_rates")]
     pub even: bool,
-    /// With --experts-to: place experts in proportion to these rates (GB/s, one per directory)
-    /// instead of probing.
+    /// With --experts-to: cut every expert in proportion to these rates (GB/s, one per
+    /// directory) instead of probing.
     #[arg(long, value_name = "GB/s,...", value_delimiter = ',', requires = "experts_to")]
     pub expert_rates: Vec<f64>,
 }
