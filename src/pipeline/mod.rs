@@ -103,7 +103,7 @@ impl Pipeline {
             io_stage::read_alignment(files, &opts.io)
         })?;
         let devices = prepared.file_devices().iter().max().map_or(1, |d| d + 1);
-        let lanes = opts.io.per_device(devices);
+        let lanes = opts.io.per_device(devices, prepared.expert_lane_first());
         if let Some(model) = lanes.iter().find_map(|o| o.kind.modeled()) {
             warm_for_modeled_device(&prepared, &model)?;
         }

@@ -92,12 +92,14 @@ impl Default for IoOptions {
 }
 
 impl IoOptions {
-    /// The options of each device's I/O thread: device 0 (the shards and the trunk) runs
-    /// `kind`, device d > 0 the (d-1)-th of `device_kinds`, or `kind` beyond them.
-    pub fn per_device(&self, devices: usize) -> Vec<IoOptions> {
+    /// The options of each device's I/O thread: the devices before `first_expert` (the shards
+    /// and the trunk) run `kind`, the expert directories' devices `device_kinds` in order, or
+    /// `kind` beyond them.
+    pub fn per_device(&self, devices: usize, first_expert: usize) -> Vec<IoOptions> {
         (0..devices.max(1))
             .map(|d| {
-                let kind = d.checked_sub(1).and_then(|i| self.device_kinds.get(i)).copied().unwrap_or(self.kind);
+                let kind =
+                    d.checked_sub(first_expert).and_then(|i| self.device_kinds.get(i)).copied().unwrap_or(self.kind);
                 IoOptions { kind, device_kinds: Vec::new(), ..self.clone() }
             })
             .collect()

@@ -166,6 +166,8 @@ pub struct Prepared {
     /// files' devices after).
     devices: Vec<usize>,
     device_names: Vec<String>,
+    /// The device of the first expert directory (`--device-io` models them in order).
+    expert_lane_first: usize,
     /// [`ExpertFiles::describe`], when the experts come from expert files.
     placement_note: Option<String>,
 }
@@ -185,6 +187,12 @@ impl Prepared {
     /// What each device holds, for the report ("shards and trunk", an expert directory).
     pub fn device_names(&self) -> &[String] {
         &self.device_names
+    }
+
+    /// The device of the first expert directory; the devices before it hold the shards and the
+    /// trunk pack.
+    pub fn expert_lane_first(&self) -> usize {
+        self.expert_lane_first
     }
 
     /// Where the expert files put the experts, for the console; `None` when the shards hold them.
@@ -238,6 +246,30 @@ impl Prepared {
     }
 }
 
+/// The devices of the shards and the trunk pack (`files[..=pack_file]`) and their names: one
+/// device for both, unless the trunk pack's file system sits on another block device than the
+/// first shard's (a trunk on a drive of its own gets a ring of its own).
+fn shard_and_trunk_devices(files: &[PathBuf], pack_file: usize) -> (Vec<usize>, Vec<String>) {
+    use std::os::unix::fs::MetadataExt;
+    let dev = |p: &PathBuf| std::fs::metadata(p).ok().map(|m| m.dev());
+    let separate = match (files.first().and_then(dev), files.get(pack_file).and_then(dev)) {
+        (Some(shards), Some(trunk)) => shards != trunk,
+        _ => false,
+    };
+    lanes_of_shards_and_trunk(pack_file, separate)
+}
+
+/// [`shard_and_trunk_devices`] once it is known whether the two are `separate`.
+fn lanes_of_shards_and_trunk(pack_file: usize, separate: bool) -> (Vec<usize>, Vec<String>) {
+    let mut devices = vec![0; pack_file + 1];
+    if separate {
+        devices[pack_file] = 1;
+        (devices, vec!["shards".to_owned(), "trunk pack".to_owned()])
+    } else {
+        (devices, vec!["shards and trunk".to_owned()])
+    }
+}
+
 /// The streaming store.
 pub struct Store {
     index: Arc<CheckpointIndex>,
@@ -285,14 +317,14 @@ impl Store {
         files.push(pack_path.clone());
         let pack_file = files.len() - 1;
         let expert_files = ExpertFiles::open(trunk_dir, &manifest, &index)?;
-        let mut devices = vec![0; files.len()];
-        let mut device_names = vec!["shards and trunk".to_owned()];
+        let (mut devices, mut device_names) = shard_and_trunk_devices(&files, pack_file);
+        let expert_lane_first = device_names.len();
         let placed = match &expert_files {
             Some(ef) => {
                 let placed = ef.placement(files.len(), trunk_dir, &index);
                 for (d, path) in ef.paths.iter().enumerate() {
                     files.push(path.clone());
-                    devices.push(d + 1);
+                    devices.push(expert_lane_first + d);
                     device_names.push(ef.manifest.devices[d].dir.display().to_string());
                 }
                 placed
@@ -333,6 +365,7 @@ impl Store {
             placed,
             devices,
             device_names,
+            expert_lane_first,
             placement_note,
         })
     }
@@ -473,5 +506,27 @@ impl Store {
             exit_code: e.exit_code(),
             source: Arc::clone(e) as Arc<dyn std::error::Error + Send + Sync>,
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::lanes_of_shards_and_trunk;
+
+    #[test]
+    fn a_trunk_pack_on_another_device_gets_a_ring_of_its_own() {
+        // Three shards and the pack (file 3).
+        let (devices, names) = lanes_of_shards_and_trunk(3, false);
+        assert_eq!((devices, names), (vec![0, 0, 0, 0], vec!["shards and trunk".to_owned()]));
+        let (devices, names) = lanes_of_shards_and_trunk(3, true);
+        assert_eq!((devices, names.len()), (vec![0, 0, 0, 1], 2));
+        // The tests' shards and packs share one file system: one device.
+        let dir = tempfile::tempdir().unwrap();
+        let files: Vec<std::path::PathBuf> = (0..2).map(|i| dir.path().join(format!("f{i}"))).collect();
+        for f in &files {
+            std::fs::write(f, b"x").unwrap();
+        }
+        assert_eq!(super::shard_and_trunk_devices(&files, 1).0, vec![0, 0]);
     }
 }
