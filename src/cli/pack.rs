@@ -112,6 +112,15 @@ fn write_expert_files(args: &PackArgs, index: &CheckpointIndex) -> anyhow::Resul
         let mut rates = Vec::with_capacity(dirs.len());
         for dir in &dirs {
             let rate = probe_rate(dir, image_bytes)? / 1e9;
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(crate::storage::pack::PackError::Io {
+                    op: "probe the read rate of",
+                    path: dir.clone(),
+                    source: std::io::Error::other(format!(
+                        "the probe measured {rate} GB/s; give --expert-rates or --even"
+                    )),
+                });
+            }
             eprintln!("k3ring: {}: {rate:.2} GB/s of random {} reads", dir.display(), fmt_gb(image_bytes));
             rates.push(rate);
         }

@@ -299,3 +299,29 @@ fn the_trace_has_a_read_track_per_device() {
         assert!(reads > 0, "no reads on {thread}'s track");
     }
 }
+
+/// A manifest whose pieces point at one another's bytes is refused at open; a second pack
+/// into an expert directory another pack holds is refused (exit 4) naming its lock.
+#[test]
+fn overlapping_pieces_and_a_concurrent_pack_are_refused() {
+    let trunk = pack(&tiny_dir());
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
+    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let path = trunk.path().join("experts.manifest.json");
+    let mut m = manifest(trunk.path());
+    let pieces = m["experts"].as_array_mut().unwrap();
+    let on_a: Vec<usize> = (0..pieces.len()).filter(|&i| pieces[i]["device"] == 0).take(2).collect();
+    // Two experts' pieces on directory a at the same bytes: each expert still tiles its image.
+    pieces[on_a[1]]["offset"] = pieces[on_a[0]]["offset"].clone();
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+    let (code, _, err) = run_ids(trunk.path(), "0.004", &[]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("pieces overlap"), "{err}");
+
+    let _held = k3ring::storage::pack::lock::PackLock::acquire_named(&dirs[1], "k3ring-experts.lock").unwrap();
+    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even", "--force"]);
+    assert_eq!(code, 4, "{out}{err}");
+    assert!(err.contains("k3ring-experts.lock"), "{err}");
+}

@@ -355,6 +355,25 @@ fn check_places(path: &Path, m: &ExpertFilesManifest, index: &CheckpointIndex, a
             format!("places layer {layer} expert {expert}, which the checkpoint lacks; {again}"),
         ));
     }
+    // No two pieces share bytes of a file (an expert's piece must not be another's), and each
+    // device holds the bytes it says.
+    for (d, dev) in m.devices.iter().enumerate() {
+        let mut spans: Vec<(u64, u64)> =
+            m.experts.iter().filter(|e| e.device == d).map(|e| (e.offset, e.len)).collect();
+        spans.sort_unstable();
+        let overlap = spans.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0);
+        let held: u64 = spans.iter().map(|s| s.1).sum();
+        if overlap || held != dev.expert_bytes {
+            return Err(corrupt(
+                path,
+                format!(
+                    "{}: pieces overlap, or hold other than its {} bytes; {again}",
+                    dev.dir.display(),
+                    dev.expert_bytes
+                ),
+            ));
+        }
+    }
     Ok(())
 }
 

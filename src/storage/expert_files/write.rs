@@ -6,8 +6,10 @@
 //! (synced, renamed) only once every file is complete; each data file is written under a
 //! `.partial` name, synced and renamed, and then described by a marker beside it
 //! ([`MARKER_FILE`]). A second run with the same placement keeps every file whose marker and
-//! sampled bytes still match, so an interrupted pack resumes at the first unfinished device;
-//! an up-to-date set is left alone unless `--force`.
+//! sampled bytes still match, so an interrupted pack rewrites only the unfinished devices (with
+//! `--even` or `--expert-rates`; probed rates are probed again, and a cut they change rewrites
+//! every file); an up-to-date set is left alone unless `--force`. The trunk directory's pack
+//! lock and a lock in each expert directory keep two packs from writing one file.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -18,10 +20,13 @@ use serde::{Deserialize, Serialize};
 use super::{sampled_hash, DeviceEntry, ExpertFilesManifest, PlacedEntry, DATA_FILE, FORMAT, MANIFEST_FILE, VERSION};
 use crate::checkpoint::{CheckpointIndex, ExpertImage};
 use crate::storage::pack::experts::{expert_checksum, open_shards};
+use crate::storage::pack::lock::PackLock;
 use crate::storage::pack::{io_err, Manifest, PackError};
 
 /// Beside each data file: what it holds, so that a later pack can keep it.
 pub const MARKER_FILE: &str = "k3ring-experts.json";
+/// Beside each data file: held by the pack writing it, so that two packs never write one file.
+pub const LOCK_FILE: &str = "k3ring-experts.lock";
 const PARTIAL_SUFFIX: &str = ".partial";
 
 /// Returns the placement when files must be written (rates are probed only then).
@@ -74,6 +79,13 @@ pub fn write(
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<WriteReport, PackError> {
     let start = std::time::Instant::now();
+    // The trunk directory's pack lock and each expert directory's own: a second pack of either
+    // waits for nothing and says which lock is held.
+    let mut _locks = vec![PackLock::acquire(trunk_dir)?];
+    for dir in dirs {
+        std::fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+        _locks.push(PackLock::acquire_named(dir, LOCK_FILE)?);
+    }
     let manifest_path = trunk_dir.join(MANIFEST_FILE);
     if !force {
         if let Ok(Some(files)) = super::ExpertFiles::open(trunk_dir, trunk, index) {

@@ -19,7 +19,12 @@ pub struct PackLock {
 impl PackLock {
     /// Takes the lock of `out_dir` (which must exist), or says that another pack holds it.
     pub fn acquire(out_dir: &Path) -> Result<PackLock, PackError> {
-        let path: PathBuf = out_dir.join(LOCK_FILE);
+        PackLock::acquire_named(out_dir, LOCK_FILE)
+    }
+
+    /// [`PackLock::acquire`] on the lock file `name` of `dir` (an expert directory's own).
+    pub fn acquire_named(out_dir: &Path, name: &str) -> Result<PackLock, PackError> {
+        let path: PathBuf = out_dir.join(name);
         let file = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
