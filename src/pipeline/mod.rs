@@ -104,9 +104,12 @@ impl Pipeline {
         })?;
         let devices = prepared.file_devices().iter().max().map_or(1, |d| d + 1);
         let lanes = opts.io.per_device(devices, prepared.expert_lane_first());
-        if let Some(model) = lanes.iter().find_map(|o| o.kind.modeled()) {
-            warm_for_modeled_device(&prepared, &model)?;
-        }
+        // A modeled device copies from the page cache: the re-read bytes must fit beside the
+        // budget (checked now), and are read in once the pinned units are in (below).
+        let warm = match lanes.iter().find_map(|o| o.kind.modeled()) {
+            Some(model) => Some(modeled_warm_up(&prepared, &model)?),
+            None => None,
+        };
         let io = Arc::new(IoStage::start_devices(
             prepared.files(),
             prepared.file_devices(),
@@ -125,6 +128,13 @@ impl Pipeline {
         let device_names = prepared.device_names().to_vec();
         let reads: Arc<dyn ReadQueue> = Arc::clone(&io) as Arc<dyn ReadQueue>;
         let store = Store::open(prepared, reads, opts.io.kind == IoKind::Uring, stats, tracer, policy)?;
+        if let Some((files, ranges)) = warm {
+            // The pinned units now live in the arena; their pages in the cache would be the
+            // newest and push out the experts the model serves. Drop the pack's pages, then
+            // read what runs re-read, newest last.
+            crate::storage::io::modeled::drop_cached(&trunk_dir.join(crate::storage::pack::PACK_FILE));
+            crate::storage::io::modeled::warm_ranges(&files, &ranges)?;
+        }
         let spec = opts.effective_speculation();
         let prefetcher =
             Prefetcher::new(cfg, store_opts.chunk_tokens, spec, Arc::clone(&io), window, cfg.expert_bytes());
@@ -183,10 +193,14 @@ impl Pipeline {
 /// A modeled device copies from the page cache: refuses a run whose re-read bytes do not fit
 /// in the memory left beside the budget (the arena is allocated by now), and reads them once so
 /// that no timed read waits for the real disk.
-fn warm_for_modeled_device(
+/// What a modeled device's reads will copy from the page cache (files and ranges), once it is
+/// known to fit in the memory beside the budget.
+type WarmUp = (Vec<std::path::PathBuf>, Vec<(usize, u64, u64)>);
+
+fn modeled_warm_up(
     prepared: &crate::storage::stream::Prepared,
     model: &crate::storage::io::DeviceModel,
-) -> Result<(), StreamError> {
+) -> Result<WarmUp, StreamError> {
     let (ranges, expert_bytes, trunk_bytes) = prepared.reread_ranges();
     modeled_device_fits(model, expert_bytes, trunk_bytes, crate::memory::available())?;
     tracing::info!(
@@ -194,8 +208,7 @@ fn warm_for_modeled_device(
         model.spec(),
         (expert_bytes + trunk_bytes) as f64 / 1e9
     );
-    crate::storage::io::modeled::warm_ranges(prepared.files(), &ranges)?;
-    Ok(())
+    Ok((prepared.files().to_vec(), ranges))
 }
 
 /// Refuses a modeled device whose re-read bytes exceed the memory available (unknown: allowed).

@@ -32,7 +32,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -357,6 +357,19 @@ impl ReadBackend for ModeledReader {
 
     fn dio_align(&self) -> DioAlign {
         DioAlign { mem_align: MODELED_ALIGN, offset_align: MODELED_ALIGN, source: AlignSource::Default }
+    }
+}
+
+/// Asks the kernel to drop `path`'s clean pages from the page cache (best effort: a file that
+/// cannot be opened, or a kernel that ignores the advice, changes nothing but memory use).
+pub fn drop_cached(path: &Path) {
+    use std::os::fd::AsRawFd;
+    if let Ok(file) = File::open(path) {
+        // SAFETY: the descriptor is open for the duration of the call; the advice reads no
+        // memory of ours.
+        unsafe {
+            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+        }
     }
 }
 
