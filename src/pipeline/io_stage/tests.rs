@@ -188,6 +188,9 @@ fn a_batch_split_over_devices_completes_on_both_and_a_failing_device_fails_it() 
         let filled = slot.filled().unwrap();
         assert_eq!(arena.bytes(filled), &pattern[PIECE..9 * PIECE]);
     }
+    // A lane publishes its counters after it hands the completion over: settle first, as a
+    // run's report does.
+    assert!(io.settle(std::time::Duration::from_secs(10)), "the lanes settle");
     let per = io.device_stats();
     assert!(per[0].ops == 1 && per[1].ops == 1, "one read on each device: {per:?}");
     assert_eq!(io.stats().ops, 2);
