@@ -170,6 +170,8 @@ struct Report {
     read_tax: Option<ReadTax>,
     /// The better of the two probes, per queue depth.
     device_read_rate: Vec<(u32, f64)>,
+    /// What the probes read: the shards, or the expert files of `pack --experts-to`.
+    device_probe_source: String,
     device_read_rate_before: Vec<(u32, f64)>,
     device_read_rate_after: Vec<(u32, f64)>,
     /// The better of the triads measured right before and right after the resident cell.
@@ -256,16 +258,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let modes: Vec<String> = args.modes.iter().cloned().chain(drafts.modes()).collect();
     let cells_total = args.budgets.len() * (modes.len() + args.batch.len()) * args.repeats.max(1);
     let bar = progress_bar(cells_total + 4 + usize::from(batch.is_some()));
-    let io = bench_io(&args.io)?;
-    super::device_kinds(io, &args.device_io)?;
+    let io = bench_io(&args.io, &args.device_io)?;
     let host = Host::detect(kernels, io);
 
     bar.set_message("device: random reads of one expert");
-    let files: Vec<PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
-    let ranges = bench_host::probe_ranges(&index, io);
-    bench_host::warm_for_probes(&files, &ranges, io, cfg.expert_bytes())?;
-    let probe_device =
-        |pass| probe_queue_depths(&files, &ranges, io, cfg.expert_bytes() as usize, args.device_reads, pass);
+    let (files, ranges): (Vec<PathBuf>, _) =
+        (index.shards.iter().map(|s| s.path.clone()).collect(), bench_host::probe_ranges(&index, io));
+    let probed = bench_host::probe_target(&index, &args.trunk, io)?;
+    bench_host::warm_for_probes(&probed.files, &probed.ranges, io, cfg.expert_bytes())?;
+    let probe_device = |pass| probe_queue_depths(&probed, io, cfg.expert_bytes() as usize, args.device_reads, pass);
     let device_before = probe_device(0)?;
     bar.inc(1);
     bar.set_message("memory bandwidth");
@@ -302,7 +303,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let mut probe_during = || -> anyhow::Result<f64> {
         probes += 1;
         let seed = 0x0b5e_55ed + probes;
-        bench_host::device_rate(&files, &ranges, io, cfg.expert_bytes() as usize, qd_probe, args.device_reads, seed)
+        bench_host::device_rate(&probed, io, cfg.expert_bytes() as usize, qd_probe, args.device_reads, seed)
             .context("measuring the device between cells")
     };
     let plan = CellPlan { modes: &modes, drafts: &drafts, batch: batch.as_ref() };
@@ -326,6 +327,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         host,
         read_tax: tax,
         device_read_rate: device,
+        device_probe_source: probed.source.clone(),
         device_read_rate_before: device_before,
         device_read_rate_after: device_after,
         memory_bandwidth: membw,
@@ -375,13 +377,15 @@ fn check_ids(report: &Report) -> anyhow::Result<()> {
 
 /// `--io`: uring or a modeled device. The probes and the read tax read through io_uring or the
 /// model, so a table of cells read through another backend would judge it against their rate.
-fn bench_io(io: &str) -> Result<IoKind, UsageError> {
+/// `--io` (and the `--device-io` models it allows), checked.
+fn bench_io(io: &str, device_io: &[String]) -> Result<IoKind, UsageError> {
     let kind = IoKind::parse(io).map_err(|e| UsageError(format!("--io {e}")))?;
     if matches!(kind, IoKind::Pread | IoKind::Mmap) {
         return Err(UsageError(format!(
             "--io {io}: bench measures the disk through uring, or a modeled device (sim:RATE...); compare backends with tune --io"
         )));
     }
+    super::device_kinds(kind, device_io)?;
     Ok(kind)
 }
 
@@ -397,8 +401,7 @@ fn progress_bar(steps: usize) -> ProgressBar {
 /// The device's random read rate of `read_bytes` blocks at queue depths 1, 4, 16 and 32; `pass`
 /// picks the offsets' seed, so the probes before and after the cells read different blocks.
 fn probe_queue_depths(
-    files: &[PathBuf],
-    ranges: &[(usize, u64, u64)],
+    probed: &bench_host::ProbeTarget,
     io: IoKind,
     read_bytes: usize,
     reads: usize,
@@ -407,8 +410,7 @@ fn probe_queue_depths(
     let mut rates = Vec::new();
     for qd in [1u32, 4, 16, 32] {
         let seed = 0x5eed + u64::from(qd) + 1000 * pass;
-        let rate =
-            bench_host::device_rate(files, ranges, io, read_bytes, qd, reads, seed).context("measuring the device")?;
+        let rate = bench_host::device_rate(probed, io, read_bytes, qd, reads, seed).context("measuring the device")?;
         rates.push((qd, rate));
     }
     Ok(rates)

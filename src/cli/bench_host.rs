@@ -46,6 +46,43 @@ impl Host {
     }
 }
 
+/// What the device probes read: the files, their ranges, and what they are (for the report).
+pub struct ProbeTarget {
+    pub files: Vec<PathBuf>,
+    pub ranges: Vec<(usize, u64, u64)>,
+    pub source: String,
+}
+
+/// The probes' target: for a real device with `pack --experts-to` files in `trunk`, those files
+/// (the drives the cells read experts from, read at once through one ring, so the probe gives
+/// their combined rate); otherwise the shards, as [`probe_ranges`] says.
+pub fn probe_target(index: &CheckpointIndex, trunk: &std::path::Path, io: IoKind) -> anyhow::Result<ProbeTarget> {
+    if io.modeled().is_none() {
+        let manifest = crate::storage::pack::Manifest::load(trunk)?;
+        if let Some(ef) = crate::storage::expert_files::ExpertFiles::open(trunk, &manifest, index)? {
+            // Equal spans, so that a probe read lands on each file in proportion to its bytes,
+            // as the cells' striped reads do.
+            let span = 16
+                * index
+                    .experts
+                    .iter()
+                    .next()
+                    .map_or(1 << 20, |r| crate::checkpoint::ExpertImage::new(&index.tensors, r, ef.manifest.align).len);
+            let ranges = ef
+                .manifest
+                .devices
+                .iter()
+                .enumerate()
+                .flat_map(|(i, d)| (0..d.len.div_ceil(span)).map(move |k| (i, k * span, ((k + 1) * span).min(d.len))))
+                .collect();
+            let source = format!("the expert files on {} devices", ef.paths.len());
+            return Ok(ProbeTarget { files: ef.paths, ranges, source });
+        }
+    }
+    let files = index.shards.iter().map(|s| s.path.clone()).collect();
+    Ok(ProbeTarget { files, ranges: probe_ranges(index, io), source: "the shards".to_owned() })
+}
+
 /// Where reads go for the probes: the shards' data for a real device; for a modeled one, the
 /// experts only (runs of adjacent experts merged), which it serves from the page cache.
 pub fn probe_ranges(index: &CheckpointIndex, io: IoKind) -> Vec<(usize, u64, u64)> {
@@ -100,8 +137,7 @@ pub fn warm_for_probes(
 /// The device's random read rate of `read_bytes` windows at `qd` reads in flight, through the
 /// cells' backend: O_DIRECT io_uring for a real device, the model for `--io sim:`.
 pub fn device_rate(
-    files: &[PathBuf],
-    ranges: &[(usize, u64, u64)],
+    ProbeTarget { files, ranges, .. }: &ProbeTarget,
     io: IoKind,
     read_bytes: usize,
     qd: u32,

@@ -325,3 +325,48 @@ fn overlapping_pieces_and_a_concurrent_pack_are_refused() {
     assert_eq!(code, 4, "{out}{err}");
     assert!(err.contains("k3ring-experts.lock"), "{err}");
 }
+
+/// `bench` over a trunk with expert files probes those files (the drives its cells read experts
+/// from) and reports each cell's reads per device.
+#[test]
+fn bench_probes_the_expert_files_and_reports_each_device() {
+    let trunk = pack(&tiny_dir());
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
+    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let json = tmp.path().join("b.json");
+    let model = tiny_dir();
+    let args = [
+        "bench",
+        "--model",
+        s(&model),
+        "--trunk",
+        s(trunk.path()),
+        "--budgets",
+        "0.004",
+        "--modes",
+        "no-spec",
+        "--tokens",
+        "2",
+        "--warmup",
+        "1",
+        "--device-reads",
+        "8",
+        "--no-read-tax",
+        "--json",
+        s(&json),
+    ];
+    let (code, out, err) = k3ring(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("reads of ") && out.contains(" from the expert files on 2 devices): "), "{out}");
+    assert!(out.contains("devices at 0.004 GB, no-spec | 0 shards and trunk: "), "{out}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["device_probe_source"], "the expert files on 2 devices", "{v}");
+    let devices = v["cells"][0]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 3, "{v}");
+    for d in &devices[1..] {
+        assert!(d["bytes_per_token"].as_f64().unwrap() > 0.0, "{d}");
+    }
+    assert_eq!(v["ids_identical"], true, "{v}");
+}

@@ -54,9 +54,10 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
     let rates =
         |v: &[(u32, f64)]| v.iter().map(|(q, v)| format!("QD{q} {:.2}", v / 1e9)).collect::<Vec<_>>().join(", ");
     println!(
-        "device (random {} reads of {:.1} MB): {} GB/s (before the cells {}, after {})",
+        "device (random {} reads of {:.1} MB from {}): {} GB/s (before the cells {}, after {})",
         if args.io.starts_with("sim:") { "modeled" } else { "O_DIRECT" },
         cfg.expert_bytes() as f64 / 1e6,
+        r.device_probe_source,
         rates(&r.device_read_rate),
         rates(&r.device_read_rate_before),
         rates(&r.device_read_rate_after)
