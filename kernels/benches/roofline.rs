@@ -293,8 +293,13 @@ fn main() {
     let bw_before = [triad(&single, o.repeats), triad(&pool, o.repeats)];
     // The roof's FMA peak is at the width the kernels compute in: zmm for the AVX-512 kernels.
     let zmm = k.isa() == Isa::Avx512;
-    let roof_peak =
-        |p: &rayon::ThreadPool| if zmm { fma_peak_zmm(p, o.repeats).unwrap() } else { fma_peak(p, o.repeats) };
+    let roof_peak = |p: &rayon::ThreadPool| {
+        if zmm {
+            fma_peak_zmm(p, o.repeats).expect("AVX-512 kernels run only where AVX-512 is")
+        } else {
+            fma_peak(p, o.repeats)
+        }
+    };
     let peak_before = [roof_peak(&single), roof_peak(&pool)];
     let mut rng = Lcg(3);
     let mut rows = Vec::new();

@@ -31,6 +31,17 @@ fn pack_experts(trunk: &Path, dirs: &[PathBuf], extra: &[&str]) -> (i32, String,
     k3ring(&[&["pack", "--model", s(&model), "--out", s(trunk), "--experts-to", &list][..], extra].concat())
 }
 
+/// A trunk pack of the tiny model with its experts packed `--even` into directories `a` and `b`
+/// of a temporary directory: (trunk, that directory, [a, b]).
+fn packed_even() -> (tempfile::TempDir, tempfile::TempDir, Vec<PathBuf>) {
+    let trunk = pack(&tiny_dir());
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
+    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even"]);
+    assert_eq!(code, 0, "{out}{err}");
+    (trunk, tmp, dirs)
+}
+
 fn manifest(trunk: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(trunk.join("experts.manifest.json")).unwrap()).unwrap()
 }
@@ -243,11 +254,7 @@ fn a_read_failing_on_one_device_fails_the_run_with_exit_4_naming_its_file() {
     use crate::streaming_tests::{minimum_budget, run_options};
 
     let model = tiny_dir();
-    let trunk = pack(&model);
-    let tmp = tempfile::tempdir().unwrap();
-    let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
-    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even"]);
-    assert_eq!(code, 0, "{out}{err}");
+    let (trunk, _tmp, dirs) = packed_even();
     let min = minimum_budget(&model, trunk.path());
     // Device 0 (shards and trunk) and device 1 (directory a) read through io_uring; device 2
     // (directory b) is the seeded simulator failing every read with EIO.
@@ -277,11 +284,7 @@ fn a_read_failing_on_one_device_fails_the_run_with_exit_4_naming_its_file() {
 /// The trace draws each device's reads on a track of its own (its I/O thread's).
 #[test]
 fn the_trace_has_a_read_track_per_device() {
-    let trunk = pack(&tiny_dir());
-    let tmp = tempfile::tempdir().unwrap();
-    let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
-    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even"]);
-    assert_eq!(code, 0, "{out}{err}");
+    let (trunk, tmp, _dirs) = packed_even();
     let trace = tmp.path().join("trace.json");
     let (code, _, err) = run_ids(trunk.path(), "0.004", &["-n", "12", "--trace", s(&trace)]);
     assert_eq!(code, 0, "{err}");
@@ -304,11 +307,7 @@ fn the_trace_has_a_read_track_per_device() {
 /// into an expert directory another pack holds is refused (exit 4) naming its lock.
 #[test]
 fn overlapping_pieces_and_a_concurrent_pack_are_refused() {
-    let trunk = pack(&tiny_dir());
-    let tmp = tempfile::tempdir().unwrap();
-    let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
-    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even"]);
-    assert_eq!(code, 0, "{out}{err}");
+    let (trunk, _tmp, dirs) = packed_even();
     let path = trunk.path().join("experts.manifest.json");
     let mut m = manifest(trunk.path());
     let pieces = m["experts"].as_array_mut().unwrap();
@@ -330,11 +329,7 @@ fn overlapping_pieces_and_a_concurrent_pack_are_refused() {
 /// from) and reports each cell's reads per device.
 #[test]
 fn bench_probes_the_expert_files_and_reports_each_device() {
-    let trunk = pack(&tiny_dir());
-    let tmp = tempfile::tempdir().unwrap();
-    let dirs = vec![tmp.path().join("a"), tmp.path().join("b")];
-    let (code, out, err) = pack_experts(trunk.path(), &dirs, &["--even"]);
-    assert_eq!(code, 0, "{out}{err}");
+    let (trunk, tmp, _dirs) = packed_even();
     let json = tmp.path().join("b.json");
     let model = tiny_dir();
     let args = [
