@@ -6,7 +6,9 @@
 #![forbid(unsafe_code)]
 
 pub mod parse;
+pub mod pyjson;
 pub mod template;
+pub mod tools;
 
 use serde::{Deserialize, Serialize};
 

@@ -9,6 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::tools::{self, ToolCall, ToolOptions};
 use crate::exit::{Classify, ExitCode};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -167,32 +168,49 @@ pub fn effort_text(e: Effort) -> String {
 }
 
 /// A message of a transcript, as stored in the JSONL history.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     pub role: Role,
     pub content: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// The speaker's name (` name="…"` on system, user and assistant messages; a tool result's
+    /// tool when its call is not found).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// An assistant's calls, rendered after its response.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool result: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl Message {
     pub fn system(text: &str) -> Message {
-        Message { role: Role::System, content: text.to_owned(), reasoning_content: None }
+        Message { role: Role::System, content: text.to_owned(), ..Message::default() }
     }
     pub fn user(text: &str) -> Message {
-        Message { role: Role::User, content: text.to_owned(), reasoning_content: None }
+        Message { role: Role::User, content: text.to_owned(), ..Message::default() }
     }
     pub fn assistant(reasoning: Option<&str>, content: &str) -> Message {
-        Message { role: Role::Assistant, content: content.to_owned(), reasoning_content: reasoning.map(str::to_owned) }
+        Message {
+            role: Role::Assistant,
+            content: content.to_owned(),
+            reasoning_content: reasoning.map(str::to_owned),
+            ..Message::default()
+        }
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     System,
+    #[default]
     User,
     Assistant,
+    Tool,
 }
 
 impl Role {
@@ -201,13 +219,14 @@ impl Role {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 }
 
 /// Builds renderings piece by piece.
 #[derive(Default)]
-struct Pieces(Vec<Piece>);
+pub(super) struct Pieces(pub(super) Vec<Piece>);
 
 impl Pieces {
     fn special(&mut self, s: Special) {
@@ -215,47 +234,71 @@ impl Pieces {
     }
 
     /// Text; empty text is no piece (it would encode to nothing anyway).
-    fn text(&mut self, t: &str) {
+    pub(super) fn text(&mut self, t: &str) {
         if !t.is_empty() {
             self.0.push(Piece::Text(t.to_owned()));
         }
     }
 
-    /// `<|open|>TAG ATTRS<|sep|>`
-    fn open(&mut self, tag: &str) {
+    /// `<|open|>TAG KEY="VALUE"…<|sep|>`, each attribute as the release cuts it into text
+    /// pieces (` KEY`, `="`, the value with `&` and `"` escaped, `"`), since a BPE merge never
+    /// crosses a piece and a value such as `x_` would otherwise merge with its quote.
+    pub(super) fn open(&mut self, tag: &str, attrs: &[(&str, &str)]) {
         self.special(Special::Open);
         self.text(tag);
+        for (key, value) in attrs {
+            self.text(&format!(" {key}"));
+            self.text("=\"");
+            self.text(&value.replace('&', "&amp;").replace('"', "&quot;"));
+            self.text("\"");
+        }
         self.special(Special::Sep);
     }
 
     /// `<|close|>TAG<|sep|>`
-    fn close(&mut self, tag: &str) {
+    pub(super) fn close(&mut self, tag: &str) {
         self.special(Special::Close);
         self.text(tag);
         self.special(Special::Sep);
     }
 
     /// A whole message around `body`.
-    fn message(&mut self, attrs: &str, body: impl FnOnce(&mut Pieces)) {
-        self.open(&format!("message {attrs}"));
+    pub(super) fn message(&mut self, attrs: &[(&str, &str)], body: impl FnOnce(&mut Pieces)) {
+        self.open("message", attrs);
         body(self);
         self.close("message");
         self.special(Special::EndOfMsg);
     }
 }
 
-/// Checks the transcript order: an optional system message first, then user and assistant
-/// strictly alternating from a user message.
+/// Checks the transcript order: an optional system message first, then a user message; a user
+/// message is answered by an assistant; an assistant that calls tools is followed by one or
+/// more tool results, and results by an assistant or a user; an assistant without calls by a
+/// user.
 pub fn check_order(messages: &[Message]) -> Result<(), TemplateError> {
     let start = usize::from(messages.first().is_some_and(|m| m.role == Role::System));
+    let mut prev: Option<&Message> = None;
     for (index, m) in messages.iter().enumerate().skip(start) {
-        let want = if (index - start).is_multiple_of(2) { Role::User } else { Role::Assistant };
-        if m.role != want {
-            let why = format!("expected a {} message here, found {}", want.name(), m.role.name());
-            let why =
-                if m.role == Role::System { format!("{why} (only the first message may be system)") } else { why };
+        let allowed: &[Role] = match prev {
+            None => &[Role::User],
+            Some(p) => match p.role {
+                Role::User => &[Role::Assistant],
+                Role::Assistant if !p.tool_calls.is_empty() => &[Role::Tool],
+                Role::Assistant | Role::System => &[Role::User],
+                Role::Tool => &[Role::Tool, Role::Assistant, Role::User],
+            },
+        };
+        if !allowed.contains(&m.role) {
+            let names: Vec<&str> = allowed.iter().map(|r| r.name()).collect();
+            let why = format!("expected a {} message here, found {}", names.join(" or "), m.role.name());
+            let why = match m.role {
+                Role::System => format!("{why} (only the first message may be system)"),
+                Role::Tool => format!("{why} (a tool result follows an assistant message with tool_calls)"),
+                _ => why,
+            };
             return Err(TemplateError::Order { index, why });
         }
+        prev = Some(m);
     }
     Ok(())
 }
@@ -265,36 +308,48 @@ pub fn check_order(messages: &[Message]) -> Result<(), TemplateError> {
 pub fn preamble(thinking: Thinking) -> Vec<Piece> {
     let mut p = Pieces::default();
     if thinking.enabled {
-        p.message("role=\"system\" type=\"thinking-effort\"", |p| p.text(&effort_text(thinking.effort)));
+        p.message(&[("role", "system"), ("type", "thinking-effort")], |p| p.text(&effort_text(thinking.effort)));
     }
     p.0
 }
 
-/// The pieces of one message. With thinking off, stored reasoning is dropped (spec section 6).
+/// The pieces of one system, user or assistant message (a tool result needs its place among
+/// the others: [`render_with`]). With thinking off, stored reasoning is dropped (spec section 6).
 pub fn message(m: &Message, thinking: Thinking) -> Vec<Piece> {
     let mut p = Pieces::default();
-    p.message(&format!("role=\"{}\"", m.role.name()), |p| match m.role {
-        Role::System | Role::User => p.text(&m.content),
+    message_into(&mut p, m, None, thinking);
+    p.0
+}
+
+fn message_into(p: &mut Pieces, m: &Message, result: Option<&tools::ToolResult>, thinking: Thinking) {
+    let index = result.map(|r| r.index.to_string()).unwrap_or_default();
+    let mut attrs = vec![("role", m.role.name())];
+    match (m.role, result) {
+        (Role::Tool, Some(r)) => attrs.extend([("tool", r.name.as_str()), ("index", index.as_str())]),
+        _ => attrs.extend(m.name.as_deref().filter(|n| !n.is_empty()).map(|n| ("name", n))),
+    }
+    p.message(&attrs, |p| match m.role {
+        Role::System | Role::User | Role::Tool => p.text(&m.content),
         Role::Assistant => {
             if thinking.enabled {
-                p.open("think");
+                p.open("think", &[]);
                 p.text(m.reasoning_content.as_deref().unwrap_or(""));
                 p.close("think");
             }
-            p.open("response");
+            p.open("response", &[]);
             p.text(&m.content);
             p.close("response");
+            tools::calls(p, &m.tool_calls);
         }
     });
-    p.0
 }
 
 /// The generation prompt: an open assistant message, then the think block (thinking on) or the
 /// response block (off).
 pub fn generation_prompt(thinking: Thinking) -> Vec<Piece> {
     let mut p = Pieces::default();
-    p.open("message role=\"assistant\"");
-    p.open(if thinking.enabled { "think" } else { "response" });
+    p.open("message", &[("role", "assistant")]);
+    p.open(if thinking.enabled { "think" } else { "response" }, &[]);
     p.0
 }
 
@@ -305,22 +360,37 @@ pub fn render(
     thinking: Thinking,
     add_generation_prompt: bool,
 ) -> Result<Vec<Piece>, TemplateError> {
+    render_with(messages, &ToolOptions::default(), thinking, add_generation_prompt)
+}
+
+/// [`render`] with tools and structured output: the tool declaration first, tool results in
+/// call order, the tool-choice and response-format instructions before the generation prompt
+/// (which needs the last message to be a user's or a tool result).
+pub fn render_with(
+    messages: &[Message],
+    tools: &ToolOptions,
+    thinking: Thinking,
+    add_generation_prompt: bool,
+) -> Result<Vec<Piece>, TemplateError> {
     check_order(messages)?;
-    if add_generation_prompt && messages.last().is_none_or(|m| m.role != Role::User) {
+    if add_generation_prompt && messages.last().is_none_or(|m| !matches!(m.role, Role::User | Role::Tool)) {
         let index = messages.len();
         return Err(TemplateError::Order {
             index,
-            why: "a reply is asked for, but the last message is not a user's".into(),
+            why: "a reply is asked for, but the last message is not a user's or a tool result".into(),
         });
     }
-    let mut out = preamble(thinking);
-    for m in messages {
-        out.extend(message(m, thinking));
+    let mut p = Pieces::default();
+    tools::declare(&mut p, &tools.tools);
+    p.0.extend(preamble(thinking));
+    for (m, result) in tools::arrange(messages)? {
+        message_into(&mut p, m, result.as_ref(), thinking);
     }
+    tools::instructions(&mut p, tools);
     if add_generation_prompt {
-        out.extend(generation_prompt(thinking));
+        p.0.extend(generation_prompt(thinking));
     }
-    Ok(out)
+    Ok(p.0)
 }
 
 /// The pieces as one string, specials spelled out (for tests and `--verbose`).

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::chat::template::{Effort, Message, Role, Thinking};
+use crate::chat::tools::ToolOptions;
 
 use super::error::ApiError;
 
@@ -20,6 +21,8 @@ pub enum Prompt {
     Chat {
         messages: Vec<Message>,
         thinking: Thinking,
+        /// Tools, tool choice and response format.
+        tools: ToolOptions,
     },
 }
 
@@ -96,6 +99,7 @@ struct Common {
     tools: Option<Vec<Value>>,
     functions: Option<Vec<Value>>,
     response_format: Option<Value>,
+    tool_choice: Option<Value>,
     #[serde(default)]
     ignore_eos: bool,
     #[serde(default)]
@@ -140,6 +144,9 @@ struct ChatMessage {
     role: String,
     content: Option<Value>,
     reasoning_content: Option<String>,
+    name: Option<String>,
+    tool_calls: Option<Value>,
+    tool_call_id: Option<String>,
 }
 
 /// Limits the server applies while checking.
@@ -179,7 +186,7 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
 }
 
 /// Every field the two bodies read, for naming the one a type error is in.
-const FIELD_NAMES: [&str; 30] = [
+const FIELD_NAMES: [&str; 31] = [
     "prompt",
     "messages",
     "thinking",
@@ -207,6 +214,7 @@ const FIELD_NAMES: [&str; 30] = [
     "tools",
     "functions",
     "response_format",
+    "tool_choice",
     "ignore_eos",
     "return_token_ids",
     "skip_special_tokens",
@@ -215,14 +223,12 @@ const FIELD_NAMES: [&str; 30] = [
 /// Fields other servers (vLLM, llama.cpp) take that would change the output here, each with
 /// the values that change nothing (absent and `null` change nothing either): refused with 400
 /// at any other value rather than ignored. (`skip_special_tokens` is honoured: [`Common`].)
-const OUTPUT_CHANGING_EXTENSIONS: [(&str, &[&str]); 15] = [
+const OUTPUT_CHANGING_EXTENSIONS: [(&str, &[&str]); 14] = [
     ("stop_token_ids", &["[]"]),
     ("min_tokens", &["0"]),
     ("repetition_penalty", &["1"]),
     ("min_p", &["0"]),
     ("include_stop_str_in_output", &["false"]),
-    // No tools are taken (`tools` is refused), so letting the model choose calls none.
-    ("tool_choice", &["\"none\"", "\"auto\""]),
     // vLLM refuses an empty allow-list and returns prompt log-probabilities even for 0.
     ("allowed_token_ids", &[]),
     ("prompt_logprobs", &[]),
@@ -266,6 +272,21 @@ pub fn completion_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
         Some(Value::Array(items)) => prompt_array(&items)?,
         Some(_) => return Err(ApiError::param("prompt", "\"prompt\" must be text or an array of token ids")),
     };
+    let c = &b.common;
+    if c.tools.as_ref().is_some_and(|t| !t.is_empty()) || c.functions.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::param("tools", "tools are taken by /v1/chat/completions, not by completions"));
+    }
+    if c.tool_choice.as_ref().is_some_and(|t| !t.is_null() && t.as_str() != Some("none") && t.as_str() != Some("auto"))
+    {
+        return Err(ApiError::param("tool_choice", "tool_choice is taken by /v1/chat/completions, not by completions"));
+    }
+    if c.response_format.as_ref().is_some_and(|f| !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text"))
+    {
+        return Err(ApiError::param(
+            "response_format",
+            "response_format is taken by /v1/chat/completions; completions take only {\"type\": \"text\"}",
+        ));
+    }
     if b.common.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::param("suffix", "suffix (insertion) is not supported"));
     }
@@ -312,11 +333,14 @@ pub fn chat_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
     if raw.is_empty() {
         return Err(ApiError::param("messages", "\"messages\" is empty"));
     }
-    if b.common.tools.as_ref().is_some_and(|t| !t.is_empty())
-        || b.common.functions.as_ref().is_some_and(|t| !t.is_empty())
-    {
-        return Err(ApiError::param("tools", "tools and function calling are not supported"));
+    if b.common.functions.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::param("functions", "the deprecated `functions` are not supported: send `tools`"));
     }
+    let tools = super::tool_api::options(
+        b.common.tools.clone(),
+        b.common.tool_choice.as_ref(),
+        b.common.response_format.as_ref(),
+    )?;
     let messages = raw.into_iter().enumerate().map(|(i, m)| chat_message(i, m)).collect::<Result<Vec<_>, _>>()?;
     let mut thinking = Thinking::default();
     match b.thinking {
@@ -346,11 +370,14 @@ pub fn chat_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
         }
     }
     crate::chat::template::check_order(&messages).map_err(|e| ApiError::param("messages", e.to_string()))?;
-    if messages.last().is_none_or(|m| m.role != Role::User) {
-        return Err(ApiError::param("messages", "the last message must be the user's: a reply is asked for"));
+    if messages.last().is_none_or(|m| !matches!(m.role, Role::User | Role::Tool)) {
+        return Err(ApiError::param(
+            "messages",
+            "the last message must be the user's or a tool result: a reply is asked for",
+        ));
     }
     let logprobs = super::logprobs::chat_ask(b.common.logprobs.as_ref(), b.common.top_logprobs.as_ref())?;
-    Ok(Job { logprobs, ..common_job(Prompt::Chat { messages, thinking }, b.common, limits)? })
+    Ok(Job { logprobs, ..common_job(Prompt::Chat { messages, thinking, tools }, b.common, limits)? })
 }
 
 fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
@@ -358,10 +385,11 @@ fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
         "system" | "developer" => Role::System,
         "user" => Role::User,
         "assistant" => Role::Assistant,
+        "tool" => Role::Tool,
         other => {
             return Err(ApiError::param(
                 "messages",
-                format!("message {index}: role {other:?} is not supported (system, developer, user, assistant)"),
+                format!("message {index}: role {other:?} is not supported (system, developer, user, assistant, tool)"),
             ))
         }
     };
@@ -386,7 +414,9 @@ fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
         Some(_) => return Err(ApiError::param("messages", format!("message {index}: content must be text"))),
     };
     let reasoning = if role == Role::Assistant { m.reasoning_content } else { None };
-    Ok(Message { role, content, reasoning_content: reasoning })
+    let tool_calls = if role == Role::Assistant { super::tool_api::calls(index, m.tool_calls)? } else { Vec::new() };
+    let tool_call_id = if role == Role::Tool { m.tool_call_id } else { None };
+    Ok(Message { role, content, reasoning_content: reasoning, name: m.name, tool_calls, tool_call_id })
 }
 
 fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiError> {
@@ -439,11 +469,6 @@ fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiErro
     }
     if c.logit_bias.is_some_and(|m| !m.is_empty()) {
         return Err(ApiError::param("logit_bias", "logit_bias is not supported"));
-    }
-    if let Some(f) = &c.response_format {
-        if f.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(ApiError::param("response_format", "only response_format {\"type\": \"text\"} is supported"));
-        }
     }
     let stop = match c.stop {
         None => Vec::new(),
@@ -613,7 +638,7 @@ mod tests {
             ("repetition_penalty", "1.2"),
             ("min_p", "0.1"),
             ("include_stop_str_in_output", "true"),
-            ("tool_choice", "\"required\""),
+            ("tool_choice", "\"sometimes\""),
             ("prompt_logprobs", "0"),
             ("allowed_token_ids", "[]"),
             ("guided_json", "{}"),
@@ -643,7 +668,7 @@ mod tests {
     #[test]
     fn chat_thinking_and_order() {
         let j = chat_job(br#"{"messages":[{"role":"user","content":"hi"}],"thinking":false}"#, &limits()).unwrap();
-        let Prompt::Chat { messages, thinking } = j.prompt else { panic!("not chat") };
+        let Prompt::Chat { messages, thinking, .. } = j.prompt else { panic!("not chat") };
         assert!(!thinking.enabled);
         assert_eq!(messages.len(), 1);
         let j = chat_job(
@@ -651,7 +676,7 @@ mod tests {
             &limits(),
         )
         .unwrap();
-        let Prompt::Chat { messages, thinking } = j.prompt else { panic!("not chat") };
+        let Prompt::Chat { messages, thinking, .. } = j.prompt else { panic!("not chat") };
         assert_eq!((thinking.enabled, thinking.effort), (true, Effort::Low));
         assert_eq!(messages[0].content, "s");
         let err = |b: &str| chat_job(b.as_bytes(), &limits()).unwrap_err();

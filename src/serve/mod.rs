@@ -22,6 +22,7 @@ pub mod limits;
 pub mod logprobs;
 pub mod metrics;
 pub mod routes;
+pub mod tool_api;
 pub mod worker;
 
 use std::net::SocketAddr;

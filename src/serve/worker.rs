@@ -21,7 +21,7 @@ use super::error::ApiError;
 use super::logprobs::{Echo, Entry};
 use super::metrics::{Shared, Snapshot};
 use crate::chat::parse::{Channel, CompletionParser, Event as ParseEvent};
-use crate::chat::template::{render, to_ids, Specials};
+use crate::chat::template::{render_with, to_ids, Specials};
 use crate::config::Config;
 use crate::engine::logprobs::TokenLogprob;
 use crate::engine::{BatchRequest, BatchSink, Batcher, EngineError, FinishReason, Finished, Sampling, Ticket};
@@ -442,14 +442,14 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                 }
                 (ids.clone(), None)
             }
-            Prompt::Chat { messages, thinking } => {
+            Prompt::Chat { messages, thinking, tools } => {
                 let Some(sp) = self.specials else {
                     return Err(ApiError::invalid(
                         "this model's tokenizer has no K3 chat template tokens; use /v1/completions",
                     ));
                 };
-                let pieces =
-                    render(messages, *thinking, true).map_err(|e| ApiError::param("messages", e.to_string()))?;
+                let pieces = render_with(messages, tools, *thinking, true)
+                    .map_err(|e| ApiError::param("messages", e.to_string()))?;
                 let ids = to_ids(&pieces, tok, &sp).map_err(|e| ApiError::param("messages", e.to_string()))?;
                 if !job.ignore_eos {
                     stop_ids.extend(sp.end_ids());
