@@ -5,6 +5,7 @@
 //! `k3ring chat` is its only user besides the tests.
 #![forbid(unsafe_code)]
 
+pub mod calls;
 pub mod parse;
 pub mod pyjson;
 pub mod template;
@@ -83,7 +84,18 @@ impl Conversation {
         let c = parser.completion();
         let reasoning = if self.thinking.enabled { Some(tok.decode(&c.reasoning_ids)?) } else { None };
         let content = tok.decode(&c.content_ids)?;
-        self.messages.push(Message::assistant(reasoning.as_deref(), &content));
+        let turn = self.messages.len();
+        let tool_calls = c
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(k, call)| template::ToolCall {
+                id: Some(format!("call_{turn}_{k}")),
+                name: call.name.clone(),
+                arguments: call.arguments.clone(),
+            })
+            .collect();
+        self.messages.push(Message { tool_calls, ..Message::assistant(reasoning.as_deref(), &content) });
         Ok(&self.messages[self.messages.len() - 1])
     }
 

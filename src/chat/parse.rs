@@ -8,6 +8,7 @@
 //! model may spell `think` with other tokens than the encoder would.
 #![forbid(unsafe_code)]
 
+use super::calls::{BlockEvent, ParsedCall, ToolBlock};
 use super::template::{Piece, Special, Specials};
 use crate::exit::{Classify, ExitCode};
 use crate::tokenizer::Tokenizer;
@@ -54,6 +55,10 @@ impl Channel {
 pub enum Event {
     Payload(Channel),
     Markup,
+    /// A tool call was read: the last of [`Completion::calls`].
+    Call,
+    /// Tool-call markup that is not a call was added to [`Completion::stray_ids`].
+    Stray,
     /// The end id: the reply is complete.
     End,
 }
@@ -64,27 +69,55 @@ enum Step {
     Tag(&'static str),
 }
 
-const AFTER_REASONING: [Step; 6] = [
-    Step::Special(Special::Close),
-    Step::Tag("think"),
-    Step::Special(Special::Sep),
-    Step::Special(Special::Open),
-    Step::Tag("response"),
-    Step::Special(Special::Sep),
-];
-
-const AFTER_CONTENT: [Step; 6] = [
-    Step::Special(Special::Close),
-    Step::Tag("response"),
-    Step::Special(Special::Sep),
-    Step::Special(Special::Close),
-    Step::Tag("message"),
-    Step::Special(Special::Sep),
-];
-
+/// The fixed markup between the parts of a reply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Markup {
+    /// `<|close|>think<|sep|><|open|>response<|sep|>`
+    AfterReasoning,
+    /// `<|close|>response<|sep|>`
+    CloseResponse,
+    /// `<|close|>message<|sep|>`
+    CloseMessage,
+}
+
+impl Markup {
+    fn steps(self) -> &'static [Step] {
+        const AFTER_REASONING: [Step; 6] = [
+            Step::Special(Special::Close),
+            Step::Tag("think"),
+            Step::Special(Special::Sep),
+            Step::Special(Special::Open),
+            Step::Tag("response"),
+            Step::Special(Special::Sep),
+        ];
+        const CLOSE_RESPONSE: [Step; 3] =
+            [Step::Special(Special::Close), Step::Tag("response"), Step::Special(Special::Sep)];
+        const CLOSE_MESSAGE: [Step; 3] =
+            [Step::Special(Special::Close), Step::Tag("message"), Step::Special(Special::Sep)];
+        match self {
+            Markup::AfterReasoning => &AFTER_REASONING,
+            Markup::CloseResponse => &CLOSE_RESPONSE,
+            Markup::CloseMessage => &CLOSE_MESSAGE,
+        }
+    }
+
+    /// The markup still to come after this one to close the message.
+    fn then(self) -> &'static [Markup] {
+        match self {
+            Markup::AfterReasoning => &[Markup::CloseResponse, Markup::CloseMessage],
+            Markup::CloseResponse => &[Markup::CloseMessage],
+            Markup::CloseMessage => &[],
+        }
+    }
+}
+
 enum Phase {
     Payload(Channel),
+    /// Matching step `k` of fixed markup.
+    Markup(Markup, usize),
+    /// After the response element: `<|close|>` closes the message, `<|open|>` opens calls.
+    AfterResponse,
+    Tools(Box<ToolBlock>),
     AwaitEnd,
     Done,
 }
@@ -94,6 +127,10 @@ enum Phase {
 pub struct Completion {
     pub reasoning_ids: Vec<u32>,
     pub content_ids: Vec<u32>,
+    /// The tool calls, in the order the reply made them.
+    pub calls: Vec<ParsedCall>,
+    /// Tool-call markup that did not read as a call (a server returns it as content).
+    pub stray_ids: Vec<u32>,
     /// Reached the end id.
     pub complete: bool,
 }
@@ -103,8 +140,6 @@ pub struct CompletionParser<'t> {
     tok: &'t Tokenizer,
     sp: Specials,
     phase: Phase,
-    /// Inside the closing markup of the current channel: the step being matched.
-    step: Option<usize>,
     /// Ids of the tag text being matched.
     tag: Vec<u32>,
     at: usize,
@@ -120,7 +155,6 @@ impl<'t> CompletionParser<'t> {
             tok,
             sp,
             phase: Phase::Payload(channel),
-            step: None,
             tag: Vec::new(),
             at: 0,
             failed: false,
@@ -136,46 +170,85 @@ impl<'t> CompletionParser<'t> {
         let r = self.step_id(at, id);
         if r.is_err() {
             self.failed = true;
-            self.step = None;
             self.tag.clear();
+            self.phase = match std::mem::replace(&mut self.phase, Phase::Done) {
+                Phase::Markup(Markup::AfterReasoning, _) => Phase::Payload(Channel::Reasoning),
+                Phase::Markup(Markup::CloseResponse, _) => Phase::Payload(Channel::Content),
+                Phase::Markup(Markup::CloseMessage, _) => Phase::AfterResponse,
+                other => other,
+            };
         }
         r
+    }
+
+    /// Whether the reply is inside its content (the part a response format constrains).
+    pub fn in_content(&self) -> bool {
+        matches!(self.phase, Phase::Payload(Channel::Content))
     }
 
     fn step_id(&mut self, at: usize, id: u32) -> Result<Event, ParseError> {
         if self.failed {
             return Err(ParseError::Trailing { at, found: id });
         }
-        let channel = match self.phase {
-            Phase::Done => return Err(ParseError::Trailing { at, found: id }),
+        match &mut self.phase {
+            Phase::Done => Err(ParseError::Trailing { at, found: id }),
             Phase::AwaitEnd if self.sp.end_ids().contains(&id) => {
                 self.phase = Phase::Done;
                 self.out.complete = true;
-                return Ok(Event::End);
+                Ok(Event::End)
             }
-            Phase::AwaitEnd => return Err(ParseError::BadEnd { at, found: id }),
-            Phase::Payload(c) => c,
-        };
-        let Some(k) = self.step else {
-            if !self.sp.is_control(id) {
-                match channel {
-                    Channel::Reasoning => self.out.reasoning_ids.push(id),
-                    Channel::Content => self.out.content_ids.push(id),
+            Phase::AwaitEnd => Err(ParseError::BadEnd { at, found: id }),
+            Phase::AfterResponse if id == self.sp.close => {
+                self.phase = Phase::Markup(Markup::CloseMessage, 1);
+                Ok(Event::Markup)
+            }
+            Phase::AfterResponse if id == self.sp.open => {
+                self.phase = Phase::Tools(Box::new(ToolBlock::opened(id)));
+                Ok(Event::Markup)
+            }
+            Phase::AfterResponse => {
+                Err(ParseError::BadMarkup { at, found: id, expected: "<|close|> or <|open|>tools".into() })
+            }
+            Phase::Tools(block) => {
+                let event = block.push(self.tok, &self.sp, at, id)?;
+                self.out.calls.append(&mut block.calls);
+                self.out.stray_ids.append(&mut block.stray);
+                Ok(match event {
+                    BlockEvent::Markup => Event::Markup,
+                    BlockEvent::Call => Event::Call,
+                    BlockEvent::Stray => Event::Stray,
+                    BlockEvent::Closed => {
+                        self.phase = Phase::Markup(Markup::CloseMessage, 0);
+                        Event::Markup
+                    }
+                })
+            }
+            Phase::Payload(channel) => {
+                let channel = *channel;
+                if !self.sp.is_control(id) {
+                    match channel {
+                        Channel::Reasoning => self.out.reasoning_ids.push(id),
+                        Channel::Content => self.out.content_ids.push(id),
+                    }
+                    return Ok(Event::Payload(channel));
                 }
-                return Ok(Event::Payload(channel));
+                if id != self.sp.close {
+                    return Err(ParseError::ControlInPayload { at, id, channel: channel.name() });
+                }
+                let m = if channel == Channel::Reasoning { Markup::AfterReasoning } else { Markup::CloseResponse };
+                self.phase = Phase::Markup(m, 1);
+                Ok(Event::Markup)
             }
-            if id != self.sp.close {
-                return Err(ParseError::ControlInPayload { at, id, channel: channel.name() });
+            Phase::Markup(m, k) => {
+                let (m, k) = (*m, *k);
+                self.markup(at, id, m, k)
             }
-            self.step = Some(1);
-            return Ok(Event::Markup);
-        };
-        self.markup(at, id, channel, k)
+        }
     }
 
-    /// Matches `id` against step `k` of the current channel's closing markup.
-    fn markup(&mut self, at: usize, id: u32, channel: Channel, k: usize) -> Result<Event, ParseError> {
-        let steps = markup_of(channel);
+    /// Matches `id` against step `k` of markup `m`.
+    fn markup(&mut self, at: usize, id: u32, m: Markup, k: usize) -> Result<Event, ParseError> {
+        let steps = m.steps();
         match steps[k] {
             Step::Special(s) => {
                 if id != self.sp.id(s) {
@@ -201,19 +274,19 @@ impl<'t> CompletionParser<'t> {
                 }
                 self.tag.clear();
                 // The tag is complete; this control id is matched by the next step.
-                self.step = Some(k + 1);
-                return self.markup(at, id, channel, k + 1);
+                self.phase = Phase::Markup(m, k + 1);
+                return self.markup(at, id, m, k + 1);
             }
         }
-        if k + 1 < steps.len() {
-            self.step = Some(k + 1);
+        self.phase = if k + 1 < steps.len() {
+            Phase::Markup(m, k + 1)
         } else {
-            self.step = None;
-            self.phase = match channel {
-                Channel::Reasoning => Phase::Payload(Channel::Content),
-                Channel::Content => Phase::AwaitEnd,
-            };
-        }
+            match m {
+                Markup::AfterReasoning => Phase::Payload(Channel::Content),
+                Markup::CloseResponse => Phase::AfterResponse,
+                Markup::CloseMessage => Phase::AwaitEnd,
+            }
+        };
         Ok(Event::Markup)
     }
 
@@ -221,7 +294,7 @@ impl<'t> CompletionParser<'t> {
     /// well formed after a reply that stopped early (token limit, Ctrl-C, a parse error).
     pub fn closing(&self) -> Vec<Piece> {
         let mut out = Vec::new();
-        let mut push_steps = |steps: &[Step], tag_done: &[u8]| {
+        let push_steps = |out: &mut Vec<Piece>, steps: &[Step], tag_done: &[u8]| {
             for (i, s) in steps.iter().enumerate() {
                 match *s {
                     Step::Special(sp) => out.push(Piece::Special(sp)),
@@ -236,25 +309,41 @@ impl<'t> CompletionParser<'t> {
                 }
             }
         };
-        let done = self.tok.decode_bytes(&self.tag).unwrap_or_default();
-        match self.phase {
+        let then: &[Markup] = match &self.phase {
             Phase::Done => return out,
-            Phase::AwaitEnd => {}
-            Phase::Payload(channel) => {
-                let k = self.step.unwrap_or(0);
-                push_steps(&markup_of(channel)[k..], &done);
-                if channel == Channel::Reasoning {
-                    push_steps(&AFTER_CONTENT, &[]);
-                }
+            Phase::AwaitEnd => &[],
+            Phase::Payload(Channel::Reasoning) => Markup::AfterReasoning.then_with_self(),
+            Phase::Payload(Channel::Content) => Markup::CloseResponse.then_with_self(),
+            Phase::AfterResponse => Markup::CloseMessage.then_with_self(),
+            Phase::Tools(block) => {
+                out.extend(block.closing(self.tok));
+                Markup::CloseMessage.then_with_self()
             }
+            Phase::Markup(m, k) => {
+                let done = self.tok.decode_bytes(&self.tag).unwrap_or_default();
+                push_steps(&mut out, &m.steps()[*k..], &done);
+                m.then()
+            }
+        };
+        for m in then {
+            push_steps(&mut out, m.steps(), &[]);
         }
         out.push(Piece::Special(Special::EndOfMsg));
         out
     }
 
+    /// The ids of a tools block read so far that are neither a call nor stray yet (a reply cut
+    /// inside a call: a server returns them as content).
+    pub fn pending_tool_ids(&self) -> &[u32] {
+        match &self.phase {
+            Phase::Tools(block) => block.pending(),
+            _ => &[],
+        }
+    }
+
     /// Whether the last id ended the message.
     pub fn is_done(&self) -> bool {
-        self.phase == Phase::Done
+        matches!(self.phase, Phase::Done)
     }
 
     pub fn completion(&self) -> &Completion {
@@ -266,10 +355,14 @@ impl<'t> CompletionParser<'t> {
     }
 }
 
-fn markup_of(channel: Channel) -> &'static [Step] {
-    match channel {
-        Channel::Reasoning => &AFTER_REASONING,
-        Channel::Content => &AFTER_CONTENT,
+impl Markup {
+    /// This markup and all that follows it.
+    fn then_with_self(self) -> &'static [Markup] {
+        match self {
+            Markup::AfterReasoning => &[Markup::AfterReasoning, Markup::CloseResponse, Markup::CloseMessage],
+            Markup::CloseResponse => &[Markup::CloseResponse, Markup::CloseMessage],
+            Markup::CloseMessage => &[Markup::CloseMessage],
+        }
     }
 }
 

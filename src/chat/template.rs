@@ -9,7 +9,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::tools::{self, ToolCall, ToolOptions};
+pub use super::tools::ToolCall;
+use super::tools::{self, ToolOptions};
 use crate::exit::{Classify, ExitCode};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -272,9 +273,9 @@ impl Pieces {
 }
 
 /// Checks the transcript order: an optional system message first, then a user message; a user
-/// message is answered by an assistant; an assistant that calls tools is followed by one or
-/// more tool results, and results by an assistant or a user; an assistant without calls by a
-/// user.
+/// message is answered by an assistant; an assistant that calls tools is followed by tool
+/// results (or a user), results by more results, an assistant or a user; an assistant without
+/// calls by a user.
 pub fn check_order(messages: &[Message]) -> Result<(), TemplateError> {
     let start = usize::from(messages.first().is_some_and(|m| m.role == Role::System));
     let mut prev: Option<&Message> = None;
@@ -283,7 +284,8 @@ pub fn check_order(messages: &[Message]) -> Result<(), TemplateError> {
             None => &[Role::User],
             Some(p) => match p.role {
                 Role::User => &[Role::Assistant],
-                Role::Assistant if !p.tool_calls.is_empty() => &[Role::Tool],
+                // Calls are answered by results, or left unanswered by a user turn.
+                Role::Assistant if !p.tool_calls.is_empty() => &[Role::Tool, Role::User],
                 Role::Assistant | Role::System => &[Role::User],
                 Role::Tool => &[Role::Tool, Role::Assistant, Role::User],
             },

@@ -115,6 +115,9 @@ struct ResultRecord<'a> {
     text: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_content: Option<&'a str>,
+    /// The tool calls of a `messages` reply, in OpenAI's shape.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<serde_json::Value>,
     finish_reason: FinishReason,
     seconds: f64,
 }
@@ -369,6 +372,8 @@ struct ChatText<'t> {
     parser: CompletionParser<'t>,
     decoder: StreamDecoder,
     reasoning: String,
+    /// How many of the parser's stray tool-markup ids are in the text.
+    stray_shown: usize,
     /// The reply's end id came (with `--ignore-eos` generation goes on): later tokens are in
     /// `generated_ids` but no part of the reply's text.
     ended: bool,
@@ -389,7 +394,14 @@ impl BatchSink for Results<'_> {
                     return false;
                 }
                 Ok(ParseEvent::Payload(Channel::Content)) => {}
-                Ok(ParseEvent::Markup) => return false,
+                Ok(ParseEvent::Markup | ParseEvent::Call) => return false,
+                Ok(ParseEvent::Stray) => {
+                    // Tool markup that is no call is returned as text, its specials spelled.
+                    let stray = &chat.parser.completion().stray_ids;
+                    seq.text.push_str(&self.tok.decode_or_mark(&stray[chat.stray_shown..], true));
+                    chat.stray_shown = stray.len();
+                    return false;
+                }
                 Ok(ParseEvent::End) => {
                     chat.ended = true;
                     return false;
@@ -432,6 +444,9 @@ impl BatchSink for Results<'_> {
             generated_ids: &seq.ids,
             text: &seq.text,
             reasoning_content: seq.chat.as_ref().map(|c| c.reasoning.as_str()).filter(|r| !r.is_empty()),
+            tool_calls: seq.chat.as_ref().map_or_else(Vec::new, |c| {
+                crate::chat::calls::openai_tool_calls(&c.parser.completion().calls, &format!("{}", f.ticket))
+            }),
             finish_reason: f.reason,
             seconds: f.seconds,
         };
@@ -602,6 +617,7 @@ fn submit_all<S: WeightSource + LayerHook>(
                         parser: CompletionParser::new(results.tok, c.specials, c.thinking),
                         decoder: StreamDecoder::default(),
                         reasoning: String::new(),
+                        stray_shown: 0,
                         ended: false,
                     }),
                 };

@@ -286,10 +286,18 @@ async fn whole_reply(mut rx: UnboundedReceiver<Event>, ask: Whole) -> Result<Res
     let Whole { head, echo, with_logprobs, prompt_ids } = ask;
     let (mut reasoning, mut content, mut ids, mut entries) = (String::new(), String::new(), Vec::new(), Vec::new());
     let mut prompt_entries = Vec::new();
+    let mut calls: Vec<Value> = Vec::new();
     loop {
         match rx.recv().await {
             Some(Event::PromptLogprobs(lps)) => prompt_entries.extend(lps),
-            Some(Event::Delta { reasoning: r, content: c, ids: i, logprobs }) => {
+            Some(Event::Delta { reasoning: r, content: c, tool_calls, ids: i, logprobs }) => {
+                calls.extend(tool_calls.into_iter().map(|mut call| {
+                    // `index` belongs to streamed deltas only.
+                    if let Some(o) = call.as_object_mut() {
+                        o.remove("index");
+                    }
+                    call
+                }));
                 reasoning.push_str(&r);
                 content.push_str(&c);
                 ids.extend(i);
@@ -300,7 +308,15 @@ async fn whole_reply(mut rx: UnboundedReceiver<Event>, ask: Whole) -> Result<Res
                 let mut v = match &echo {
                     None => {
                         let logprobs = with_logprobs.then(|| head.logprobs(&entries, 0).0);
-                        head.whole(&reasoning, &content, &ids, finish_reason, usage, logprobs)
+                        let mut v = head.whole(&reasoning, &content, &ids, finish_reason, usage, logprobs);
+                        if !calls.is_empty() {
+                            let message = &mut v["choices"][0]["message"];
+                            message["tool_calls"] = Value::from(calls.clone());
+                            if content.is_empty() {
+                                message["content"] = Value::Null;
+                            }
+                        }
+                        v
                     }
                     Some(echo) => {
                         let logprobs = with_logprobs.then(|| echoed_logprobs(echo, prompt_entries, &entries));
@@ -467,7 +483,7 @@ impl SseBody {
         }
         self.started = true;
         match event {
-            Event::Delta { reasoning, content, ids, logprobs } => {
+            Event::Delta { reasoning, content, tool_calls, ids, logprobs } => {
                 let logprobs = self.with_logprobs.then(|| {
                     let (v, next) = self.head.logprobs(&logprobs, self.text_offset);
                     self.text_offset = next;
@@ -488,6 +504,9 @@ impl SseBody {
                             .head
                             .chunk(json!({"content": content}), &ids, None, None)
                             .with_logprobs(lp)));
+                    }
+                    if !tool_calls.is_empty() {
+                        out.extend(sse(&self.head.chunk(json!({"tool_calls": tool_calls}), &[], None, None)));
                     }
                 } else {
                     out.extend(sse(&self.head.chunk(Value::from(content), &ids, None, None).with_logprobs(logprobs)));

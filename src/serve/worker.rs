@@ -54,6 +54,8 @@ pub enum Event {
     Delta {
         reasoning: String,
         content: String,
+        /// Tool calls completed since the last delta, in OpenAI's shape with their `index`.
+        tool_calls: Vec<serde_json::Value>,
         ids: Vec<u32>,
         /// One per id when the request asked for log-probabilities, else empty.
         logprobs: Vec<Entry>,
@@ -127,6 +129,12 @@ struct Sequence<'t> {
     /// Where a stop string begins in the content: the content ends there.
     cut: Option<usize>,
     generated: usize,
+    /// Calls read and not yet sent; how many were read in all.
+    calls: Vec<serde_json::Value>,
+    calls_read: usize,
+    /// How many of the parser's stray tool-markup ids are in the content.
+    stray_shown: usize,
+    ticket: Ticket,
 }
 
 impl Sequence<'_> {
@@ -154,12 +162,36 @@ impl Sequence<'_> {
         let end = self.safe_end();
         let content = self.content.take(end);
         let reasoning = self.reasoning.take(self.reasoning.text.len());
-        if content.is_empty() && reasoning.is_empty() && self.ids.is_empty() {
+        if content.is_empty() && reasoning.is_empty() && self.ids.is_empty() && self.calls.is_empty() {
             return !self.events.is_closed();
         }
         let ids = std::mem::take(&mut self.ids);
         let logprobs = std::mem::take(&mut self.logprobs);
-        self.events.send(Event::Delta { reasoning, content, ids, logprobs }).is_ok()
+        let tool_calls = std::mem::take(&mut self.calls);
+        self.events.send(Event::Delta { reasoning, content, tool_calls, ids, logprobs }).is_ok()
+    }
+
+    /// Takes what the parser read of tool calls: new calls to send, stray markup as content.
+    fn take_tool_markup(&mut self, tok: &Tokenizer, also_pending: bool) {
+        let Some(parser) = &self.parser else { return };
+        let c = parser.completion();
+        for (k, call) in c.calls.iter().enumerate().skip(self.calls_read) {
+            let mut v = crate::chat::calls::openai_tool_call(call, &self.ticket.to_string(), k);
+            v["index"] = serde_json::Value::from(k);
+            self.calls.push(v);
+        }
+        self.calls_read = c.calls.len();
+        let mut stray = tok.decode_or_mark(&c.stray_ids[self.stray_shown..], true);
+        self.stray_shown = c.stray_ids.len();
+        if also_pending {
+            stray.push_str(&tok.decode_or_mark(parser.pending_tool_ids(), true));
+        }
+        if !stray.is_empty() {
+            tracing::warn!("a reply's tool-call markup is returned as content: {stray:?}");
+            let tail = self.content.decoder.finish();
+            self.content.text.push_str(&tail);
+            self.content.text.push_str(&stray);
+        }
     }
 }
 
@@ -198,8 +230,13 @@ impl BatchSink for Outputs<'_> {
             Some(parser) => match parser.push(id) {
                 Ok(ParseEvent::Payload(ch)) => Some(ch),
                 Ok(ParseEvent::Markup | ParseEvent::End) => None,
+                Ok(ParseEvent::Call | ParseEvent::Stray) => {
+                    seq.take_tool_markup(self.tok, false);
+                    None
+                }
                 Err(e) => {
                     tracing::warn!("a reply broke the chat template ({e}); it ends there");
+                    seq.take_tool_markup(self.tok, true);
                     stop = true;
                     None
                 }
@@ -250,8 +287,15 @@ impl BatchSink for Outputs<'_> {
             seq.cut = Some(seq.content.text.len());
         }
         seq.flush();
+        if f.reason == FinishReason::Length && seq.parser.as_ref().is_some_and(|p| !p.pending_tool_ids().is_empty()) {
+            // Cut inside a call: what it wrote is content.
+            seq.take_tool_markup(self.tok, true);
+            seq.cut = Some(seq.content.text.len());
+        }
+        seq.flush();
         let finish_reason = match f.reason {
             FinishReason::Length => "length",
+            FinishReason::Stop if seq.calls_read > 0 => "tool_calls",
             FinishReason::Stop => "stop",
         };
         let mut usage = Usage::new(seq.prompt_tokens, f.generated);
@@ -417,6 +461,10 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                             prompt_logprobs: Vec::new(),
                             cut: None,
                             generated: 0,
+                            calls: Vec::new(),
+                            calls_read: 0,
+                            stray_shown: 0,
+                            ticket,
                         };
                         self.out.seqs.insert(ticket, seq);
                     }
