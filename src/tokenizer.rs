@@ -72,6 +72,7 @@ impl Classify for TokenizerError {
 }
 
 /// A loaded K3 tokenizer.
+#[derive(Clone)]
 pub struct Tokenizer {
     ranks: FxHashMap<Vec<u8>, u32>,
     /// Bytes of each rank, indexed by rank.

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod calls;
+pub mod constrain;
 pub mod parse;
 pub mod pyjson;
 pub mod template;

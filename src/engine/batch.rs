@@ -49,6 +49,8 @@ pub struct BatchRequest {
     /// ([`BatchSink::prompt_logprob`]; with `logprobs`). With `max_tokens` 0 the prompt is then
     /// run and nothing generated.
     pub prompt_logprobs: bool,
+    /// Which ids may come next ([`super::constraint`]); such a sequence is not drafted.
+    pub constraint: Option<super::Constraint>,
 }
 
 /// The batcher's name for a request, in submission order from 0.
@@ -211,6 +213,8 @@ pub struct Batcher<'e, S: WeightSource + LayerHook> {
     /// Snapshots of prompts' states, when enabled ([`Batcher::enable_prefix_cache`]).
     prefix_cache: Option<PrefixCache>,
     candidates: Vec<(usize, f64)>,
+    /// A constrained sequence's logits with the disallowed ids at -inf.
+    masked: Vec<f32>,
     /// Journals not lent this step ([`BatchOptions::drafting_sequences`] in all).
     journals: Vec<Journal>,
     /// Slots holding a lent journal.
@@ -282,6 +286,7 @@ impl<S: WeightSource + LayerHook> Engine<S> {
             prompt_logit_slots: Vec::with_capacity(slots),
             prefix_cache: None,
             candidates: Vec::with_capacity(cfg.vocab_size),
+            masked: Vec::new(),
             journals: (0..opts.drafting_sequences()).map(|_| Journal::new(cfg, opts.decode_rows())).collect(),
             lent: Vec::with_capacity(opts.drafting_sequences()),
             draft_turn: 0,
@@ -414,7 +419,7 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             let shared = self.prefix_cache.as_ref().and_then(|c| c.shared(&request.prompt));
             let rng = SplitMix64::new(request.sampling.seed);
             let drafter = match &self.opts.draft {
-                Some(d) if request.sampling.is_greedy() => {
+                Some(d) if request.sampling.is_greedy() && request.constraint.is_none() => {
                     Some((Drafter::new(d.clone(), &request.prompt), request.prompt.clone()))
                 }
                 _ => None,
@@ -599,7 +604,23 @@ impl<S: WeightSource + LayerHook> Batcher<'_, S> {
             let (mut kept, mut reason) = (0, None);
             for r in 0..rows {
                 let logits = &self.logits[(first + r) * vocab..(first + r + 1) * vocab];
-                let id = sampling::sample(logits, &run.request.sampling, &mut run.rng, &mut self.candidates) as u32;
+                let (candidates, rng, s) = (&mut self.candidates, &mut run.rng, &run.request.sampling);
+                let id = match &run.request.constraint {
+                    None => sampling::sample(logits, s, rng, candidates) as u32,
+                    Some(c) => {
+                        let pick = |l: &[f32]| sampling::sample(l, s, rng, candidates);
+                        match super::constraint::choose_masked(c, logits, &mut self.masked, pick) {
+                            Ok(id) => id,
+                            Err(why) => {
+                                // The sequence ends here; its neighbours go on.
+                                tracing::warn!("request {}: {why}; it ends here", run.ticket);
+                                reason = Some(FinishReason::Stop);
+                                kept = r + 1;
+                                break;
+                            }
+                        }
+                    }
+                };
                 if let Some(top) = run.request.logprobs {
                     sink.logprob(run.ticket, token_logprob(logits, id, top));
                 }

@@ -123,6 +123,7 @@ fn decode_batch<S: WeightSource + LayerHook>(
     let max_tokens = spec.max_tokens();
     for prompt in &spec.prompts {
         let request = BatchRequest {
+            constraint: None,
             prompt: prompt.clone(),
             max_tokens,
             sampling: Sampling::default(),

@@ -6,6 +6,7 @@
 
 pub mod batch;
 pub mod chat;
+pub mod constraint;
 mod decode;
 use decode::{Decode, End, Steps};
 pub mod draft;
@@ -28,6 +29,7 @@ use crate::model::weights::WeightSource;
 use crate::model::{LayerHook, LogitRows, Model, ModelError, ModelState, Probe, Scratch};
 pub use batch::{BatchOptions, BatchRequest, BatchSink, BatchStats, Batcher, FinishReason, Finished, Ticket};
 pub use chat::{ChatSession, Reply, ReplyOptions};
+pub use constraint::{Constraint, TokenConstraint};
 pub use draft::{DraftError, DraftOptions, DraftStats, Drafter, Replay};
 pub use load::{open_resident, open_streaming, DraftPlan, OpenError, Opened, StreamingRun};
 pub use sampling::Sampling;

@@ -178,7 +178,15 @@ pub fn parse_request_line(
     let sampling = Sampling { temperature, top_k: r.top_k, top_p: r.top_p, seed: r.seed.unwrap_or(0) };
     Ok(ParsedRequest {
         id: r.id,
-        request: BatchRequest { prompt, max_tokens, sampling, stop_ids, logprobs: None, prompt_logprobs: false },
+        request: BatchRequest {
+            constraint: None,
+            prompt,
+            max_tokens,
+            sampling,
+            stop_ids,
+            logprobs: None,
+            prompt_logprobs: false,
+        },
         stop,
         chat,
     })

@@ -540,7 +540,15 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
         });
         let sampling = Sampling { temperature: job.temperature, top_k: job.top_k, top_p: job.top_p, seed };
         Ok((
-            BatchRequest { prompt, max_tokens, sampling, stop_ids, logprobs: job.logprobs, prompt_logprobs: job.echo },
+            BatchRequest {
+                constraint: None,
+                prompt,
+                max_tokens,
+                sampling,
+                stop_ids,
+                logprobs: job.logprobs,
+                prompt_logprobs: job.echo,
+            },
             chat,
         ))
     }

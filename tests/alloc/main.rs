@@ -128,6 +128,7 @@ fn batched(dir: &Path) -> Box<dyn std::any::Any> {
         let sampling =
             Sampling { temperature: 0.7 * (i % 2) as f32, top_k: Some(40), top_p: Some(0.9), seed: u64::from(i) };
         b.submit(BatchRequest {
+            constraint: None,
             prompt: vec![512, 199 + i, 167],
             max_tokens: 50,
             sampling,

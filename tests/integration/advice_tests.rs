@@ -426,6 +426,7 @@ fn a_request_longer_than_a_slot_names_a_context_that_takes_it() {
     }
     let o = open(&tiny_dir(), 1, kernels::Isa::best());
     let request = BatchRequest {
+        constraint: None,
         prompt: (1..=12).collect(),
         max_tokens: 9,
         sampling: Sampling::default(),

@@ -51,6 +51,7 @@ pub fn requests(n: usize, vocab: u32) -> Vec<BatchRequest> {
                 _ => Sampling { temperature: 0.6, top_k: Some(5), top_p: Some(0.95), seed: 7 },
             };
             BatchRequest {
+                constraint: None,
                 prompt,
                 max_tokens: [1, 6, 17, 30, 11][i % 5],
                 sampling,
@@ -292,6 +293,7 @@ fn a_streamed_step_wider_than_one_slots_context_runs() {
     let vocab = o.engine.model.cfg.vocab_size as u32;
     let reqs: Vec<BatchRequest> = (0..4u32)
         .map(|i| BatchRequest {
+            constraint: None,
             prompt: (0..5u32).map(|j| (j * 13 + i * 7 + 1) % vocab).collect(),
             max_tokens: 5,
             sampling: Sampling::default(),
@@ -312,6 +314,7 @@ fn requests_that_cannot_run_are_refused_at_submission() {
     let o = open(&tiny_dir(), 2, Isa::best());
     let mut b = o.engine.batcher(BatchOptions { max_batch: 2, prefill_chunk: 8, context: 16, draft: None }).unwrap();
     let req = |prompt: Vec<u32>, max_tokens| BatchRequest {
+        constraint: None,
         prompt,
         max_tokens,
         sampling: Sampling::default(),

@@ -201,6 +201,7 @@ fn repetitive_requests(vocab: u32) -> Vec<k3ring::engine::BatchRequest> {
         .take(3)
         .enumerate()
         .map(|(i, prompt)| k3ring::engine::BatchRequest {
+            constraint: None,
             prompt,
             max_tokens: [20, 13, 25][i],
             sampling: Sampling::default(),

@@ -49,6 +49,7 @@ fn conversations(vocab: u32, users: usize, turns: usize) -> Vec<Vec<BatchRequest
                         _ => Sampling { temperature: 1.0, top_k: None, top_p: Some(0.9), seed: 7 },
                     };
                     let r = BatchRequest {
+                        constraint: None,
                         prompt: history[u].clone(),
                         max_tokens: 5 + u % 3,
                         sampling,

@@ -274,6 +274,7 @@ fn serve_batcher_cancel_frees_the_slot_and_leaves_the_others_alone() {
     let engine = &opened.engine;
     let p = prompt();
     let req = |seed: u64, n: usize| BatchRequest {
+        constraint: None,
         prompt: p[..n].to_vec(),
         max_tokens: 12,
         sampling: Sampling { temperature: 0.8, top_k: None, top_p: None, seed },

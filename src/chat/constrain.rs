@@ -1,0 +1,310 @@
+//! Constrained decoding of chat replies (docs/SERVE.md "Structured output"): a grammar of the
+//! whole reply after the generation prompt, compiled by llguidance against the K3 tokenizer,
+//! masks each step's logits so that only replies valid for the request can be sampled.
+//!
+//! - `response_format` `json_schema` / `json_object`: the response is JSON for the schema
+//!   (compact: no whitespace between tokens), then the message closes.
+//! - `tool_choice` `required` or a named function: the response is empty (or the JSON above)
+//!   and one or more calls follow, each a declared tool (the named one) with its arguments in a
+//!   JSON block valid for the tool's `parameters`.
+//!
+//! With thinking on, the reasoning before the response is free (any text, no markup), as vLLM
+//! and llama.cpp leave a reasoning model's thinking unconstrained; the constraint starts to
+//! bind where the reasoning closes. The mask is a function of the reply's ids alone.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{json, Value};
+
+use super::template::Specials;
+use super::tools::{function_name, ResponseFormat, ToolChoice, ToolOptions};
+use crate::engine::TokenConstraint;
+use crate::tokenizer::Tokenizer;
+
+/// Why a constraint could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ConstrainError {
+    #[error("the tokenizer cannot be used for constrained decoding: {0}")]
+    Tokenizer(String),
+    #[error("{0}")]
+    Grammar(String),
+}
+
+/// The K3 vocabulary as llguidance sees it: ordinary ids are their bytes, added tokens are
+/// 0xFF followed by their spelling, ids without a token are empty (never allowed).
+struct K3Env {
+    trie: TokTrie,
+    tok: Tokenizer,
+}
+
+impl TokenizerEnv for K3Env {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    /// Bytes the grammar forces, as the tokenizer would encode them (llguidance then forces
+    /// those ids); a tail that ends inside a character is matched greedily.
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        let valid = match std::str::from_utf8(s) {
+            Ok(_) => s.len(),
+            Err(e) => e.valid_up_to(),
+        };
+        let text = std::str::from_utf8(&s[..valid]).unwrap_or_default();
+        let mut out = self.tok.encode(text).unwrap_or_else(|_| self.trie.greedy_tokenize(&s[..valid]));
+        out.extend(self.trie.greedy_tokenize(&s[valid..]));
+        out
+    }
+}
+
+/// Compiles reply grammars for one model (the vocabulary's trie is built once).
+pub struct Grammars {
+    factory: ParserFactory,
+}
+
+impl Grammars {
+    /// For a model of `vocab_size` ids (at least the tokenizer's); replies end with
+    /// `<|end_of_msg|>`.
+    pub fn new(tok: &Tokenizer, sp: &Specials, vocab_size: usize) -> Result<Grammars, ConstrainError> {
+        let words: Vec<Vec<u8>> = (0..vocab_size as u32)
+            .map(|id| match tok.token_bytes(id) {
+                Ok(b) if tok.is_special(id) => {
+                    let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    w.extend_from_slice(b);
+                    w
+                }
+                Ok(b) => b.to_vec(),
+                Err(_) => Vec::new(),
+            })
+            .collect();
+        let info = TokRxInfo::new(words.len() as u32, sp.end_of_msg);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(&[sp.end_of_msg]);
+        let env: TokEnv = Arc::new(K3Env { trie, tok: tok.clone() });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| ConstrainError::Tokenizer(e.to_string()))?;
+        factory.quiet();
+        Ok(Grammars { factory })
+    }
+
+    /// The constraint of a request's reply, or `None` when it asks for none.
+    pub fn constraint(
+        &self,
+        o: &ToolOptions,
+        thinking: bool,
+    ) -> Result<Option<Box<dyn TokenConstraint>>, ConstrainError> {
+        let Some(lark) = reply_grammar(o, thinking) else { return Ok(None) };
+        let parser = self
+            .factory
+            .create_parser(TopLevelGrammar::from_lark(lark))
+            .map_err(|e| ConstrainError::Grammar(format!("the schema cannot be used to constrain the reply: {e}")))?;
+        Ok(Some(Box::new(GrammarConstraint {
+            matcher: Matcher::new(Ok(parser)),
+            end: self.factory.tok_env().tok_trie().eos_token(),
+            bits: Vec::new(),
+            seconds: 0.0,
+        })))
+    }
+}
+
+/// A JSON schema made compact (no whitespace between tokens: a model left free there may
+/// never stop writing spaces).
+fn compact_schema(schema: &Value) -> String {
+    let mut s = schema.clone();
+    if let Some(o) = s.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| json!({"whitespace_flexible": false}));
+    }
+    s.to_string()
+}
+
+/// A lark string literal of `text`.
+fn lit(text: &str) -> String {
+    serde_json::to_string(text).unwrap_or_default()
+}
+
+/// The lark grammar of a whole reply, or `None` when nothing constrains it.
+pub fn reply_grammar(o: &ToolOptions, thinking: bool) -> Option<String> {
+    let schema = match &o.format {
+        ResponseFormat::Text => None,
+        ResponseFormat::JsonObject => Some(json!({"type": "object"})),
+        ResponseFormat::JsonSchema(s) => Some(s.clone()),
+    };
+    let forced: Vec<&Value> = match &o.choice {
+        ToolChoice::Required => o.tools.iter().collect(),
+        ToolChoice::Function(name) => o.tools.iter().filter(|t| function_name(t) == Some(name)).collect(),
+        ToolChoice::Auto | ToolChoice::None => Vec::new(),
+    };
+    if schema.is_none() && forced.is_empty() {
+        return None;
+    }
+    let mut rules = Vec::new();
+    let mut start = String::from("start: ");
+    if thinking {
+        start.push_str("THINK <|close|> \"think\" <|sep|> <|open|> \"response\" <|sep|> ");
+        rules.push("THINK: /(.|\\n)*/".to_owned());
+    }
+    if let Some(s) = &schema {
+        start.push_str("answer ");
+        rules.push(format!("answer: %json {}", compact_schema(s)));
+    }
+    start.push_str("<|close|> \"response\" <|sep|> ");
+    if !forced.is_empty() {
+        start.push_str("<|open|> \"tools\" <|sep|> call+ <|close|> \"tools\" <|sep|> ");
+        let alternatives: Vec<String> = (0..forced.len()).map(|k| format!("call_{k}")).collect();
+        rules.push(format!("call: {}", alternatives.join(" | ")));
+        rules.push("INDEX: /[1-9][0-9]{0,2}/".to_owned());
+        for (k, tool) in forced.iter().enumerate() {
+            let name = function_name(tool).unwrap_or_default().replace('&', "&amp;").replace('"', "&quot;");
+            let params = match tool["function"].get("parameters").filter(|p| p.is_object()) {
+                Some(p) => p.clone(),
+                None => json!({"type": "object", "properties": {}, "additionalProperties": false}),
+            };
+            rules.push(format!(
+                "call_{k}: <|open|> {} INDEX \"\\\"\" <|sep|> <|open|> \"json type=\\\"object\\\"\" <|sep|> args_{k} \
+                 <|close|> \"json\" <|sep|> <|close|> \"call\" <|sep|>",
+                lit(&format!("call tool=\"{name}\" index=\""))
+            ));
+            rules.push(format!("args_{k}: %json {}", compact_schema(&params)));
+        }
+    }
+    start.push_str("<|close|> \"message\" <|sep|>");
+    rules.insert(0, start);
+    Some(rules.join("\n") + "\n")
+}
+
+/// A compiled reply grammar's state.
+struct GrammarConstraint {
+    matcher: Matcher,
+    /// `<|end_of_msg|>`: the one id once the grammar is complete.
+    end: TokenId,
+    bits: Vec<u32>,
+    seconds: f64,
+}
+
+impl TokenConstraint for GrammarConstraint {
+    fn mask(&mut self) -> Result<Option<&[u32]>, String> {
+        if self.matcher.is_stopped() {
+            // The grammar is complete (llguidance stops there): the message ends.
+            self.bits.clear();
+            self.bits.resize(self.end as usize / 32 + 1, 0);
+            self.bits[self.end as usize / 32] |= 1 << (self.end % 32);
+            return Ok(Some(&self.bits));
+        }
+        let t = Instant::now();
+        let mask = self.matcher.compute_mask().map_err(|e| format!("the output constraint failed: {e}"));
+        self.seconds += t.elapsed().as_secs_f64();
+        let mask = mask?;
+        self.bits.clear();
+        self.bits.extend_from_slice(mask.as_slice());
+        Ok(Some(&self.bits))
+    }
+
+    fn commit(&mut self, id: u32) -> Result<(), String> {
+        if self.matcher.is_stopped() && id == self.end {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let r = self.matcher.consume_token(id).map_err(|e| format!("the output constraint refused token {id}: {e}"));
+        self.seconds += t.elapsed().as_secs_f64();
+        r.map(|_| ())
+    }
+
+    fn seconds(&self) -> f64 {
+        self.seconds
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use crate::chat::parse::parse;
+    use crate::engine::constraint::{choose_masked, Constraint};
+    use crate::engine::sampling::{sample, Sampling};
+    use crate::rng::SplitMix64;
+
+    fn tiny() -> Tokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
+        Tokenizer::from_model_dir(&dir).unwrap()
+    }
+
+    /// A reply sampled from random logits under the constraint, up to its end id.
+    fn sample_reply(g: &Grammars, o: &ToolOptions, thinking: bool, seed: u64, sp: &Specials) -> Vec<u32> {
+        let c = Constraint::new(g.constraint(o, thinking).unwrap().unwrap());
+        let mut rng = SplitMix64::new(seed);
+        let s = Sampling { temperature: 1.0, top_k: None, top_p: None, seed };
+        let (mut scratch, mut candidates, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..3000 {
+            // Random logits that favour closing brackets and quotes a little, and the markup
+            // that ends the reasoning, so that replies end in a test's time.
+            let logits: Vec<f32> =
+                (0..768).map(|i| (rng.next_f64() * 4.0) as f32 + if i == 516 { 2.0 } else { 0.0 }).collect();
+            let mut pick_rng = SplitMix64::new(rng.next_f64().to_bits());
+            let id =
+                choose_masked(&c, &logits, &mut scratch, |l| sample(l, &s, &mut pick_rng, &mut candidates)).unwrap();
+            ids.push(id);
+            if id == sp.end_of_msg {
+                return ids;
+            }
+        }
+        panic!("seed {seed}: no end in 3000 tokens: {ids:?}");
+    }
+
+    #[test]
+    fn json_schema_replies_parse_and_match_the_schema() {
+        let tok = tiny();
+        let sp = Specials::of(&tok).unwrap();
+        let g = Grammars::new(&tok, &sp, 768).unwrap();
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "ok": {"type": "boolean"},
+                "kind": {"enum": ["a", "bb", "c"]},
+                "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["ok", "kind", "n"],
+            "additionalProperties": false,
+        });
+        let o = ToolOptions { format: ResponseFormat::JsonSchema(schema), ..ToolOptions::default() };
+        for (seed, thinking) in (0..6).map(|s| (s, s % 2 == 0)) {
+            let ids = sample_reply(&g, &o, thinking, seed, &sp);
+            let c = parse(&tok, sp, thinking, &ids).unwrap();
+            let v: Value = serde_json::from_str(&tok.decode(&c.content_ids).unwrap()).unwrap();
+            assert!(v["ok"].is_boolean() && ["a", "bb", "c"].contains(&v["kind"].as_str().unwrap()), "{v}");
+            assert!((0..=99).contains(&v["n"].as_i64().unwrap()), "{v}");
+            assert_eq!(v.as_object().unwrap().len(), 3);
+        }
+    }
+
+    #[test]
+    fn a_forced_call_names_a_declared_tool_with_valid_arguments() {
+        let tok = tiny();
+        let sp = Specials::of(&tok).unwrap();
+        let g = Grammars::new(&tok, &sp, 768).unwrap();
+        let tool = |name: &str| {
+            json!({"type": "function", "function": {"name": name, "parameters": {
+                "type": "object",
+                "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                "required": ["unit", "days"], "additionalProperties": false}}})
+        };
+        let tools = vec![tool("get_weather"), tool("other")];
+        for choice in [ToolChoice::Required, ToolChoice::Function("other".into())] {
+            let o = ToolOptions { tools: tools.clone(), choice: choice.clone(), ..ToolOptions::default() };
+            for seed in 0..4 {
+                let ids = sample_reply(&g, &o, false, seed, &sp);
+                let c = parse(&tok, sp, false, &ids).unwrap();
+                assert!(!c.calls.is_empty() && c.stray_ids.is_empty(), "{c:?}");
+                for call in &c.calls {
+                    if choice != ToolChoice::Required {
+                        assert_eq!(call.name, "other");
+                    }
+                    let v: Value = serde_json::from_str(&call.arguments).unwrap();
+                    assert!(["c", "f"].contains(&v["unit"].as_str().unwrap()), "{v}");
+                }
+            }
+        }
+        assert!(reply_grammar(&ToolOptions { tools, ..ToolOptions::default() }, true).is_none(), "auto binds nothing");
+    }
+}
