@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 
 use super::template::Specials;
 use super::tools::{function_name, ResponseFormat, ToolChoice, ToolOptions};
-use crate::engine::TokenConstraint;
+use crate::engine::{Constraint, TokenConstraint};
 use crate::tokenizer::Tokenizer;
 
 /// Why a constraint could not be made.
@@ -109,6 +109,29 @@ impl Grammars {
     }
 }
 
+/// The constraint of a reply, or `None` when the request asks for none. The vocabulary's tables
+/// are made into `grammars` at the first reply that needs them (a fraction of a second at K3's
+/// vocabulary), and kept for the others.
+pub fn reply_constraint(
+    grammars: &mut Option<Grammars>,
+    tok: &Tokenizer,
+    sp: &Specials,
+    vocab_size: usize,
+    o: &ToolOptions,
+    thinking: bool,
+) -> Result<Option<Constraint>, ConstrainError> {
+    if reply_grammar(o, thinking).is_none() {
+        return Ok(None);
+    }
+    if grammars.is_none() {
+        let t = Instant::now();
+        *grammars = Some(Grammars::new(tok, sp, vocab_size)?);
+        tracing::info!("constrained decoding: the vocabulary's tables took {:.2} s", t.elapsed().as_secs_f64());
+    }
+    let Some(g) = grammars else { return Ok(None) };
+    Ok(g.constraint(o, thinking)?.map(Constraint::new))
+}
+
 /// A JSON schema made compact (no whitespace between tokens: a model left free there may
 /// never stop writing spaces).
 fn compact_schema(schema: &Value) -> String {
@@ -123,6 +146,9 @@ fn compact_schema(schema: &Value) -> String {
 fn lit(text: &str) -> String {
     serde_json::to_string(text).unwrap_or_default()
 }
+
+/// Calls a reply forced by `tool_choice: "required"` may make at most.
+const MAX_FORCED_CALLS: usize = 8;
 
 /// The lark grammar of a whole reply, or `None` when nothing constrains it.
 pub fn reply_grammar(o: &ToolOptions, thinking: bool) -> Option<String> {
@@ -151,21 +177,28 @@ pub fn reply_grammar(o: &ToolOptions, thinking: bool) -> Option<String> {
     }
     start.push_str("<|close|> \"response\" <|sep|> ");
     if !forced.is_empty() {
-        start.push_str("<|open|> \"tools\" <|sep|> call+ <|close|> \"tools\" <|sep|> ");
-        let alternatives: Vec<String> = (0..forced.len()).map(|k| format!("call_{k}")).collect();
-        rules.push(format!("call: {}", alternatives.join(" | ")));
-        rules.push("INDEX: /[1-9][0-9]{0,2}/".to_owned());
+        // A named function is called once; `required` makes one call or more (parallel calls,
+        // numbered as the release numbers them).
+        let most = if matches!(o.choice, ToolChoice::Function(_)) { 1 } else { MAX_FORCED_CALLS };
+        start.push_str("<|open|> \"tools\" <|sep|> calls_1 <|close|> \"tools\" <|sep|> ");
+        for n in 1..=most {
+            let more = if n < most { format!(" calls_{}?", n + 1) } else { String::new() };
+            let any: Vec<String> = (0..forced.len()).map(|k| format!("call_{n}_{k}")).collect();
+            rules.push(format!("calls_{n}: ({}){more}", any.join(" | ")));
+            for (k, tool) in forced.iter().enumerate() {
+                let name = function_name(tool).unwrap_or_default().replace('&', "&amp;").replace('"', "&quot;");
+                rules.push(format!(
+                    "call_{n}_{k}: <|open|> {} <|sep|> <|open|> \"json type=\\\"object\\\"\" <|sep|> args_{k} \
+                     <|close|> \"json\" <|sep|> <|close|> \"call\" <|sep|>",
+                    lit(&format!("call tool=\"{name}\" index=\"{n}\""))
+                ));
+            }
+        }
         for (k, tool) in forced.iter().enumerate() {
-            let name = function_name(tool).unwrap_or_default().replace('&', "&amp;").replace('"', "&quot;");
             let params = match tool["function"].get("parameters").filter(|p| p.is_object()) {
                 Some(p) => p.clone(),
                 None => json!({"type": "object", "properties": {}, "additionalProperties": false}),
             };
-            rules.push(format!(
-                "call_{k}: <|open|> {} INDEX \"\\\"\" <|sep|> <|open|> \"json type=\\\"object\\\"\" <|sep|> args_{k} \
-                 <|close|> \"json\" <|sep|> <|close|> \"call\" <|sep|>",
-                lit(&format!("call tool=\"{name}\" index=\""))
-            ));
             rules.push(format!("args_{k}: %json {}", compact_schema(&params)));
         }
     }
@@ -298,7 +331,11 @@ mod tests {
                 assert!(!c.calls.is_empty() && c.stray_ids.is_empty(), "{c:?}");
                 for call in &c.calls {
                     if choice != ToolChoice::Required {
-                        assert_eq!(call.name, "other");
+                        assert_eq!(
+                            (call.name.as_str(), c.calls.len()),
+                            ("other", 1),
+                            "a named function is called once"
+                        );
                     }
                     let v: Value = serde_json::from_str(&call.arguments).unwrap();
                     assert!(["c", "f"].contains(&v["unit"].as_str().unwrap()), "{v}");

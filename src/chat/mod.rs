@@ -7,6 +7,7 @@
 
 pub mod calls;
 pub mod constrain;
+pub mod openai;
 pub mod parse;
 pub mod pyjson;
 pub mod template;

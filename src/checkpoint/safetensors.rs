@@ -193,7 +193,9 @@ pub fn serialize(tensors: &[(&str, &str, &[u64], &[u8])]) -> Vec<u8> {
         );
         offset = end;
     }
-    let mut json = serde_json::Value::Object(header).to_string().into_bytes();
+    let mut v = serde_json::Value::Object(header);
+    v.sort_all_objects();
+    let mut json = v.to_string().into_bytes();
     while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }

@@ -147,6 +147,9 @@ struct Summary<'a> {
     storage: Option<StreamStats>,
     /// Decode steps of the finished sequences and their drafting.
     draft: super::run::DraftReport,
+    /// Seconds the masks of constrained replies took (`response_format`, forced calls).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    constraint_seconds: Option<f64>,
 }
 
 pub fn run(args: &BatchArgs) -> anyhow::Result<()> {
@@ -352,6 +355,19 @@ struct Results<'a> {
     write_error: Option<anyhow::Error>,
     succeeded: usize,
     bar: ProgressBar,
+    /// The constrained replies' constraints (for their cost).
+    constraints: Vec<crate::engine::Constraint>,
+}
+
+impl<'a> Results<'a> {
+    fn new(tok: &'a Tokenizer, out: OutputWriter, bar: ProgressBar) -> Results<'a> {
+        Results { tok, out, running: HashMap::new(), write_error: None, succeeded: 0, bar, constraints: Vec::new() }
+    }
+
+    /// What the constrained replies' masks took, if there were any.
+    fn constraint_seconds(&self) -> Option<f64> {
+        (!self.constraints.is_empty()).then(|| self.constraints.iter().map(crate::engine::Constraint::seconds).sum())
+    }
 }
 
 struct Sequence<'t> {
@@ -492,9 +508,9 @@ impl Job<'_> {
         }
         let total = self.parsed.len();
         let bar = progress_bar(total);
-        let mut results =
-            Results { tok, out, running: HashMap::new(), write_error: None, succeeded: 0, bar: bar.clone() };
-        let (submit_failed, prompt_tokens) = submit_all(self.parsed, &mut batcher, &mut results)?;
+        let mut results = Results::new(tok, out, bar.clone());
+        let (submit_failed, prompt_tokens) =
+            submit_all(self.parsed, &mut batcher, &mut results, engine.model.cfg.vocab_size)?;
         let failed = self.failed + submit_failed;
         let start = Instant::now();
         let mut interrupted = false;
@@ -517,7 +533,7 @@ impl Job<'_> {
             bar.set_message(progress_message(batcher.stats(), start, batcher.running(), per_token));
         }
         bar.finish_and_clear();
-        let succeeded = results.succeeded;
+        let (succeeded, constraint_seconds) = (results.succeeded, results.constraint_seconds());
         results.out.finish()?;
         let seconds = start.elapsed().as_secs_f64();
         let stats = batcher.stats().clone();
@@ -544,6 +560,7 @@ impl Job<'_> {
             plan,
             storage: store.clone(),
             draft: super::run::DraftReport::new(batcher.options().draft.as_ref(), stats.draft, None, 0),
+            constraint_seconds,
         };
         print_summary(&summary, engine.threads(), engine.model.kernels.isa().name());
         if let Some(line) = summary.draft.line() {
@@ -573,6 +590,13 @@ impl Job<'_> {
 
 /// The console line at the end of a batch.
 fn print_summary(summary: &Summary<'_>, threads: usize, isa: &str) {
+    if let Some(c) = summary.constraint_seconds {
+        eprintln!(
+            "k3ring: constrained replies: their masks took {c:.3} s of the {:.2} s run ({:.2}%)",
+            summary.seconds,
+            100.0 * c / summary.seconds.max(1e-9)
+        );
+    }
     eprintln!(
         "k3ring: {} requests: {} done, {} failed{} | {} prompt + {} generated tokens in {:.2} s: {:.2} tokens/s | {} steps, {:.1} sequences per step, {} slots of {} positions{} | {threads} threads, {isa} kernels",
         summary.requests,
@@ -599,9 +623,25 @@ fn submit_all<S: WeightSource + LayerHook>(
     parsed: Vec<Parsed>,
     batcher: &mut crate::engine::Batcher<'_, S>,
     results: &mut Results<'_>,
+    vocab_size: usize,
 ) -> anyhow::Result<(usize, u64)> {
     let (mut failed, mut prompt_tokens) = (0, 0u64);
-    for p in parsed {
+    let mut grammars = None;
+    for mut p in parsed {
+        if let Some(c) = &p.chat {
+            let (tok, sp) = (results.tok, &c.specials);
+            match crate::chat::constrain::reply_constraint(&mut grammars, tok, sp, vocab_size, &c.tools, c.thinking) {
+                Ok(constraint) => {
+                    results.constraints.extend(constraint.clone());
+                    p.request.constraint = constraint;
+                }
+                Err(e) => {
+                    failed += 1;
+                    write_line(&mut results.out, &ErrorRecord { id: Some(p.id), line: p.line, error: e.to_string() })?;
+                    continue;
+                }
+            }
+        }
         let len = p.request.prompt.len() as u64;
         match batcher.submit(p.request) {
             Ok(ticket) => {

@@ -32,6 +32,10 @@ struct RequestLine {
     thinking: Option<bool>,
     /// With `messages` and thinking: `low`, `high` or `max`.
     reasoning_effort: Option<String>,
+    /// With `messages`: tools, tool choice and response format, as OpenAI's chat takes them.
+    tools: Option<Vec<serde_json::Value>>,
+    tool_choice: Option<serde_json::Value>,
+    response_format: Option<serde_json::Value>,
 }
 
 /// One message of a `messages` line.
@@ -39,9 +43,14 @@ struct RequestLine {
 #[serde(deny_unknown_fields)]
 struct LineMessage {
     role: String,
-    content: String,
+    #[serde(default)]
+    content: Option<String>,
     /// An assistant turn's reasoning, kept in the history when thinking is on.
     reasoning_content: Option<String>,
+    name: Option<String>,
+    /// An assistant turn's calls, and a tool result's call.
+    tool_calls: Option<serde_json::Value>,
+    tool_call_id: Option<String>,
 }
 
 /// A `messages` request: its reply is read back through the chat template's markup.
@@ -50,6 +59,8 @@ pub struct ChatReply {
     pub specials: crate::chat::template::Specials,
     /// The reply starts in the reasoning channel.
     pub thinking: bool,
+    /// Tools and response format (a constraint of the reply when they force its shape).
+    pub tools: crate::chat::tools::ToolOptions,
 }
 
 #[derive(Deserialize)]
@@ -133,8 +144,17 @@ pub fn parse_request_line(
         }
         _ => return Err(fail("give one of \"prompt\", \"ids\" and \"messages\", not several".into())),
     };
-    if chat.is_none() && (r.thinking.is_some() || r.reasoning_effort.is_some()) {
-        return Err(fail("\"thinking\" and \"reasoning_effort\" go with \"messages\"".into()));
+    if chat.is_none()
+        && (r.thinking.is_some()
+            || r.reasoning_effort.is_some()
+            || r.tools.is_some()
+            || r.tool_choice.is_some()
+            || r.response_format.is_some())
+    {
+        return Err(fail(
+            "\"thinking\", \"reasoning_effort\", \"tools\", \"tool_choice\" and \"response_format\" go with \"messages\""
+                .into(),
+        ));
     }
     if prompt.is_empty() {
         return Err(fail("the prompt is empty: give at least one token".into()));
@@ -199,7 +219,8 @@ fn render_messages(
     r: &RequestLine,
     tok: &Tokenizer,
 ) -> Result<(Vec<u32>, ChatReply), String> {
-    use crate::chat::template::{check_order, render, to_ids, Effort, Message, Role, Specials, Thinking};
+    use crate::chat::openai;
+    use crate::chat::template::{check_order, render_with, to_ids, Effort, Message, Role, Specials, Thinking};
     let specials = Specials::of(tok).map_err(|e| {
         format!("messages: this model's tokenizer has no K3 chat template ({e}); give \"prompt\" or \"ids\"")
     })?;
@@ -213,20 +234,39 @@ fn render_messages(
     let list = messages
         .iter()
         .enumerate()
-        .map(|(i, m)| match m.role.as_str() {
-            "system" | "developer" => Ok(Message::system(&m.content)),
-            "user" => Ok(Message::user(&m.content)),
-            "assistant" => Ok(Message::assistant(m.reasoning_content.as_deref(), &m.content)),
-            other => Err(format!(
-                "messages: message {i}: role {other:?} is not supported (system, developer, user, assistant)"
-            )),
+        .map(|(i, m)| {
+            let role = match m.role.as_str() {
+                "system" | "developer" => Role::System,
+                "user" => Role::User,
+                "assistant" => Role::Assistant,
+                "tool" => Role::Tool,
+                other => {
+                    return Err(format!(
+                    "messages: message {i}: role {other:?} is not supported (system, developer, user, assistant, tool)"
+                ))
+                }
+            };
+            let tool_calls = match role {
+                Role::Assistant => openai::calls(i, m.tool_calls.clone()).map_err(|e| e.message)?,
+                _ => Vec::new(),
+            };
+            Ok(Message {
+                role,
+                content: m.content.clone().unwrap_or_default(),
+                reasoning_content: m.reasoning_content.clone().filter(|_| role == Role::Assistant),
+                name: m.name.clone(),
+                tool_calls,
+                tool_call_id: m.tool_call_id.clone().filter(|_| role == Role::Tool),
+            })
         })
         .collect::<Result<Vec<_>, _>>()?;
     check_order(&list).map_err(|e| format!("messages: {e}"))?;
-    if list.last().is_none_or(|m| m.role != Role::User) {
-        return Err("messages: the last message must be the user's: a reply is asked for".into());
+    if list.last().is_none_or(|m| !matches!(m.role, Role::User | Role::Tool)) {
+        return Err("messages: the last message must be the user's or a tool result: a reply is asked for".into());
     }
-    let pieces = render(&list, thinking, true).map_err(|e| format!("messages: {e}"))?;
+    let tools = openai::options(r.tools.clone(), r.tool_choice.as_ref(), r.response_format.as_ref())
+        .map_err(|e| format!("{}: {}", e.param, e.message))?;
+    let pieces = render_with(&list, &tools, thinking, true).map_err(|e| format!("messages: {e}"))?;
     let ids = to_ids(&pieces, tok, &specials).map_err(|e| format!("messages: {e}"))?;
-    Ok((ids, ChatReply { specials, thinking: thinking.enabled }))
+    Ok((ids, ChatReply { specials, thinking: thinking.enabled, tools }))
 }

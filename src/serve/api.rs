@@ -336,11 +336,12 @@ pub fn chat_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
     if b.common.functions.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::param("functions", "the deprecated `functions` are not supported: send `tools`"));
     }
-    let tools = super::tool_api::options(
+    let tools = crate::chat::openai::options(
         b.common.tools.clone(),
         b.common.tool_choice.as_ref(),
         b.common.response_format.as_ref(),
-    )?;
+    )
+    .map_err(|e| ApiError::param(e.param, e.message))?;
     let messages = raw.into_iter().enumerate().map(|(i, m)| chat_message(i, m)).collect::<Result<Vec<_>, _>>()?;
     let mut thinking = Thinking::default();
     match b.thinking {
@@ -414,7 +415,11 @@ fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
         Some(_) => return Err(ApiError::param("messages", format!("message {index}: content must be text"))),
     };
     let reasoning = if role == Role::Assistant { m.reasoning_content } else { None };
-    let tool_calls = if role == Role::Assistant { super::tool_api::calls(index, m.tool_calls)? } else { Vec::new() };
+    let tool_calls = if role == Role::Assistant {
+        crate::chat::openai::calls(index, m.tool_calls).map_err(|e| ApiError::param(e.param, e.message))?
+    } else {
+        Vec::new()
+    };
     let tool_call_id = if role == Role::Tool { m.tool_call_id } else { None };
     Ok(Message { role, content, reasoning_content: reasoning, name: m.name, tool_calls, tool_call_id })
 }

@@ -37,6 +37,10 @@ pub struct Shared {
     pub drafted_tokens: AtomicU64,
     pub accepted_tokens: AtomicU64,
     pub cancelled: AtomicU64,
+    /// Tokens chosen under a response format or forced tool call, and the microseconds their
+    /// masks took ([`crate::chat::constrain`]).
+    pub constrained_tokens: AtomicU64,
+    pub constraint_micros: AtomicU64,
     /// Connections open, and those refused at the cap (`--max-connections`).
     pub connections: AtomicUsize,
     pub connections_refused: AtomicU64,
@@ -121,6 +125,7 @@ impl Shared {
         self.render_connections(&mut metric);
         metric("k3ring_generated_tokens_total", "counter", "Tokens generated.", &one(load64(&self.generated_tokens)));
         metric("k3ring_prompt_tokens_total", "counter", "Prompt tokens admitted.", &one(load64(&self.prompt_tokens)));
+        self.render_constraints(&mut metric);
         metric(
             "k3ring_decode_steps_total",
             "counter",
@@ -181,6 +186,23 @@ impl Shared {
     }
 
     /// Connections: open, refused at the cap, closed under the limits.
+    fn render_constraints(&self, metric: &mut impl FnMut(&str, &str, &str, &[(String, f64)])) {
+        let one = |v: f64| vec![(String::new(), v)];
+        let load64 = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        metric(
+            "k3ring_constrained_tokens_total",
+            "counter",
+            "Tokens generated under a response_format or a forced tool call, of finished sequences.",
+            &one(load64(&self.constrained_tokens)),
+        );
+        metric(
+            "k3ring_constraint_seconds_total",
+            "counter",
+            "Seconds spent computing those tokens' masks (the grammar's cost; the model's is apart).",
+            &one(load64(&self.constraint_micros) / 1e6),
+        );
+    }
+
     fn render_connections(&self, metric: &mut impl FnMut(&str, &str, &str, &[(String, f64)])) {
         let one = |v: f64| vec![(String::new(), v)];
         let load = |a: &AtomicUsize| a.load(Ordering::Relaxed) as f64;

@@ -22,7 +22,6 @@ pub mod limits;
 pub mod logprobs;
 pub mod metrics;
 pub mod routes;
-pub mod tool_api;
 pub mod worker;
 
 use std::net::SocketAddr;

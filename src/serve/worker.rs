@@ -20,10 +20,13 @@ use super::api::{Job, Prompt, Usage};
 use super::error::ApiError;
 use super::logprobs::{Echo, Entry};
 use super::metrics::{Shared, Snapshot};
+use crate::chat::constrain::{reply_constraint, Grammars};
 use crate::chat::parse::{Channel, CompletionParser, Event as ParseEvent};
 use crate::chat::template::{render_with, to_ids, Specials};
+use crate::chat::tools::ResponseFormat;
 use crate::config::Config;
 use crate::engine::logprobs::TokenLogprob;
+use crate::engine::Constraint;
 use crate::engine::{BatchRequest, BatchSink, Batcher, EngineError, FinishReason, Finished, Sampling, Ticket};
 use crate::model::weights::WeightSource;
 use crate::model::LayerHook;
@@ -135,6 +138,8 @@ struct Sequence<'t> {
     /// How many of the parser's stray tool-markup ids are in the content.
     stray_shown: usize,
     ticket: Ticket,
+    /// The reply's constraint (response format, forced call), for its cost.
+    constraint: Option<Constraint>,
 }
 
 impl Sequence<'_> {
@@ -310,6 +315,12 @@ impl BatchSink for Outputs<'_> {
             });
         }
         self.shared.count_draft(&f.draft);
+        if let Some(c) = &seq.constraint {
+            let micros = (c.seconds() * 1e6) as u64;
+            self.shared.constrained_tokens.fetch_add(f.generated as u64, Ordering::Relaxed);
+            self.shared.constraint_micros.fetch_add(micros, Ordering::Relaxed);
+            tracing::debug!("constrained reply: {} tokens, masks {micros} us", f.generated);
+        }
         let _ = seq.events.send(Event::Done { finish_reason, usage });
     }
 }
@@ -326,6 +337,8 @@ pub struct Worker<'a, S: WeightSource + LayerHook> {
     seeds: u64,
     rates: VecDeque<(Instant, u64, u64)>,
     last_snapshot: Option<Instant>,
+    /// The grammar compiler of constrained replies, made at the first that needs it.
+    grammars: Option<Grammars>,
 }
 
 impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
@@ -354,6 +367,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
             seeds,
             rates: VecDeque::new(),
             last_snapshot: None,
+            grammars: None,
         }
     }
 
@@ -427,6 +441,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                 let _ = s.events.send(Event::Refused(e));
             }
             Ok((request, chat)) => {
+                let request_constraint = request.constraint.clone();
                 let prompt_tokens = request.prompt.len();
                 let end_ids = request.stop_ids.clone();
                 let skip_special = s.job.skip_special_tokens;
@@ -465,6 +480,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                             calls_read: 0,
                             stray_shown: 0,
                             ticket,
+                            constraint: request_constraint,
                         };
                         self.out.seqs.insert(ticket, seq);
                     }
@@ -478,6 +494,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
     fn prepare(&mut self, job: &Job) -> Result<(BatchRequest, Option<(Specials, bool)>), ApiError> {
         let tok = self.out.tok;
         let mut stop_ids = if job.ignore_eos { Vec::new() } else { self.eos.clone() };
+        let mut constraint = None;
         let (prompt, chat) = match &job.prompt {
             Prompt::Text(text) => {
                 let ids = tok.encode_with_added(text).map_err(|e| ApiError::param("prompt", format!("prompt: {e}")))?;
@@ -503,6 +520,10 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                     stop_ids.extend(sp.end_ids());
                     stop_ids.dedup();
                 }
+                let param = if tools.format == ResponseFormat::Text { "tool_choice" } else { "response_format" };
+                constraint =
+                    reply_constraint(&mut self.grammars, tok, &sp, self.cfg.vocab_size, tools, thinking.enabled)
+                        .map_err(|e| ApiError::param(param, e.to_string()))?;
                 (ids, Some((sp, thinking.enabled)))
             }
         };
@@ -541,7 +562,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
         let sampling = Sampling { temperature: job.temperature, top_k: job.top_k, top_p: job.top_p, seed };
         Ok((
             BatchRequest {
-                constraint: None,
+                constraint,
                 prompt,
                 max_tokens,
                 sampling,

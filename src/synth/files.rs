@@ -123,7 +123,9 @@ pub fn small_files(
     shards: &[ShardPlan],
 ) -> Result<Vec<(String, Vec<u8>)>, SynthError> {
     let pretty = |v: &Value| -> Result<Vec<u8>, SynthError> {
-        let mut text = serde_json::to_vec_pretty(v).map_err(|e| SynthError::Internal(e.to_string()))?;
+        let mut v = v.clone();
+        v.sort_all_objects();
+        let mut text = serde_json::to_vec_pretty(&v).map_err(|e| SynthError::Internal(e.to_string()))?;
         text.push(b'\n');
         Ok(text)
     };

@@ -181,8 +181,9 @@ fn header_bytes(tensors: &[PlannedTensor]) -> Result<Vec<u8>, SynthError> {
             serde_json::json!({"dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [t.offset, t.offset + t.len]}),
         );
     }
-    let mut json =
-        serde_json::to_vec(&serde_json::Value::Object(map)).map_err(|e| SynthError::Internal(e.to_string()))?;
+    let mut v = serde_json::Value::Object(map);
+    v.sort_all_objects();
+    let mut json = serde_json::to_vec(&v).map_err(|e| SynthError::Internal(e.to_string()))?;
     while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }

@@ -406,7 +406,8 @@ pub fn synth(opts: &SynthOptions, progress: &(dyn Fn(u64, u64) + Sync)) -> Resul
     listed.extend(shards.iter().map(|s| MarkerFile { name: s.file_name.clone(), bytes: s.file_len() }));
     let tensors = shards.iter().map(|s| s.tensors.len()).sum();
     let bytes: u64 = listed.iter().map(|f| f.bytes).sum();
-    let options = serde_json::to_value(opts).map_err(|e| SynthError::Internal(e.to_string()))?;
+    let mut options = serde_json::to_value(opts).map_err(|e| SynthError::Internal(e.to_string()))?;
+    options.sort_all_objects();
     let report = |up_to_date: bool, seconds: f64| SynthReport {
         out: opts.out.clone(),
         dims: opts.preset,

@@ -629,7 +629,7 @@ fn batch_messages_lines_render_the_template_and_split_the_reply() {
         serde_json::json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}),
         serde_json::json!({"messages": [{"role": "user", "content": "a"}], "prompt": "x"}),
         serde_json::json!({"prompt": "x", "thinking": false}),
-        serde_json::json!({"messages": [{"role": "tool", "content": "a"}]}),
+        serde_json::json!({"messages": [{"role": "robot", "content": "a"}]}),
     ];
     let input: String = bad.iter().map(|b| format!("{b}\n")).collect();
     let (code, out, err) = k3ring_stdin(&["batch", "--model", d, "--input", "-", "--output", "-"], &input);
@@ -643,8 +643,44 @@ fn batch_messages_lines_render_the_template_and_split_the_reply() {
         "the last message must be the user's",
         "not several",
         "go with \"messages\"",
-        "role \"tool\" is not supported",
+        "role \"robot\" is not supported",
     ]) {
         assert!(e.contains(says), "{e}");
     }
+}
+
+/// `messages` lines take tools and response formats as the server does: a forced call's record
+/// has `tool_calls` with arguments valid for the tool, a schema's reply is JSON for it, and the
+/// summary says what the masks cost.
+#[test]
+fn batch_messages_lines_take_tools_and_response_formats() {
+    let d = tiny_dir();
+    let d = d.to_str().unwrap();
+    let params = serde_json::json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["n"], "additionalProperties": false});
+    let tool = serde_json::json!({"type": "function", "function": {"name": "count", "parameters": params}});
+    let user = serde_json::json!([{"role": "user", "content": "Count."}]);
+    let lines = [
+        serde_json::json!({"id": "call", "messages": user, "tools": [tool], "tool_choice": "required", "thinking": false,
+            "max_tokens": 120, "temperature": 0.8, "seed": 3}),
+        serde_json::json!({"id": "json", "messages": user, "thinking": false, "max_tokens": 120, "temperature": 0.8, "seed": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": params}}}),
+        serde_json::json!({"id": "bad", "messages": user, "tool_choice": "required"}),
+    ];
+    let input: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    let (code, out, err) = k3ring_stdin(&["batch", "--model", d, "--input", "-", "--output", "-"], &input);
+    assert_eq!(code, 0, "one line is refused, the others run: {err}");
+    let records: Vec<serde_json::Value> = out.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let by_id = |id: &str| records.iter().find(|r| r["id"] == id).unwrap_or_else(|| panic!("{id}: {out}"));
+    let calls = by_id("call")["tool_calls"].as_array().unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(by_id("call")["finish_reason"], "stop", "{out}");
+    for c in calls {
+        assert_eq!(c["function"]["name"], "count");
+        let args: serde_json::Value = serde_json::from_str(c["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!((1..=9).contains(&args["n"].as_i64().unwrap()), "{args}");
+    }
+    let json: serde_json::Value = serde_json::from_str(by_id("json")["text"].as_str().unwrap()).unwrap();
+    assert!((1..=9).contains(&json["n"].as_i64().unwrap()), "{json}");
+    assert!(by_id("bad")["error"].as_str().unwrap().contains("needs tools"), "{out}");
+    assert!(err.contains("constrained replies: their masks took"), "{err}");
 }

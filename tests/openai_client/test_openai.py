@@ -250,6 +250,125 @@ def main():
             return
         raise AssertionError("a wrong key was accepted")
 
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 12},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "days", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    reply_schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "maxLength": 16},
+            "score": {"type": "integer", "minimum": 0, "maximum": 100},
+            "ok": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        },
+        "required": ["answer", "score", "ok", "tags"],
+        "additionalProperties": False,
+    }
+
+    def valid_reply(v):
+        """The reply against reply_schema, checked by hand (no validator is installed)."""
+        assert isinstance(v, dict) and set(v) == {"answer", "score", "ok", "tags"}, v
+        assert isinstance(v["answer"], str) and len(v["answer"]) <= 16, v
+        assert isinstance(v["score"], int) and not isinstance(v["score"], bool) and 0 <= v["score"] <= 100, v
+        assert isinstance(v["ok"], bool), v
+        assert isinstance(v["tags"], list) and len(v["tags"]) <= 3 and all(t in "abc" for t in v["tags"]), v
+
+    def valid_weather_args(text):
+        a = json.loads(text)
+        assert set(a) == {"city", "days", "unit"}, a
+        assert isinstance(a["city"], str) and len(a["city"]) <= 12, a
+        assert isinstance(a["days"], int) and 1 <= a["days"] <= 14 and a["unit"] in ("celsius", "fahrenheit"), a
+
+    def tool_round_trip(stream):
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        forced = {"type": "function", "function": {"name": "get_weather"}}
+        kwargs = dict(model=MODEL, tools=[weather], max_tokens=200, temperature=0.8, seed=5, extra_body={"thinking": False})
+        if stream:
+            calls, finish = {}, None
+            for chunk in client.chat.completions.create(messages=messages, tool_choice=forced, stream=True, **kwargs):
+                if not chunk.choices:
+                    continue
+                for d in chunk.choices[0].delta.tool_calls or []:
+                    c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                    c["id"] = d.id or c["id"]
+                    c["name"] += d.function.name or ""
+                    c["arguments"] += d.function.arguments or ""
+                finish = chunk.choices[0].finish_reason or finish
+            assert finish == "tool_calls", finish
+            calls = [calls[i] for i in sorted(calls)]
+        else:
+            r = client.chat.completions.create(messages=messages, tool_choice=forced, **kwargs)
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
+        assert calls and all(c["name"] == "get_weather" and c["id"] for c in calls), calls
+        for c in calls:
+            valid_weather_args(c["arguments"])
+        history = messages + [{
+            "role": "assistant", "content": None,
+            "tool_calls": [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls],
+        }]
+        # The results, last call's first: the server puts them back in call order.
+        history += [{"role": "tool", "tool_call_id": c["id"], "content": f"result {i}"} for i, c in reversed(list(enumerate(calls)))]
+        r = client.chat.completions.create(messages=history, tool_choice="none", **kwargs)
+        final = r.choices[0]
+        assert final.finish_reason in ("stop", "length"), final
+        assert not final.message.tool_calls, final.message
+
+    def json_schema_reply(seed):
+        fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": reply_schema, "strict": True}}
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Rate this."}], response_format=fmt,
+            max_tokens=300, temperature=1.0, seed=seed, extra_body={"thinking": False},
+        )
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        valid_reply(json.loads(r.choices[0].message.content))
+
+    def json_object_reply(seed):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Answer in JSON."}], response_format={"type": "json_object"},
+            max_tokens=400, temperature=0, seed=seed, extra_body={"thinking": False},
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", (choice.finish_reason, choice.message.content)
+        assert isinstance(json.loads(choice.message.content), dict), choice.message.content
+
+    def constrained_identity():
+        """A constrained request gives the same tokens alone and beside others; the mask never
+        changes the others' tokens."""
+        fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": reply_schema}}
+        constrained = dict(model=MODEL, messages=[{"role": "user", "content": "Rate this."}], response_format=fmt,
+                           max_tokens=300, temperature=0.9, seed=21, extra_body={"thinking": False, "return_token_ids": True})
+        plain = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me more."}], max_tokens=24,
+                     temperature=0.9, seed=22, extra_body={"thinking": False, "return_token_ids": True})
+        ids = lambda r: extra(r.choices[0], "token_ids")
+        alone_c = ids(client.chat.completions.create(**constrained))
+        alone_p = ids(client.chat.completions.create(**plain))
+        got = {}
+        def ask(name, kw):
+            got[name] = ids(client.chat.completions.create(**kw))
+        threads = [threading.Thread(target=ask, args=(f"c{i}", constrained)) for i in range(2)]
+        threads += [threading.Thread(target=ask, args=(f"p{i}", plain)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got["c0"] == alone_c and got["c1"] == alone_c, (got, alone_c)
+        assert got["p0"] == alone_p and got["p1"] == alone_p, (got, alone_p)
+
     check("models.list", models)
     check("completions greedy", lambda: completion(False, temperature=0))
     check("completions seeded", lambda: completion(False, temperature=0.9, top_p=0.95, seed=7))
@@ -268,6 +387,13 @@ def main():
     check("unknown model", lambda: refused(openai.NotFoundError, 404, model="gpt-4o", prompt="a"))
     check("max_tokens over the cap", lambda: refused(openai.BadRequestError, 400, model=MODEL, prompt="a", max_tokens=10**6))
     check("wrong API key", wrong_key)
+    check("tool call round trip (forced call, results, answer)", lambda: tool_round_trip(False))
+    check("tool call round trip streamed", lambda: tool_round_trip(True))
+    for seed in range(4):
+        check(f"response_format json_schema valid, seed {seed}", lambda seed=seed: json_schema_reply(seed))
+    for seed in range(2):
+        check(f"response_format json_object, seed {seed}", lambda seed=seed: json_object_reply(seed))
+    check("constrained tokens alone equal those in a mixed batch", constrained_identity)
 
     proc.send_signal(signal.SIGTERM)
     try:

@@ -1,41 +1,52 @@
 //! The OpenAI shapes of tools and structured output: `tools`, `tool_choice`,
 //! `response_format`, an assistant's `tool_calls` and `role: "tool"` messages, checked into the
-//! chat template's types ([`crate::chat::tools`]).
+//! chat template's types ([`crate::chat::tools`]). The server and `k3ring batch` take them.
 #![forbid(unsafe_code)]
 
 use serde_json::Value;
 
-use crate::chat::tools::{function_name, ResponseFormat, ToolCall, ToolChoice, ToolOptions};
+use super::tools::{function_name, ResponseFormat, ToolCall, ToolChoice, ToolOptions};
 
-use super::error::ApiError;
+/// A refused field: its name and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct FieldError {
+    pub param: &'static str,
+    pub message: String,
+}
+
+/// The refusal of `param` for `message`.
+fn refuse(param: &'static str, message: impl Into<String>) -> FieldError {
+    FieldError { param, message: message.into() }
+}
 
 /// `tools`, `tool_choice` and `response_format` of a chat body.
 pub fn options(
     tools: Option<Vec<Value>>,
     tool_choice: Option<&Value>,
     response_format: Option<&Value>,
-) -> Result<ToolOptions, ApiError> {
+) -> Result<ToolOptions, FieldError> {
     let tools = tools.unwrap_or_default();
     for (k, t) in tools.iter().enumerate() {
         if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(ApiError::param(
+            return Err(refuse(
                 "tools",
                 format!("tools[{k}]: only {{\"type\": \"function\", ...}} tools are supported"),
             ));
         }
-        let name = function_name(t)
-            .ok_or_else(|| ApiError::param("tools", format!("tools[{k}]: give function.name (a string)")))?;
+        let name =
+            function_name(t).ok_or_else(|| refuse("tools", format!("tools[{k}]: give function.name (a string)")))?;
         if name.is_empty() {
-            return Err(ApiError::param("tools", format!("tools[{k}]: function.name is empty")));
+            return Err(refuse("tools", format!("tools[{k}]: function.name is empty")));
         }
         if let Some(p) = t["function"].get("parameters").filter(|p| !p.is_null() && !p.is_object()) {
-            return Err(ApiError::param(
+            return Err(refuse(
                 "tools",
                 format!("tools[{k}]: function.parameters must be a JSON schema object, not {p}"),
             ));
         }
         if tools[..k].iter().any(|u| function_name(u) == Some(name)) {
-            return Err(ApiError::param("tools", format!("tools[{k}]: the function name {name:?} is declared twice")));
+            return Err(refuse("tools", format!("tools[{k}]: the function name {name:?} is declared twice")));
         }
     }
     let choice = match tool_choice {
@@ -48,7 +59,7 @@ pub fn options(
             match (v.get("type").and_then(Value::as_str), name) {
                 (Some("function"), Some(name)) => ToolChoice::Function(name.to_owned()),
                 _ => {
-                    return Err(ApiError::param(
+                    return Err(refuse(
                         "tool_choice",
                         "tool_choice: give \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
                     ))
@@ -56,22 +67,16 @@ pub fn options(
             }
         }
         Some(v) => {
-            return Err(ApiError::param(
-                "tool_choice",
-                format!("tool_choice {v} is not auto, none, required or a function"),
-            ))
+            return Err(refuse("tool_choice", format!("tool_choice {v} is not auto, none, required or a function")))
         }
     };
     let declared = |name: &str| tools.iter().any(|t| function_name(t) == Some(name));
     match &choice {
         ToolChoice::Required if tools.is_empty() => {
-            return Err(ApiError::param("tool_choice", "tool_choice \"required\" needs tools: none are declared"))
+            return Err(refuse("tool_choice", "tool_choice \"required\" needs tools: none are declared"))
         }
         ToolChoice::Function(name) if !declared(name) => {
-            return Err(ApiError::param(
-                "tool_choice",
-                format!("tool_choice names {name:?}, which is not among the tools"),
-            ))
+            return Err(refuse("tool_choice", format!("tool_choice names {name:?}, which is not among the tools")))
         }
         _ => {}
     }
@@ -83,7 +88,7 @@ pub fn options(
             Some("json_schema") => {
                 let schema = f.get("json_schema").and_then(|j| j.get("schema")).filter(|s| s.is_object());
                 let schema = schema.ok_or_else(|| {
-                    ApiError::param(
+                    refuse(
                         "response_format",
                         "response_format json_schema: give {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
                     )
@@ -91,7 +96,7 @@ pub fn options(
                 ResponseFormat::JsonSchema(schema.clone())
             }
             _ => {
-                return Err(ApiError::param(
+                return Err(refuse(
                     "response_format",
                     "response_format: give {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", ...}",
                 ))
@@ -102,8 +107,8 @@ pub fn options(
 }
 
 /// An assistant message's `tool_calls`.
-pub fn calls(index: usize, v: Option<Value>) -> Result<Vec<ToolCall>, ApiError> {
-    let bad = |why: String| ApiError::param("messages", format!("message {index}: {why}"));
+pub fn calls(index: usize, v: Option<Value>) -> Result<Vec<ToolCall>, FieldError> {
+    let bad = |why: String| refuse("messages", format!("message {index}: {why}"));
     let list = match v {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(list)) => list,
@@ -186,7 +191,7 @@ mod tests {
         let o =
             options(Some(tools.clone()), Some(&json!({"type": "function", "function": {"name": "f"}})), None).unwrap();
         assert_eq!(o.choice, ToolChoice::Function("f".into()));
-        let err = |t: Option<Vec<Value>>, c: Value, f: Value| options(t, Some(&c), Some(&f)).unwrap_err().param;
+        let err = |t: Option<Vec<Value>>, c: Value, f: Value| Some(options(t, Some(&c), Some(&f)).unwrap_err().param);
         assert_eq!(
             err(Some(tools.clone()), json!({"type": "function", "function": {"name": "g"}}), Value::Null),
             Some("tool_choice")
