@@ -36,6 +36,7 @@ const CLASSIFIERS: &[Classifier] = &[
     class_of::<crate::tokenizer::TokenizerError>,
     class_of::<crate::chat::template::TemplateError>,
     class_of::<crate::chat::parse::ParseError>,
+    class_of::<crate::chat::constrain::ConstrainError>,
     class_of::<crate::trace::TraceError>,
     class_of::<crate::synth::SynthError>,
     class_of::<crate::engine::OpenError>,

@@ -24,6 +24,7 @@ use serde_json::{json, Value};
 use super::template::Specials;
 use super::tools::{function_name, ResponseFormat, ToolChoice, ToolOptions};
 use crate::engine::{Constraint, TokenConstraint};
+use crate::exit::{Classify, ExitCode};
 use crate::tokenizer::Tokenizer;
 
 /// Why a constraint could not be made.
@@ -33,6 +34,15 @@ pub enum ConstrainError {
     Tokenizer(String),
     #[error("{0}")]
     Grammar(String),
+}
+
+impl Classify for ConstrainError {
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            ConstrainError::Tokenizer(_) => ExitCode::Data,
+            ConstrainError::Grammar(_) => ExitCode::Usage,
+        }
+    }
 }
 
 /// The K3 vocabulary as llguidance sees it: ordinary ids are their bytes, added tokens are
@@ -96,10 +106,12 @@ impl Grammars {
         thinking: bool,
     ) -> Result<Option<Box<dyn TokenConstraint>>, ConstrainError> {
         let Some(lark) = reply_grammar(o, thinking) else { return Ok(None) };
-        let parser = self
-            .factory
-            .create_parser(TopLevelGrammar::from_lark(lark))
-            .map_err(|e| ConstrainError::Grammar(format!("the schema cannot be used to constrain the reply: {e}")))?;
+        let parser = self.factory.create_parser(TopLevelGrammar::from_lark(lark)).map_err(|e| {
+            // llguidance appends a parser dump: the first line says what is wrong.
+            let e = e.to_string();
+            let first = e.lines().next().unwrap_or_default();
+            ConstrainError::Grammar(format!("the schema cannot be used to constrain the reply: {first}"))
+        })?;
         Ok(Some(Box::new(GrammarConstraint {
             matcher: Matcher::new(Ok(parser)),
             end: self.factory.tok_env().tok_trie().eos_token(),

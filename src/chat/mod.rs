@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine::ChatSession;
 use crate::tokenizer::Tokenizer;
 use parse::CompletionParser;
-use template::{generation_prompt, message, render, to_ids, Message, Role, Specials, TemplateError, Thinking};
+use template::{generation_prompt, message, to_ids, Message, Role, Specials, TemplateError, Thinking};
 
 /// A conversation: its messages (as the history file stores them) and the session that has
 /// seen them, so each turn prefills only what it adds.
@@ -30,6 +30,9 @@ use template::{generation_prompt, message, render, to_ids, Message, Role, Specia
 pub struct Conversation {
     pub messages: Vec<Message>,
     pub thinking: Thinking,
+    /// Tools declared to the model, tool choice and response format (rendered with every
+    /// turn's generation prompt, as the release renders them per request).
+    pub tools: tools::ToolOptions,
     pub session: ChatSession,
     pub specials: Specials,
 }
@@ -44,7 +47,7 @@ struct Saved {
 impl Conversation {
     pub fn new(session: ChatSession, specials: Specials, thinking: Thinking, system: Option<&str>) -> Conversation {
         let messages = system.map(Message::system).into_iter().collect();
-        Conversation { messages, thinking, session, specials }
+        Conversation { messages, thinking, tools: tools::ToolOptions::default(), session, specials }
     }
 
     /// The ids a user turn adds to the session: the whole rendered transcript when the session
@@ -54,17 +57,57 @@ impl Conversation {
         let pieces = if self.session.ids().is_empty() {
             let mut all = self.messages.clone();
             all.push(user);
-            render(&all, self.thinking, true)?
+            template::render_with(&all, &self.tools, self.thinking, true)?
         } else {
             if self.messages.last().is_some_and(|m| m.role == Role::User) {
                 let index = self.messages.len();
                 return Err(TemplateError::Order { index, why: "the last user message has no reply".into() });
             }
             let mut p = message(&user, self.thinking);
+            p.extend(template::instructions(&self.tools));
             p.extend(generation_prompt(self.thinking));
             p
         };
         to_ids(&pieces, tok, &self.specials)
+    }
+
+    /// The calls of the last reply that have no result yet, in order.
+    pub fn pending_calls(&self) -> &[template::ToolCall] {
+        let Some(last) = self.messages.iter().rposition(|m| m.role == Role::Assistant) else { return &[] };
+        let answered = self.messages[last + 1..].iter().take_while(|m| m.role == Role::Tool).count();
+        if last + 1 + answered < self.messages.len() {
+            return &[];
+        }
+        self.messages[last].tool_calls.get(answered..).unwrap_or_default()
+    }
+
+    /// Answers the next pending call with `content`: its result message's ids, then (when it was
+    /// the last one pending) the generation prompt of the reply that follows. `None` when no
+    /// call is pending.
+    pub fn push_tool_result(&mut self, tok: &Tokenizer, content: &str) -> Result<Option<bool>, TemplateError> {
+        let Some(call) = self.pending_calls().first().cloned() else { return Ok(None) };
+        let index = self.pending_calls_answered() + 1;
+        let m = Message {
+            role: Role::Tool,
+            content: content.to_owned(),
+            tool_call_id: call.id.clone(),
+            ..Message::default()
+        };
+        let mut p = template::tool_result(&m, &call.name, index);
+        let last = self.pending_calls().len() == 1;
+        if last {
+            p.extend(template::instructions(&self.tools));
+            p.extend(generation_prompt(self.thinking));
+        }
+        let ids = to_ids(&p, tok, &self.specials)?;
+        self.session.push(&ids);
+        self.messages.push(m);
+        Ok(Some(last))
+    }
+
+    fn pending_calls_answered(&self) -> usize {
+        let last = self.messages.iter().rposition(|m| m.role == Role::Assistant).unwrap_or(0);
+        self.messages[last + 1..].iter().take_while(|m| m.role == Role::Tool).count()
     }
 
     /// Adds a user turn whose ids [`Conversation::user_turn_ids`] made.

@@ -346,6 +346,22 @@ fn message_into(p: &mut Pieces, m: &Message, result: Option<&tools::ToolResult>,
     });
 }
 
+/// A tool result's message, for the call `name` it answers, `index` results after the last
+/// assistant message.
+pub fn tool_result(m: &Message, name: &str, index: usize) -> Vec<Piece> {
+    let mut p = Pieces::default();
+    let r = tools::ToolResult { name: name.to_owned(), index };
+    message_into(&mut p, m, Some(&r), Thinking::default());
+    p.0
+}
+
+/// The tool-choice and response-format messages that go before a generation prompt.
+pub fn instructions(o: &ToolOptions) -> Vec<Piece> {
+    let mut p = Pieces::default();
+    tools::instructions(&mut p, o);
+    p.0
+}
+
 /// The generation prompt: an open assistant message, then the think block (thinking on) or the
 /// response block (off).
 pub fn generation_prompt(thinking: Thinking) -> Vec<Piece> {

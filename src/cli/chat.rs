@@ -82,11 +82,23 @@ pub struct ChatArgs {
     pub pipeline: super::pipeline_flags::PipelineArgs,
     #[command(flatten)]
     pub drafting: super::draft_flags::DraftArgs,
+    /// A JSON file holding an OpenAI `tools` list, declared to the model as the release encodes
+    /// tools. The reply's calls are shown; answer each with /result TEXT.
+    #[arg(long, value_name = "FILE")]
+    pub tools: Option<PathBuf>,
+    /// auto, none, required or a tool's name (--tools): required and a name make every reply
+    /// call a tool (constrained decoding).
+    #[arg(long, value_name = "CHOICE", default_value = "auto")]
+    pub tool_choice: String,
+    /// json_object, or a file holding a JSON schema: every reply is JSON (for the schema),
+    /// by constrained decoding.
+    #[arg(long, value_name = "FORMAT")]
+    pub response_format: Option<String>,
     #[arg(skip)]
     pub given: Vec<String>,
 }
 
-const HELP: &str = "commands: /reset, /save FILE, /load FILE, /system TEXT, /stats, /help, /quit";
+const HELP: &str = "commands: /reset, /save FILE, /load FILE, /system TEXT, /result TEXT, /stats, /help, /quit";
 
 /// What `/help` prints: each command and what it does.
 const HELP_LONG: &str = "commands (a line that starts with / is a command, any other line a turn):
@@ -94,12 +106,15 @@ const HELP_LONG: &str = "commands (a line that starts with / is a command, any o
   /system TEXT    set the system message; the next turn prefills the conversation again
   /save FILE      save the conversation and its model state
   /load FILE      load a conversation saved with /save (or --save-state)
+  /result TEXT    the result of the reply's next tool call (--tools); after the last, the
+                  model replies
   /stats          tokens, time and reads of the last turn
   /help           this list
   /quit, /exit    end the chat (so does end of input, Ctrl-D)";
 
 pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let effort = Effort::parse(&args.thinking_effort).context("--thinking-effort")?;
+    let tools = tool_options(args)?;
     let thinking = Thinking { enabled: !args.no_think, effort };
     args.drafting.check(&Sampling { temperature: args.temperature, ..Sampling::default() }, true)?;
     if args.max_tokens == 0 {
@@ -145,7 +160,7 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let Some(trunk) = &args.storage.trunk else {
         let opened = open_resident(&model_dir, args.threads, kernels)
             .with_context(|| format!("opening model {}", model_dir.display()))?;
-        return repl(args, &opened, fp, thinking, context, |_| None);
+        return repl(args, &opened, fp, (thinking, tools), context, |_| None);
     };
     let flag = typed_budget_flag(&args.storage);
     let mut run = streaming_run(&args.pipeline, &args.storage, args.threads, args.prefill_chunk, context)
@@ -161,7 +176,44 @@ pub fn run(args: &ChatArgs) -> anyhow::Result<()> {
     let mut args = args.clone();
     args.drafting.yield_to(&plan);
     let args = &args;
-    repl(args, &opened, fp, thinking, context, |src| Some(src.stats()))
+    repl(args, &opened, fp, (thinking, tools), context, |src| Some(src.stats()))
+}
+
+/// `--tools`, `--tool-choice` and `--response-format` as the server's fields.
+fn tool_options(args: &ChatArgs) -> anyhow::Result<crate::chat::tools::ToolOptions> {
+    use serde_json::{json, Value};
+    let read_json = |flag: &str, path: &Path| -> anyhow::Result<Value> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| UsageError(format!("{flag} {}: cannot be read: {e}", path.display())))?;
+        Ok(serde_json::from_str(&text).map_err(|e| UsageError(format!("{flag} {}: not JSON: {e}", path.display())))?)
+    };
+    let tools = match &args.tools {
+        None => None,
+        Some(path) => match read_json("--tools", path)? {
+            Value::Array(list) => Some(list),
+            _ => return Err(UsageError(format!("--tools {}: give a JSON list of tools", path.display())).into()),
+        },
+    };
+    let choice = match args.tool_choice.as_str() {
+        c @ ("auto" | "none" | "required") => json!(c),
+        name => json!({"type": "function", "function": {"name": name}}),
+    };
+    let format = match args.response_format.as_deref() {
+        None | Some("text") => Value::Null,
+        Some("json_object") => json!({"type": "json_object"}),
+        Some(file) => {
+            let schema = read_json("--response-format", Path::new(file))?;
+            json!({"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}})
+        }
+    };
+    crate::chat::openai::options(tools, Some(&choice), Some(&format)).map_err(|e| {
+        let flag = match e.param {
+            "tools" => "--tools",
+            "tool_choice" => "--tool-choice",
+            _ => "--response-format",
+        };
+        UsageError(format!("{flag}: {}", e.message)).into()
+    })
 }
 
 /// Counters of the last turn, for `/stats`.
@@ -220,21 +272,24 @@ struct Repl<'a, S: WeightSource + LayerHook> {
     storage: &'a dyn Fn(&S) -> Option<StreamStats>,
     last: TurnStats,
     terminal: bool,
+    /// The grammar compiler of constrained replies, made at the first.
+    grammars: Option<crate::chat::constrain::Grammars>,
 }
 
 fn repl<S: WeightSource + LayerHook>(
     args: &ChatArgs,
     opened: &Opened<S>,
     fp: Fingerprint,
-    thinking: Thinking,
+    (thinking, tools): (Thinking, crate::chat::tools::ToolOptions),
     context: usize,
     storage: impl Fn(&S) -> Option<StreamStats>,
 ) -> anyhow::Result<()> {
     let session = ChatSession::new(&opened.engine, context, args.prefill_chunk)?;
     let specials = Specials::of(&opened.tokenizer)?;
     let mut conv = Conversation::new(session, specials, thinking, args.system.as_deref());
+    conv.tools = tools;
     let terminal = std::io::stdin().is_terminal();
-    let mut r = Repl { args, opened, fp, storage: &storage, last: TurnStats::default(), terminal };
+    let mut r = Repl { args, opened, fp, storage: &storage, last: TurnStats::default(), terminal, grammars: None };
     if let Some(path) = &args.load_state {
         r.load(&mut conv, path)?;
     }
@@ -309,6 +364,14 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
                 }
             }
             ("stats", _) => eprintln!("k3ring: {}", self.last.describe()),
+            ("result", text) => match conv.push_tool_result(&self.opened.tokenizer, text)? {
+                None => eprintln!("k3ring: no tool call waits for a result"),
+                Some(false) => eprintln!("k3ring: {} more results to give", conv.pending_calls().len()),
+                Some(true) if conv.session.ids().len() >= conv.session.capacity() => {
+                    eprintln!("k3ring: the context is full; /reset to go on");
+                }
+                Some(true) => self.reply(conv)?,
+            },
             ("help", _) => eprintln!("{HELP_LONG}"),
             _ => eprintln!("k3ring: unknown command /{name}; {HELP}"),
         }
@@ -347,12 +410,29 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
             return Ok(());
         }
         conv.push_user(text, &ids);
+        self.reply(conv)
+    }
+
+    /// Generates the reply to the conversation so far and streams it; then the history and
+    /// state files.
+    fn reply(&mut self, conv: &mut Conversation) -> anyhow::Result<()> {
+        let tok = &self.opened.tokenizer;
         let seed = crate::rng::splitmix64_at(self.args.seed, conv.session.ids().len() as u64);
         let a = self.args;
         let sampling = Sampling { temperature: a.temperature, top_k: a.top_k.filter(|&k| k > 0), top_p: a.top_p, seed };
+        let vocab = self.opened.engine.model.cfg.vocab_size;
+        let constraint = crate::chat::constrain::reply_constraint(
+            &mut self.grammars,
+            tok,
+            &conv.specials,
+            vocab,
+            &conv.tools,
+            conv.thinking.enabled,
+        )?;
         let opts = ReplyOptions {
             max_tokens: a.max_tokens,
-            draft: a.drafting.options(&sampling),
+            draft: a.drafting.options(&sampling).filter(|_| constraint.is_none()),
+            constraint,
             sampling,
             stop_ids: conv.specials.end_ids().to_vec(),
             stop: Some(crate::interrupt::flag()),
@@ -375,6 +455,12 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
         printer.end();
         crate::interrupt::clear();
         conv.finish_reply(tok, &parser)?;
+        for (k, call) in conv.pending_calls().iter().enumerate() {
+            eprintln!("k3ring: tool call {}: {} {}", k + 1, call.name, call.arguments);
+        }
+        if !conv.pending_calls().is_empty() {
+            eprintln!("k3ring: answer each call with /result TEXT, in order");
+        }
         if let Some(e) = broke {
             eprintln!("k3ring: the reply broke the chat template ({e}); it was closed there");
         } else if reply.interrupted {

@@ -470,6 +470,7 @@ fn generate_stateful<S: WeightSource + LayerHook>(
     }
     sess.push(prompt);
     let reply_opts = ReplyOptions {
+        constraint: None,
         max_tokens: opts.gen,
         sampling: opts.sampling.clone(),
         stop_ids: opts.stop_ids.clone(),

@@ -26,8 +26,10 @@ pub struct ReplyOptions<'a> {
     pub stop_ids: Vec<u32>,
     /// Checked between prefill chunks and between tokens (Ctrl-C).
     pub stop: Option<&'a AtomicBool>,
-    /// Draft-and-verify decoding ([`super::draft`]); greedy only.
+    /// Draft-and-verify decoding ([`super::draft`]); greedy only, and not with a constraint.
     pub draft: Option<DraftOptions>,
+    /// Which ids may come next (a response format, a forced tool call).
+    pub constraint: Option<super::Constraint>,
 }
 
 /// What one reply did.
@@ -162,6 +164,7 @@ impl ChatSession {
             drafter: drafter.as_mut(),
             rng: &mut rng,
             candidates: &mut self.candidates,
+            constraint: opts.constraint.as_ref(),
         };
         let mut io = ReplySteps { engine, stop: opts.stop, reply: &mut out.ids, on_token: &mut on_token };
         let result = decode::decode(engine, &mut self.sess, decode, &mut self.ids, &mut io);

@@ -19,6 +19,8 @@ pub(super) struct Decode<'a> {
     pub drafter: Option<&'a mut Drafter>,
     pub rng: &'a mut SplitMix64,
     pub candidates: &'a mut Vec<(usize, f64)>,
+    /// Which ids may come next (a chat reply's response format; [`super::constraint`]).
+    pub constraint: Option<&'a super::Constraint>,
 }
 
 /// Why a decode loop ended.
@@ -56,7 +58,8 @@ pub(super) fn decode<S: WeightSource + LayerHook>(
     context: &mut Vec<u32>,
     io: &mut dyn Steps,
 ) -> Result<(End, DraftStats), EngineError> {
-    let Decode { max, sampling, stop_ids, mut drafter, rng, candidates } = d;
+    let Decode { max, sampling, stop_ids, mut drafter, rng, candidates, constraint } = d;
+    let mut masked = Vec::new();
     let (cfg, kernels) = (&engine.model.cfg, &engine.model.kernels);
     let vocab = cfg.vocab_size;
     let chunk = sess.scratch.chunk();
@@ -76,7 +79,20 @@ pub(super) fn decode<S: WeightSource + LayerHook>(
         let (mut kept, mut end) = (0, None);
         for i in 0..rows.len().max(1) {
             let logits = &sess.logits[i * vocab..(i + 1) * vocab];
-            let next = sampling::sample(logits, sampling, rng, candidates) as u32;
+            let next = match constraint {
+                None => sampling::sample(logits, sampling, rng, candidates) as u32,
+                Some(c) => {
+                    let pick = |l: &[f32]| sampling::sample(l, sampling, rng, candidates);
+                    match super::constraint::choose_masked(c, logits, &mut masked, pick) {
+                        Ok(id) => id,
+                        Err(why) => {
+                            tracing::warn!("{why}; the reply ends here");
+                            end = Some(End::Interrupted);
+                            break;
+                        }
+                    }
+                }
+            };
             context.push(next);
             (chosen, last) = (chosen + 1, next);
             kept = i + 1;

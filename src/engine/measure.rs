@@ -197,6 +197,7 @@ fn decode_drafted<S: WeightSource + crate::model::LayerHook>(
         drafter: Some(&mut drafter),
         rng: &mut rng,
         candidates: &mut candidates,
+        constraint: None,
     };
     let mut context = spec.prompt.clone();
     super::decode::decode(engine, &mut sess, d, &mut context, &mut io)?;

@@ -413,6 +413,7 @@ impl<S: WeightSource + LayerHook> Engine<S> {
             drafter: drafter.as_mut(),
             rng: &mut rng,
             candidates: &mut candidates,
+            constraint: None,
         };
         let mut io = GenerateSteps {
             engine: self,

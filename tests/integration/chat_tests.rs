@@ -34,6 +34,7 @@ fn talk(
         let before = conv.session.ids().to_vec();
         let seed = k3ring::rng::splitmix64_at(7, before.len() as u64);
         let opts = ReplyOptions {
+            constraint: None,
             max_tokens: 10,
             sampling: sampling(seeded, seed),
             stop_ids: conv.specials.end_ids().to_vec(),
@@ -143,6 +144,52 @@ fn chat_commands_through_stdin() {
     assert!(msgs[2].get("reasoning_content").is_none(), "thinking off stores no reasoning");
     let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(leftovers.len(), 1, "no temp files left: {leftovers:?}");
+}
+
+/// `--tools` with a forced call: the reply's call is shown and kept in the history with
+/// arguments valid for the tool; `/result` answers it and the model replies after it (calling
+/// again: the choice holds for every reply).
+/// `--response-format` makes the reply JSON; bad tool flags are exit 2 naming the flag.
+#[test]
+fn chat_tools_results_and_response_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let (h, tools, schema) = (dir.path().join("h.jsonl"), dir.path().join("tools.json"), dir.path().join("s.json"));
+    let params = serde_json::json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["n"], "additionalProperties": false});
+    let list = serde_json::json!([{"type": "function", "function": {"name": "count", "parameters": params}}]);
+    std::fs::write(&tools, list.to_string()).unwrap();
+    std::fs::write(&schema, params.to_string()).unwrap();
+    let (h_arg, tools_arg) = (h.to_str().unwrap(), tools.to_str().unwrap());
+    let common = ["--no-think", "--max-tokens", "200", "--temperature", "0.8", "--history", h_arg];
+    let (code, _out, err) = chat(
+        &[&common[..], &["--tools", tools_arg, "--tool-choice", "count"]].concat(),
+        "/result 1\nCount.\n/result 3\n",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("tool call 1: count {\"n\":"), "{err}");
+    assert!(err.contains("no tool call waits for a result"), "a /result before any call: {err}");
+    let msgs = history(&h);
+    let roles: Vec<&str> = msgs.iter().map(|m| m["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"], "{msgs:?}");
+    let call = &msgs[1]["tool_calls"][0];
+    assert_eq!((call["name"].as_str(), msgs[2]["tool_call_id"].as_str()), (Some("count"), call["id"].as_str()));
+    let args: serde_json::Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!((1..=9).contains(&args["n"].as_i64().unwrap()), "{args}");
+    let (code, _out, err) =
+        chat(&[&common[..], &["--response-format", schema.to_str().unwrap()]].concat(), "A number?\n");
+    assert_eq!(code, 0, "{err}");
+    let reply: serde_json::Value = serde_json::from_str(history(&h)[1]["content"].as_str().unwrap()).unwrap();
+    assert!((1..=9).contains(&reply["n"].as_i64().unwrap()), "{reply}");
+    for (flags, says) in [
+        (vec!["--tool-choice", "required"], "--tool-choice: tool_choice \"required\" needs tools"),
+        (vec!["--tools", tools_arg, "--tool-choice", "nope"], "--tool-choice: tool_choice names \"nope\""),
+        (vec!["--response-format", "/nonexistent.json"], "--response-format /nonexistent.json: cannot be read"),
+        (vec!["--tools", schema.to_str().unwrap()], "give a JSON list of tools"),
+    ] {
+        let (code, _out, err) = chat(&flags, "hi\n");
+        assert_eq!(code, 2, "{flags:?}: {err}");
+        assert!(err.contains(says), "{flags:?}: {err}");
+    }
 }
 
 #[test]

@@ -158,6 +158,7 @@ fn a_chat_reply_with_drafts_equals_one_without() {
         for t in turns {
             chat.push(t);
             let opts = ReplyOptions {
+                constraint: None,
                 max_tokens: 12,
                 sampling: Sampling::default(),
                 stop_ids: vec![],

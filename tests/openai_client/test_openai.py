@@ -346,6 +346,16 @@ def main():
         assert choice.finish_reason == "stop", (choice.finish_reason, choice.message.content)
         assert isinstance(json.loads(choice.message.content), dict), choice.message.content
 
+    def bad_schema_refused():
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}
+        try:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], response_format=fmt)
+        except openai.BadRequestError as e:
+            assert e.body.get("param") == "response_format", e.body
+            assert "schema" in e.body.get("message", ""), e.body
+            return
+        raise AssertionError("an unsatisfiable schema was accepted")
+
     def constrained_identity():
         """A constrained request gives the same tokens alone and beside others; the mask never
         changes the others' tokens."""
@@ -394,6 +404,7 @@ def main():
     for seed in range(2):
         check(f"response_format json_object, seed {seed}", lambda seed=seed: json_object_reply(seed))
     check("constrained tokens alone equal those in a mixed batch", constrained_identity)
+    check("an unsatisfiable schema is 400 naming response_format", bad_schema_refused)
 
     proc.send_signal(signal.SIGTERM)
     try:
