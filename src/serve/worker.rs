@@ -645,3 +645,7 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
         });
     }
 }
+
+#[cfg(test)]
+#[path = "worker_tests.rs"]
+mod tests;
