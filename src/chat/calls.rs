@@ -301,13 +301,9 @@ fn read_call(tok: &Tokenizer, sp: &Specials, ids: &[u32]) -> Option<ParsedCall> 
 mod tests {
     use super::*;
     use crate::chat::parse::{parse, CompletionParser, Event};
-    use crate::chat::template::{generation_prompt, message, to_ids, Message, Thinking};
+    use crate::chat::template::Message;
+    use crate::chat::test_support::{reply_ids, tiny};
     use crate::chat::tools::ToolCall;
-
-    fn tiny() -> Tokenizer {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
-        Tokenizer::from_model_dir(&dir).unwrap()
-    }
 
     fn with_calls(content: &str, calls: &[(&str, &str)]) -> Message {
         let tool_calls = calls
@@ -315,14 +311,6 @@ mod tests {
             .map(|(name, args)| ToolCall { id: None, name: (*name).into(), arguments: (*args).into() })
             .collect();
         Message { tool_calls, ..Message::assistant(Some("r"), content) }
-    }
-
-    /// The ids a model would generate for `m` after the generation prompt.
-    fn reply_ids(tok: &Tokenizer, sp: Specials, m: &Message, thinking: bool) -> Vec<u32> {
-        let th = Thinking { enabled: thinking, ..Thinking::default() };
-        let whole = to_ids(&message(m, th), tok, &sp).unwrap();
-        let prompt = to_ids(&generation_prompt(th), tok, &sp).unwrap();
-        whole[prompt.len()..].to_vec()
     }
 
     #[test]
@@ -375,66 +363,20 @@ mod tests {
     fn markup_that_is_no_call_is_stray_and_nesting_breaks_are_errors() {
         let tok = tiny();
         let sp = Specials::of(&tok).unwrap();
-        let enc = |t: &str| tok.encode(t).unwrap();
-        // <|close|>response<|sep|><|open|>tools<|sep|>
-        let mut ids = vec![sp.close];
-        ids.extend(enc("response"));
-        ids.extend([sp.sep, sp.open]);
-        ids.extend(enc("tools"));
-        ids.push(sp.sep);
-        let start = ids.clone();
+        // Markup spelled out, its specials read as the added tokens they name.
+        let ids = |text: &str| tok.encode_with_added(text).unwrap();
+        let start = "<|close|>response<|sep|><|open|>tools<|sep|>";
         // A call without a tool name, then a good one.
-        let mut bad = vec![sp.open];
-        bad.extend(enc("call index=\"1\""));
-        bad.extend([sp.sep, sp.close]);
-        bad.extend(enc("call"));
-        bad.push(sp.sep);
-        ids.extend(&bad);
-        ids.push(sp.open);
-        ids.extend(enc("call tool=\"f\" index=\"2\""));
-        ids.extend([sp.sep, sp.close]);
-        ids.extend(enc("call"));
-        ids.extend([sp.sep, sp.close]);
-        ids.extend(enc("tools"));
-        ids.extend([sp.sep, sp.close]);
-        ids.extend(enc("message"));
-        ids.extend([sp.sep, sp.end_of_msg]);
-        let c = parse(&tok, sp, false, &ids).unwrap();
-        assert_eq!(c.stray_ids, bad);
+        let bad = "<|open|>call index=\"1\"<|sep|><|close|>call<|sep|>";
+        let good = "<|open|>call tool=\"f\" index=\"2\"<|sep|><|close|>call<|sep|>";
+        let end = "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>";
+        let c = parse(&tok, sp, false, &ids(&format!("{start}{bad}{good}{end}"))).unwrap();
+        assert_eq!(c.stray_ids, ids(bad));
         assert_eq!(c.calls, [ParsedCall { name: "f".into(), arguments: "{}".into() }]);
-        // A close tag naming another element.
-        let mut broken = start.clone();
-        broken.push(sp.open);
-        broken.extend(enc("call tool=\"f\""));
-        broken.extend([sp.sep, sp.close]);
-        broken.extend(enc("tools"));
+        // A close tag naming another element; an end id inside the block.
+        let broken = ids(&format!("{start}<|open|>call tool=\"f\"<|sep|><|close|>tools"));
         assert!(matches!(parse(&tok, sp, false, &broken), Err(ParseError::BadMarkup { .. })));
-        // An end id inside the block.
-        let mut ended = start;
-        ended.push(sp.end_of_msg);
+        let ended = ids(&format!("{start}<|end_of_msg|>"));
         assert!(matches!(parse(&tok, sp, false, &ended), Err(ParseError::ControlInPayload { .. })));
-    }
-
-    #[test]
-    fn closing_after_any_cut_inside_calls_makes_a_whole_message() {
-        let tok = tiny();
-        let sp = Specials::of(&tok).unwrap();
-        let m = with_calls("so", &[("f", r#"{"a": "x", "b": [1]}"#), ("g", "[2]")]);
-        for thinking in [true, false] {
-            let ids = reply_ids(&tok, sp, &m, thinking);
-            for cut in 0..=ids.len() {
-                let mut p = CompletionParser::new(&tok, sp, thinking);
-                for &id in &ids[..cut] {
-                    p.push(id).unwrap();
-                }
-                let mut all = ids[..cut].to_vec();
-                all.extend(to_ids(&p.closing(), &tok, &sp).unwrap());
-                let c = parse(&tok, sp, thinking, &all).unwrap_or_else(|e| panic!("cut {cut}: {e}"));
-                assert!(c.complete);
-                if cut == ids.len() {
-                    assert_eq!(all, ids, "nothing to close");
-                }
-            }
-        }
     }
 }

@@ -266,14 +266,10 @@ impl TokenConstraint for GrammarConstraint {
 mod tests {
     use super::*;
     use crate::chat::parse::parse;
+    use crate::chat::test_support::tiny;
     use crate::engine::constraint::{choose_masked, Constraint};
     use crate::engine::sampling::{sample, Sampling};
     use crate::rng::SplitMix64;
-
-    fn tiny() -> Tokenizer {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
-        Tokenizer::from_model_dir(&dir).unwrap()
-    }
 
     /// A reply sampled from random logits under the constraint, up to its end id.
     fn sample_reply(g: &Grammars, o: &ToolOptions, thinking: bool, seed: u64, sp: &Specials) -> Vec<u32> {

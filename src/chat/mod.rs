@@ -13,6 +13,29 @@ pub mod pyjson;
 pub mod template;
 pub mod tools;
 
+/// What the chat tests share: the tiny model's tokenizer, and the ids a model writes for a
+/// message after the generation prompt.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) mod test_support {
+    use super::template::{generation_prompt, message, to_ids, Message, Specials, Thinking};
+    use crate::tokenizer::Tokenizer;
+
+    pub fn tiny() -> Tokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
+        Tokenizer::from_model_dir(&dir).unwrap()
+    }
+
+    /// The ids of `m` after the generation prompt of `thinking`: a reply as a model writes it.
+    pub fn reply_ids(tok: &Tokenizer, sp: Specials, m: &Message, thinking: bool) -> Vec<u32> {
+        let th = Thinking { enabled: thinking, ..Thinking::default() };
+        let whole = to_ids(&message(m, th), tok, &sp).unwrap();
+        let prompt = to_ids(&generation_prompt(th), tok, &sp).unwrap();
+        assert!(whole.starts_with(&prompt));
+        whole[prompt.len()..].to_vec()
+    }
+}
+
 use serde::{Deserialize, Serialize};
 
 use crate::engine::ChatSession;

@@ -382,21 +382,8 @@ pub fn parse(tok: &Tokenizer, sp: Specials, thinking: bool, ids: &[u32]) -> Resu
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::chat::template::{generation_prompt, message, to_ids, Message, Thinking};
-
-    fn tiny() -> Tokenizer {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
-        Tokenizer::from_model_dir(&dir).unwrap()
-    }
-
-    /// The ids a model would generate for `m` after the generation prompt.
-    fn completion_ids(tok: &Tokenizer, sp: Specials, m: &Message, thinking: bool) -> Vec<u32> {
-        let th = Thinking { enabled: thinking, ..Thinking::default() };
-        let whole = to_ids(&message(m, th), tok, &sp).unwrap();
-        let prompt = to_ids(&generation_prompt(th), tok, &sp).unwrap();
-        assert!(whole.starts_with(&prompt));
-        whole[prompt.len()..].to_vec()
-    }
+    use crate::chat::template::{to_ids, Message};
+    use crate::chat::test_support::{reply_ids as completion_ids, tiny};
 
     #[test]
     fn splits_reasoning_from_content() {
@@ -459,8 +446,18 @@ mod tests {
     fn closing_after_any_cut_makes_a_whole_message() {
         let tok = tiny();
         let sp = Specials::of(&tok).unwrap();
-        for thinking in [true, false] {
-            let ids = completion_ids(&tok, sp, &Message::assistant(Some("why"), "so"), thinking);
+        let call = |name: &str, arguments: &str| crate::chat::tools::ToolCall {
+            id: None,
+            name: name.into(),
+            arguments: arguments.into(),
+        };
+        let calls = vec![call("f", r#"{"a": "x", "b": [1]}"#), call("g", "[2]")];
+        let with_calls = Message { tool_calls: calls, ..Message::assistant(Some("why"), "so") };
+        for (thinking, m) in [true, false]
+            .into_iter()
+            .flat_map(|t| [(t, Message::assistant(Some("why"), "so")), (t, with_calls.clone())])
+        {
+            let ids = completion_ids(&tok, sp, &m, thinking);
             for cut in 0..=ids.len() {
                 let mut p = CompletionParser::new(&tok, sp, thinking);
                 for &id in &ids[..cut] {

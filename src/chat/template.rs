@@ -215,6 +215,17 @@ pub enum Role {
 }
 
 impl Role {
+    /// The role of an OpenAI message's `role` (`developer` is a system message).
+    pub fn from_openai(role: &str) -> Option<Role> {
+        Some(match role {
+            "system" | "developer" => Role::System,
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            "tool" => Role::Tool,
+            _ => return None,
+        })
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Role::System => "system",

@@ -235,17 +235,12 @@ fn render_messages(
         .iter()
         .enumerate()
         .map(|(i, m)| {
-            let role = match m.role.as_str() {
-                "system" | "developer" => Role::System,
-                "user" => Role::User,
-                "assistant" => Role::Assistant,
-                "tool" => Role::Tool,
-                other => {
-                    return Err(format!(
+            let role = Role::from_openai(&m.role).ok_or_else(|| {
+                let other = &m.role;
+                format!(
                     "messages: message {i}: role {other:?} is not supported (system, developer, user, assistant, tool)"
-                ))
-                }
-            };
+                )
+            })?;
             let tool_calls = match role {
                 Role::Assistant => openai::calls(i, m.tool_calls.clone()).map_err(|e| e.message)?,
                 _ => Vec::new(),
@@ -259,7 +254,7 @@ fn render_messages(
                 tool_call_id: m.tool_call_id.clone().filter(|_| role == Role::Tool),
             })
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, String>>()?;
     check_order(&list).map_err(|e| format!("messages: {e}"))?;
     if list.last().is_none_or(|m| !matches!(m.role, Role::User | Role::Tool)) {
         return Err("messages: the last message must be the user's or a tool result: a reply is asked for".into());

@@ -382,18 +382,13 @@ pub fn chat_job(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
 }
 
 fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
-    let role = match m.role.as_str() {
-        "system" | "developer" => Role::System,
-        "user" => Role::User,
-        "assistant" => Role::Assistant,
-        "tool" => Role::Tool,
-        other => {
-            return Err(ApiError::param(
-                "messages",
-                format!("message {index}: role {other:?} is not supported (system, developer, user, assistant, tool)"),
-            ))
-        }
-    };
+    let role = Role::from_openai(&m.role).ok_or_else(|| {
+        let other = &m.role;
+        ApiError::param(
+            "messages",
+            format!("message {index}: role {other:?} is not supported (system, developer, user, assistant, tool)"),
+        )
+    })?;
     let content = match m.content {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s,

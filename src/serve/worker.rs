@@ -142,7 +142,36 @@ struct Sequence<'t> {
     constraint: Option<Constraint>,
 }
 
-impl Sequence<'_> {
+impl<'t> Sequence<'t> {
+    /// A sequence that has generated nothing yet, with no stop strings, end ids or constraint.
+    fn new(
+        events: UnboundedSender<Event>,
+        prompt_tokens: usize,
+        parser: Option<CompletionParser<'t>>,
+        ticket: Ticket,
+    ) -> Sequence<'t> {
+        Sequence {
+            events,
+            prompt_tokens,
+            stop: Vec::new(),
+            end_ids: Vec::new(),
+            skip_special: true,
+            parser,
+            reasoning: Text::default(),
+            content: Text::default(),
+            ids: Vec::new(),
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
+            cut: None,
+            generated: 0,
+            calls: Vec::new(),
+            calls_read: 0,
+            stray_shown: 0,
+            ticket,
+            constraint: None,
+        }
+    }
+
     /// Where the content may be sent up to: before any text that could begin a stop string.
     fn safe_end(&self) -> usize {
         if let Some(cut) = self.cut {
@@ -463,24 +492,11 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                         let _ = s.events.send(Event::Started { prompt_ids, echo });
                         let parser = chat.map(|(sp, thinking)| CompletionParser::new(self.out.tok, sp, thinking));
                         let seq = Sequence {
-                            events: s.events,
-                            prompt_tokens,
                             stop: s.job.stop,
                             end_ids,
                             skip_special,
-                            parser,
-                            reasoning: Text::default(),
-                            content: Text::default(),
-                            ids: Vec::new(),
-                            logprobs: Vec::new(),
-                            prompt_logprobs: Vec::new(),
-                            cut: None,
-                            generated: 0,
-                            calls: Vec::new(),
-                            calls_read: 0,
-                            stray_shown: 0,
-                            ticket,
                             constraint: request_constraint,
+                            ..Sequence::new(s.events, prompt_tokens, parser, ticket)
                         };
                         self.out.seqs.insert(ticket, seq);
                     }

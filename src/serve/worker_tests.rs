@@ -3,36 +3,9 @@
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 use super::*;
-use crate::chat::template::{generation_prompt, message, Message, Thinking, ToolCall};
+use crate::chat::template::{Message, ToolCall};
+use crate::chat::test_support::{reply_ids, tiny};
 use crate::engine::DraftStats;
-
-fn tiny() -> Tokenizer {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
-    Tokenizer::from_model_dir(&dir).unwrap()
-}
-
-fn sequence<'t>(tok: &'t Tokenizer, sp: Specials, events: UnboundedSender<Event>) -> Sequence<'t> {
-    Sequence {
-        events,
-        prompt_tokens: 1,
-        stop: Vec::new(),
-        end_ids: sp.end_ids().to_vec(),
-        skip_special: true,
-        parser: Some(CompletionParser::new(tok, sp, false)),
-        reasoning: Text::default(),
-        content: Text::default(),
-        ids: Vec::new(),
-        logprobs: Vec::new(),
-        prompt_logprobs: Vec::new(),
-        cut: None,
-        generated: 0,
-        calls: Vec::new(),
-        calls_read: 0,
-        stray_shown: 0,
-        ticket: 7,
-        constraint: None,
-    }
-}
 
 /// Feeds `ids` to a sequence through the sink; returns the content, calls and finish reason
 /// sent.
@@ -45,7 +18,8 @@ fn feed(tok: &Tokenizer, sp: Specials, ids: &[u32]) -> (String, Vec<serde_json::
         drafting: false,
         prefix_cache: false,
     };
-    out.seqs.insert(7, sequence(tok, sp, tx));
+    let parser = Some(CompletionParser::new(tok, sp, false));
+    out.seqs.insert(7, Sequence { end_ids: sp.end_ids().to_vec(), ..Sequence::new(tx, 1, parser, 7) });
     let mut reason = FinishReason::Length;
     for &id in ids {
         if out.token(7, id) || sp.end_ids().contains(&id) {
@@ -76,13 +50,6 @@ fn feed(tok: &Tokenizer, sp: Specials, ids: &[u32]) -> (String, Vec<serde_json::
     (content, calls, finish)
 }
 
-fn reply_ids(tok: &Tokenizer, sp: Specials, m: &Message) -> Vec<u32> {
-    let th = Thinking { enabled: false, ..Thinking::default() };
-    let whole = to_ids(&message(m, th), tok, &sp).unwrap();
-    let prompt = to_ids(&generation_prompt(th), tok, &sp).unwrap();
-    whole[prompt.len()..].to_vec()
-}
-
 #[test]
 fn calls_are_sent_as_deltas_with_finish_reason_tool_calls() {
     let tok = tiny();
@@ -92,7 +59,7 @@ fn calls_are_sent_as_deltas_with_finish_reason_tool_calls() {
         ToolCall { id: None, name: "g".into(), arguments: "{}".into() },
     ];
     let m = Message { tool_calls: calls, ..Message::assistant(None, "ok") };
-    let (content, calls, finish) = feed(&tok, sp, &reply_ids(&tok, sp, &m));
+    let (content, calls, finish) = feed(&tok, sp, &reply_ids(&tok, sp, &m, false));
     assert_eq!((content.as_str(), finish), ("ok", "tool_calls"));
     let got: Vec<(u64, &str, &str, &str)> = calls
         .iter()
@@ -113,23 +80,11 @@ fn calls_are_sent_as_deltas_with_finish_reason_tool_calls() {
 fn markup_that_is_no_call_is_content_and_a_cut_call_too() {
     let tok = tiny();
     let sp = Specials::of(&tok).unwrap();
-    let enc = |t: &str| tok.encode(t).unwrap();
-    // <|close|>response<|sep|><|open|>tools<|sep|><|open|>call index="1"<|sep|><|close|>call<|sep|>
-    // <|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>: a call without a tool.
-    let mut ids = vec![sp.close];
-    ids.extend(enc("response"));
-    ids.extend([sp.sep, sp.open]);
-    ids.extend(enc("tools"));
-    ids.extend([sp.sep, sp.open]);
-    ids.extend(enc("call index=\"1\""));
-    let inside = ids.len();
-    ids.extend([sp.sep, sp.close]);
-    ids.extend(enc("call"));
-    ids.extend([sp.sep, sp.close]);
-    ids.extend(enc("tools"));
-    ids.extend([sp.sep, sp.close]);
-    ids.extend(enc("message"));
-    ids.extend([sp.sep, sp.end_of_msg]);
+    // A call without a tool, the markup spelled out (its specials read as added tokens).
+    let head = "<|close|>response<|sep|><|open|>tools<|sep|><|open|>call index=\"1\"";
+    let tail = "<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>";
+    let ids = tok.encode_with_added(&format!("{head}{tail}")).unwrap();
+    let inside = tok.encode_with_added(head).unwrap().len();
     let (content, calls, finish) = feed(&tok, sp, &ids);
     assert!(calls.is_empty());
     assert_eq!(content, "<|open|>call index=\"1\"<|sep|><|close|>call<|sep|>");
