@@ -7,6 +7,7 @@
 //! - `tool_choice` `required` or a named function: the response is empty (or the JSON above)
 //!   and one or more calls follow, each a declared tool (the named one) with its arguments in a
 //!   JSON block valid for the tool's `parameters`.
+//! - `tool_choice` `none` with tools declared: the response is free text and no call follows.
 //!
 //! With thinking on, the reasoning before the response is free (any text, no markup), as vLLM
 //! and llama.cpp leave a reasoning model's thinking unconstrained; the constraint starts to
@@ -174,7 +175,9 @@ pub fn reply_grammar(o: &ToolOptions, thinking: bool) -> Option<String> {
         ToolChoice::Function(name) => o.tools.iter().filter(|t| function_name(t) == Some(name)).collect(),
         ToolChoice::Auto | ToolChoice::None => Vec::new(),
     };
-    if schema.is_none() && forced.is_empty() {
+    // `none` with tools declared: the reply may not call them (the release only asks).
+    let no_calls = o.choice == ToolChoice::None && !o.tools.is_empty();
+    if schema.is_none() && forced.is_empty() && !no_calls {
         return None;
     }
     let mut rules = Vec::new();
@@ -186,6 +189,9 @@ pub fn reply_grammar(o: &ToolOptions, thinking: bool) -> Option<String> {
     if let Some(s) = &schema {
         start.push_str("answer ");
         rules.push(format!("answer: %json {}", compact_schema(s)));
+    } else if no_calls {
+        start.push_str("TEXT ");
+        rules.push("TEXT: /(.|\\n)*/".to_owned());
     }
     start.push_str("<|close|> \"response\" <|sep|> ");
     if !forced.is_empty() {
@@ -350,6 +356,15 @@ mod tests {
                 }
             }
         }
-        assert!(reply_grammar(&ToolOptions { tools, ..ToolOptions::default() }, true).is_none(), "auto binds nothing");
+        assert!(
+            reply_grammar(&ToolOptions { tools: tools.clone(), ..ToolOptions::default() }, true).is_none(),
+            "auto binds nothing"
+        );
+        // `none`: free text, then the message closes without calls.
+        let o = ToolOptions { tools, choice: ToolChoice::None, ..ToolOptions::default() };
+        for seed in 0..3 {
+            let c = parse(&tok, sp, false, &sample_reply(&g, &o, false, seed, &sp)).unwrap();
+            assert!(c.calls.is_empty() && c.stray_ids.is_empty() && c.complete, "{c:?}");
+        }
     }
 }
