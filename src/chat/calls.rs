@@ -82,7 +82,7 @@ impl ToolBlock {
 
     pub fn push(&mut self, tok: &Tokenizer, sp: &Specials, at: usize, id: u32) -> Result<BlockEvent, ParseError> {
         let top_level = self.stack.len() <= 1;
-        if !top_level || !matches!(self.tag, Tag::Body) || id == sp.open {
+        if !top_level || !matches!(self.tag, Tag::Body) || id == sp.open || id == sp.close {
             self.element.push(id);
         }
         match &mut self.tag {
@@ -118,6 +118,7 @@ impl ToolBlock {
                 }
                 self.tag = Tag::Body;
                 if self.stack.is_empty() {
+                    self.element.clear();
                     return Ok(BlockEvent::Closed);
                 }
                 if self.stack.len() == 1 {

@@ -150,14 +150,18 @@ pub fn reply_constraint(
 fn compact_schema(schema: &Value) -> String {
     let mut s = schema.clone();
     if let Some(o) = s.as_object_mut() {
-        o.entry("x-guidance").or_insert_with(|| json!({"whitespace_flexible": false}));
+        let x = o.entry("x-guidance").or_insert_with(|| json!({}));
+        if let Some(x) = x.as_object_mut() {
+            x.insert("whitespace_flexible".into(), Value::Bool(false));
+        }
     }
     s.to_string()
 }
 
 /// A lark string literal of `text`.
 fn lit(text: &str) -> String {
-    serde_json::to_string(text).unwrap_or_default()
+    // JSON escapes all but DEL, which a lark string may not hold raw.
+    serde_json::to_string(text).unwrap_or_default().replace('\u{7f}', "\\u007f")
 }
 
 /// Calls a reply forced by `tool_choice: "required"` may make at most.

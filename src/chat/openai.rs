@@ -125,6 +125,9 @@ pub fn calls(index: usize, v: Option<Value>) -> Result<Vec<ToolCall>, FieldError
             let arguments = match f.get("arguments") {
                 None | Some(Value::Null) => String::new(),
                 Some(Value::String(s)) => s.clone(),
+                // An object (the release takes it too): each value as Python's default dumps
+                // writes it, which is what reading its text back one level deep gives.
+                Some(o @ Value::Object(_)) => super::pyjson::python_default(o),
                 Some(_) => return Err(bad(format!("tool_calls[{k}].function.arguments must be a string of JSON"))),
             };
             let id = c.get("id").and_then(Value::as_str).map(str::to_owned);

@@ -10,11 +10,30 @@ use serde_json::Value;
 /// The compact form: separators `,` and `:`, non-ASCII as is, keys sorted at every depth.
 pub fn compact_sorted(v: &Value) -> String {
     let mut out = String::new();
-    write_compact(v, &mut out);
+    write_compact(v, &mut out, Layout::COMPACT_SORTED);
     out
 }
 
-fn write_compact(v: &Value, out: &mut String) {
+/// Python's default `json.dumps`: separators `, ` and `: `, keys in their order (as given).
+pub fn python_default(v: &Value) -> String {
+    let mut out = String::new();
+    write_compact(v, &mut out, Layout::DEFAULT);
+    out
+}
+
+#[derive(Clone, Copy)]
+struct Layout {
+    item: &'static str,
+    key: &'static str,
+    sorted: bool,
+}
+
+impl Layout {
+    const COMPACT_SORTED: Layout = Layout { item: ",", key: ":", sorted: true };
+    const DEFAULT: Layout = Layout { item: ", ", key: ": ", sorted: false };
+}
+
+fn write_compact(v: &Value, out: &mut String, layout: Layout) {
     match v {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
@@ -29,24 +48,27 @@ fn write_compact(v: &Value, out: &mut String) {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.push_str(layout.item);
                 }
-                write_compact(item, out);
+                write_compact(item, out, layout);
             }
             out.push(']');
         }
         Value::Object(map) => {
-            // Rust orders strings by UTF-8 bytes, which is Python's code point order.
+            // Rust orders strings by UTF-8 bytes, which is Python's code point order; unsorted,
+            // the map keeps the order the keys came in (serde_json's `preserve_order`).
             let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
+            if layout.sorted {
+                keys.sort();
+            }
             out.push('{');
             for (i, k) in keys.into_iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.push_str(layout.item);
                 }
                 write_string(k, out);
-                out.push(':');
-                write_compact(&map[k], out);
+                out.push_str(layout.key);
+                write_compact(&map[k], out, layout);
             }
             out.push('}');
         }
@@ -426,6 +448,12 @@ mod tests {
         assert_eq!(compact_sorted(&v), r#"{"a":1.5,"b":[3,{"a":"é\n","z":1}],"c":null,"d":100.0}"#);
         let v = Value::String("\u{1}\u{7f}\"\\/".into());
         assert_eq!(compact_sorted(&v), "\"\\u0001\u{7f}\\\"\\\\/\"");
+    }
+
+    #[test]
+    fn the_default_layout_keeps_key_order_and_spaces() {
+        let v: Value = serde_json::from_str(r#"{"z": [1, 2.5e-7], "a": {"k": null}}"#).unwrap();
+        assert_eq!(python_default(&v), r#"{"z": [1, 2.5e-07], "a": {"k": null}}"#);
     }
 
     #[test]

@@ -151,7 +151,9 @@ impl ChatSession {
         // The last token is never fed, so a reply may reach one past the capacity.
         let room = capacity - self.ids.len() + 1;
         let steps = opts.max_tokens.min(room);
-        let mut drafter = super::drafter_for(opts.draft.as_ref(), &opts.sampling, false, &self.ids)?;
+        // A constrained reply is not drafted: its mask follows each chosen token.
+        let draft = opts.draft.as_ref().filter(|_| opts.constraint.is_none());
+        let mut drafter = super::drafter_for(draft, &opts.sampling, false, &self.ids)?;
         if let (Some(d), Some(previous)) = (&mut drafter, &self.drafter) {
             d.resume(previous);
         }

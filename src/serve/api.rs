@@ -144,9 +144,13 @@ struct ChatMessage {
     role: String,
     content: Option<Value>,
     reasoning_content: Option<String>,
+    /// Taken for `reasoning_content` when that is absent or empty (as the release does).
+    reasoning: Option<String>,
     name: Option<String>,
     tool_calls: Option<Value>,
     tool_call_id: Option<String>,
+    /// A tool result's call when `tool_call_id` is absent (as the release reads it).
+    id: Option<String>,
 }
 
 /// Limits the server applies while checking.
@@ -409,13 +413,13 @@ fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
         }
         Some(_) => return Err(ApiError::param("messages", format!("message {index}: content must be text"))),
     };
-    let reasoning = if role == Role::Assistant { m.reasoning_content } else { None };
+    let reasoning = m.reasoning_content.filter(|r| !r.is_empty()).or(m.reasoning).filter(|_| role == Role::Assistant);
     let tool_calls = if role == Role::Assistant {
         crate::chat::openai::calls(index, m.tool_calls).map_err(|e| ApiError::param(e.param, e.message))?
     } else {
         Vec::new()
     };
-    let tool_call_id = if role == Role::Tool { m.tool_call_id } else { None };
+    let tool_call_id = if role == Role::Tool { m.tool_call_id.or(m.id) } else { None };
     Ok(Message { role, content, reasoning_content: reasoning, name: m.name, tool_calls, tool_call_id })
 }
 

@@ -206,11 +206,11 @@ impl<'t> Sequence<'t> {
     }
 
     /// Takes what the parser read of tool calls: new calls to send, stray markup as content.
-    fn take_tool_markup(&mut self, tok: &Tokenizer, also_pending: bool) {
+    fn take_tool_markup(&mut self, tok: &Tokenizer, call_ids: &str, also_pending: bool) {
         let Some(parser) = &self.parser else { return };
         let c = parser.completion();
         for (k, call) in c.calls.iter().enumerate().skip(self.calls_read) {
-            let mut v = crate::chat::calls::openai_tool_call(call, &self.ticket.to_string(), k);
+            let mut v = crate::chat::calls::openai_tool_call(call, &format!("{call_ids}{}", self.ticket), k);
             v["index"] = serde_json::Value::from(k);
             self.calls.push(v);
         }
@@ -238,6 +238,9 @@ struct Outputs<'t> {
     drafting: bool,
     /// The batcher keeps a prefix cache: usages report the prompt tokens it gave.
     prefix_cache: bool,
+    /// What every call id of this server starts with (after `call_`), so that ids do not
+    /// repeat across restarts within a client's conversation.
+    call_ids: String,
 }
 
 impl BatchSink for Outputs<'_> {
@@ -265,12 +268,12 @@ impl BatchSink for Outputs<'_> {
                 Ok(ParseEvent::Payload(ch)) => Some(ch),
                 Ok(ParseEvent::Markup | ParseEvent::End) => None,
                 Ok(ParseEvent::Call | ParseEvent::Stray) => {
-                    seq.take_tool_markup(self.tok, false);
+                    seq.take_tool_markup(self.tok, &self.call_ids, false);
                     None
                 }
                 Err(e) => {
                     tracing::warn!("a reply broke the chat template ({e}); it ends there");
-                    seq.take_tool_markup(self.tok, true);
+                    seq.take_tool_markup(self.tok, &self.call_ids, true);
                     stop = true;
                     None
                 }
@@ -323,7 +326,7 @@ impl BatchSink for Outputs<'_> {
         seq.flush();
         if f.reason == FinishReason::Length && seq.parser.as_ref().is_some_and(|p| !p.pending_tool_ids().is_empty()) {
             // Cut inside a call: what it wrote is content.
-            seq.take_tool_markup(self.tok, true);
+            seq.take_tool_markup(self.tok, &self.call_ids, true);
             seq.cut = Some(seq.content.text.len());
         }
         seq.flush();
@@ -388,7 +391,14 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
         let prefix_cache = batcher.prefix_stats().is_some();
         Worker {
             batcher,
-            out: Outputs { tok, seqs: HashMap::new(), shared, drafting, prefix_cache },
+            out: Outputs {
+                tok,
+                seqs: HashMap::new(),
+                shared,
+                drafting,
+                prefix_cache,
+                call_ids: format!("{:08x}", crate::rng::splitmix64_at(seeds, 1) as u32),
+            },
             cfg,
             specials,
             opts,

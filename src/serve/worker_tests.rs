@@ -17,6 +17,7 @@ fn feed(tok: &Tokenizer, sp: Specials, ids: &[u32]) -> (String, Vec<serde_json::
         shared: Arc::new(Shared::default()),
         drafting: false,
         prefix_cache: false,
+        call_ids: "ab".into(),
     };
     let parser = Some(CompletionParser::new(tok, sp, false));
     out.seqs.insert(7, Sequence { end_ids: sp.end_ids().to_vec(), ..Sequence::new(tx, 1, parser, 7) });
@@ -73,7 +74,7 @@ fn calls_are_sent_as_deltas_with_finish_reason_tool_calls() {
             )
         })
         .collect();
-    assert_eq!(got, [(0, "call_7_0", "f", r#"{"a":1}"#), (1, "call_7_1", "g", "{}")]);
+    assert_eq!(got, [(0, "call_ab7_0", "f", r#"{"a":1}"#), (1, "call_ab7_1", "g", "{}")]);
 }
 
 #[test]
