@@ -34,6 +34,16 @@ pub fn openai_tool_call(c: &ParsedCall, prefix: &str, k: usize) -> serde_json::V
     })
 }
 
+/// A call written back as the markup it came in (a `json` block holding its arguments), for a
+/// call that is returned as content.
+pub fn call_markup(c: &ParsedCall) -> String {
+    let name = c.name.replace('&', "&amp;").replace('"', "&quot;");
+    format!(
+        "<|open|>call tool=\"{name}\"<|sep|><|open|>json type=\"object\"<|sep|>{}<|close|>json<|sep|><|close|>call<|sep|>",
+        c.arguments
+    )
+}
+
 /// What one id of the block did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlockEvent {

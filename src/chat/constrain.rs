@@ -190,43 +190,145 @@ pub fn reply_grammar(o: &ToolOptions, thinking: bool) -> Option<String> {
         start.push_str("THINK <|close|> \"think\" <|sep|> <|open|> \"response\" <|sep|> ");
         rules.push("THINK: /(.|\\n)*/".to_owned());
     }
+    // Who may be called: the forced tools; with a schema and `auto`, any declared tool instead
+    // of the JSON (as OpenAI lets a structured reply call tools).
+    let auto = o.choice == ToolChoice::Auto;
+    let callable: Vec<&Value> =
+        if forced.is_empty() && auto && schema.is_some() { o.tools.iter().collect() } else { forced.clone() };
+    let once = matches!(o.choice, ToolChoice::Function(_));
+    let block = (!callable.is_empty()).then(|| tools_block(&mut rules, &callable, once));
     if let Some(s) = &schema {
-        start.push_str("answer ");
         rules.push(format!("answer: %json {}", compact_schema(s)));
-    } else if no_calls {
-        start.push_str("TEXT ");
-        rules.push("TEXT: /(.|\\n)*/".to_owned());
     }
-    start.push_str("<|close|> \"response\" <|sep|> ");
-    if !forced.is_empty() {
-        // A named function is called once; `required` makes one call or more (parallel calls,
-        // numbered as the release numbers them).
-        let most = if matches!(o.choice, ToolChoice::Function(_)) { 1 } else { MAX_FORCED_CALLS };
-        start.push_str("<|open|> \"tools\" <|sep|> calls_1 <|close|> \"tools\" <|sep|> ");
-        for n in 1..=most {
-            let more = if n < most { format!(" calls_{}?", n + 1) } else { String::new() };
-            let any: Vec<String> = (0..forced.len()).map(|k| format!("call_{n}_{k}")).collect();
-            rules.push(format!("calls_{n}: ({}){more}", any.join(" | ")));
-            for (k, tool) in forced.iter().enumerate() {
-                let name = function_name(tool).unwrap_or_default().replace('&', "&amp;").replace('"', "&quot;");
-                rules.push(format!(
-                    "call_{n}_{k}: <|open|> {} <|sep|> <|open|> \"json type=\\\"object\\\"\" <|sep|> args_{k} \
-                     <|close|> \"json\" <|sep|> <|close|> \"call\" <|sep|>",
-                    lit(&format!("call tool=\"{name}\" index=\"{n}\""))
-                ));
-            }
+    const CLOSE: &str = "<|close|> \"response\" <|sep|>";
+    let body = match (&schema, block) {
+        (Some(_), Some(b)) if forced.is_empty() => format!("(answer {CLOSE} | {CLOSE} {b})"),
+        (Some(_), Some(b)) => format!("answer {CLOSE} {b}"),
+        (Some(_), None) => format!("answer {CLOSE}"),
+        (None, Some(b)) => format!("{CLOSE} {b}"),
+        (None, None) => {
+            rules.push("TEXT: /(.|\\n)*/".to_owned());
+            format!("TEXT {CLOSE}")
         }
-        for (k, tool) in forced.iter().enumerate() {
-            let params = match tool["function"].get("parameters").filter(|p| p.is_object()) {
-                Some(p) => p.clone(),
-                None => json!({"type": "object", "properties": {}, "additionalProperties": false}),
-            };
-            rules.push(format!("args_{k}: %json {}", compact_schema(&params)));
-        }
-    }
-    start.push_str("<|close|> \"message\" <|sep|>");
+    };
+    start.push_str(&body);
+    start.push_str(" <|close|> \"message\" <|sep|>");
     rules.insert(0, start);
     Some(rules.join("\n") + "\n")
+}
+
+/// The tools block of calls to `tools` (rules into `rules`): one call when `once`, else one to
+/// [`MAX_FORCED_CALLS`], numbered as the release numbers them.
+fn tools_block(rules: &mut Vec<String>, tools: &[&Value], once: bool) -> String {
+    let most = if once { 1 } else { MAX_FORCED_CALLS };
+    let mut bodies = Vec::new();
+    for (k, tool) in tools.iter().enumerate() {
+        let params = tool["function"].get("parameters").filter(|p| p.is_object()).cloned().unwrap_or(json!({}));
+        let args = match argument_rules(k, &params, rules) {
+            Some(elements) => elements,
+            None => {
+                rules.push(format!("args_{k}: %json {}", compact_schema(&params)));
+                format!("<|open|> \"json type=\\\"object\\\"\" <|sep|> args_{k} <|close|> \"json\" <|sep|>")
+            }
+        };
+        bodies.push(args);
+    }
+    for n in 1..=most {
+        let more = if n < most { format!(" calls_{}?", n + 1) } else { String::new() };
+        let any: Vec<String> = (0..tools.len()).map(|k| format!("call_{n}_{k}")).collect();
+        rules.push(format!("calls_{n}: ({}){more}", any.join(" | ")));
+        for (k, tool) in tools.iter().enumerate() {
+            rules.push(format!(
+                "call_{n}_{k}: <|open|> {} <|sep|> {} <|close|> \"call\" <|sep|>",
+                lit(&format!("call tool=\"{}\" index=\"{n}\"", attr(function_name(tool).unwrap_or_default()))),
+                bodies[k]
+            ));
+        }
+    }
+    "<|open|> \"tools\" <|sep|> calls_1 <|close|> \"tools\" <|sep|>".to_owned()
+}
+
+/// An attribute value as the release escapes it.
+fn attr(v: &str) -> String {
+    v.replace('&', "&amp;").replace('"', "&quot;")
+}
+
+/// A call's arguments as the release writes an object's: one `argument` element per property,
+/// the required ones always and the others optionally, in the schema's order; a string as its
+/// raw text, any other value as JSON for its schema. `None` when raw text cannot follow the
+/// schema (a string's `pattern` or `format`, a property of no single type, a required key with
+/// no property): the call then takes a JSON block.
+fn argument_rules(k: usize, params: &Value, rules: &mut Vec<String>) -> Option<String> {
+    let empty = serde_json::Map::new();
+    let props = match params.get("properties") {
+        None => &empty,
+        Some(Value::Object(p)) => p,
+        Some(_) => return None,
+    };
+    let required: Vec<&str> = params
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if required.iter().any(|r| !props.contains_key(*r)) {
+        return None;
+    }
+    let mut seq = Vec::new();
+    for (j, (key, p)) in props.iter().enumerate() {
+        let (kind, value) = argument_value(p)?;
+        let value = match value {
+            Value::String(rule) => rule,
+            _ => return None,
+        };
+        rules.push(format!("val_{k}_{j}: {value}"));
+        let tag = lit(&format!("argument key=\"{}\" type=\"{kind}\"", attr(key)));
+        rules.push(format!("arg_{k}_{j}: <|open|> {tag} <|sep|> val_{k}_{j} <|close|> \"argument\" <|sep|>"));
+        seq.push(if required.contains(&key.as_str()) { format!("arg_{k}_{j}") } else { format!("arg_{k}_{j}?") });
+    }
+    Some(seq.join(" "))
+}
+
+/// One property: its `type` attribute and the lark of its text (as a JSON string value).
+fn argument_value(p: &Value) -> Option<(&'static str, Value)> {
+    let json_of = |p: &Value| Value::String(format!("%json {}", compact_schema(p)));
+    let strings: Option<Vec<&str>> =
+        p.get("enum").and_then(Value::as_array).map(|e| e.iter().filter_map(Value::as_str).collect());
+    let enum_len = p.get("enum").and_then(Value::as_array).map(Vec::len);
+    let kind = match p.get("type").and_then(Value::as_str) {
+        Some(t) => t,
+        None if strings.as_ref().is_some_and(|s| Some(s.len()) == enum_len) => "string",
+        None => return None,
+    };
+    Some(match kind {
+        "string" if p.get("pattern").is_some() || p.get("format").is_some() => return None,
+        // An empty string is no text at all, which a lark literal cannot spell: a JSON block.
+        "string" => match (strings, p.get("const").and_then(Value::as_str)) {
+            (_, Some(c)) if !c.is_empty() => ("string", Value::String(lit(c))),
+            (_, Some(_)) => return None,
+            (Some(options), None) if Some(options.len()) == enum_len && options.iter().all(|o| !o.is_empty()) => {
+                let alts: Vec<String> = options.iter().map(|o| lit(o)).collect();
+                ("string", Value::String(format!("({})", alts.join(" | "))))
+            }
+            (Some(_), None) => return None,
+            (None, None) => {
+                let min = p.get("minLength").and_then(Value::as_u64).unwrap_or(0);
+                let max = p.get("maxLength").and_then(Value::as_u64);
+                let reps = match max {
+                    Some(max) if max >= min.max(1) && max <= 4096 => format!("{{{},{max}}}", min.max(1)),
+                    Some(_) => return None,
+                    None => format!("{{{},}}", min.max(1)),
+                };
+                let text = format!("/(.|\\n){reps}/");
+                ("string", Value::String(if min == 0 { format!("({text})?") } else { text }))
+            }
+        },
+        "integer" | "number" => ("number", json_of(p)),
+        "boolean" => ("boolean", json_of(p)),
+        "null" => ("null", json_of(p)),
+        "array" => ("array", json_of(p)),
+        "object" => ("object", json_of(p)),
+        _ => return None,
+    })
 }
 
 /// A compiled reply grammar's state.
@@ -345,6 +447,9 @@ mod tests {
             let o = ToolOptions { tools: tools.clone(), choice: choice.clone(), ..ToolOptions::default() };
             for seed in 0..4 {
                 let ids = sample_reply(&g, &o, false, seed, &sp);
+                // Written as the release writes an object's arguments: argument elements.
+                let text = tok.decode_or_mark(&ids, true);
+                assert!(text.contains("<|open|>argument key=\"unit\" type=\"string\"<|sep|>"), "{text}");
                 let c = parse(&tok, sp, false, &ids).unwrap();
                 assert!(!c.calls.is_empty() && c.stray_ids.is_empty(), "{c:?}");
                 for call in &c.calls {
@@ -364,6 +469,31 @@ mod tests {
             reply_grammar(&ToolOptions { tools: tools.clone(), ..ToolOptions::default() }, true).is_none(),
             "auto binds nothing"
         );
+        // A string with a pattern cannot be raw text under a grammar: that tool takes a JSON block.
+        let patterned = json!({"type": "function", "function": {"name": "p", "parameters": {"type": "object",
+            "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["code"], "additionalProperties": false}}});
+        let o = ToolOptions { tools: vec![patterned], choice: ToolChoice::Required, ..ToolOptions::default() };
+        let ids = sample_reply(&g, &o, false, 1, &sp);
+        assert!(tok.decode_or_mark(&ids, true).contains("<|open|>json type=\"object\"<|sep|>"));
+        let c = parse(&tok, sp, false, &ids).unwrap();
+        let code: Value = serde_json::from_str(&c.calls[0].arguments).unwrap();
+        assert!(
+            code["code"].as_str().is_some_and(|s| s.len() == 3 && s.chars().all(|ch| ch.is_ascii_uppercase())),
+            "{code}"
+        );
+        // A schema with tools left to `auto`: JSON, or calls instead.
+        let o = ToolOptions {
+            tools: tools.clone(),
+            format: ResponseFormat::JsonSchema(
+                json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": false}),
+            ),
+            ..ToolOptions::default()
+        };
+        for seed in 0..6 {
+            let c = parse(&tok, sp, false, &sample_reply(&g, &o, false, seed, &sp)).unwrap();
+            let json_reply = serde_json::from_str::<Value>(&tok.decode(&c.content_ids).unwrap()).is_ok();
+            assert!(json_reply == c.calls.is_empty(), "JSON or calls, not both: {c:?}");
+        }
         // `none`: free text, then the message closes without calls.
         let o = ToolOptions { tools, choice: ToolChoice::None, ..ToolOptions::default() };
         for seed in 0..3 {

@@ -135,6 +135,9 @@ struct Sequence<'t> {
     /// Calls read and not yet sent; how many were read in all.
     calls: Vec<serde_json::Value>,
     calls_read: usize,
+    /// Calls sent (those to declared tools), and the declared tools' names.
+    calls_sent: usize,
+    declared: Vec<String>,
     /// How many of the parser's stray tool-markup ids are in the content.
     stray_shown: usize,
     ticket: Ticket,
@@ -166,6 +169,8 @@ impl<'t> Sequence<'t> {
             generated: 0,
             calls: Vec::new(),
             calls_read: 0,
+            calls_sent: 0,
+            declared: Vec::new(),
             stray_shown: 0,
             ticket,
             constraint: None,
@@ -209,13 +214,22 @@ impl<'t> Sequence<'t> {
     fn take_tool_markup(&mut self, tok: &Tokenizer, call_ids: &str, also_pending: bool) {
         let Some(parser) = &self.parser else { return };
         let c = parser.completion();
-        for (k, call) in c.calls.iter().enumerate().skip(self.calls_read) {
+        let mut stray = String::new();
+        for call in c.calls.iter().skip(self.calls_read) {
+            if !self.declared.contains(&call.name) {
+                // A call to a tool the request did not declare (or any call under `none`
+                // without tools) is not OpenAI's to return: it is content.
+                stray.push_str(&crate::chat::calls::call_markup(call));
+                continue;
+            }
+            let k = self.calls_sent;
             let mut v = crate::chat::calls::openai_tool_call(call, &format!("{call_ids}{}", self.ticket), k);
             v["index"] = serde_json::Value::from(k);
             self.calls.push(v);
+            self.calls_sent += 1;
         }
         self.calls_read = c.calls.len();
-        let mut stray = tok.decode_or_mark(&c.stray_ids[self.stray_shown..], true);
+        stray.push_str(&tok.decode_or_mark(&c.stray_ids[self.stray_shown..], true));
         self.stray_shown = c.stray_ids.len();
         if also_pending {
             stray.push_str(&tok.decode_or_mark(parser.pending_tool_ids(), true));
@@ -332,7 +346,7 @@ impl BatchSink for Outputs<'_> {
         seq.flush();
         let finish_reason = match f.reason {
             FinishReason::Length => "length",
-            FinishReason::Stop if seq.calls_read > 0 => "tool_calls",
+            FinishReason::Stop if seq.calls_sent > 0 => "tool_calls",
             FinishReason::Stop => "stop",
         };
         let mut usage = Usage::new(seq.prompt_tokens, f.generated);
@@ -501,7 +515,12 @@ impl<'a, S: WeightSource + LayerHook> Worker<'a, S> {
                         shared.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
                         let _ = s.events.send(Event::Started { prompt_ids, echo });
                         let parser = chat.map(|(sp, thinking)| CompletionParser::new(self.out.tok, sp, thinking));
+                        let declared = match &s.job.prompt {
+                            Prompt::Chat { tools, .. } => tools.names().into_iter().map(str::to_owned).collect(),
+                            _ => Vec::new(),
+                        };
                         let seq = Sequence {
+                            declared,
                             stop: s.job.stop,
                             end_ids,
                             skip_special,

@@ -20,7 +20,8 @@ fn feed(tok: &Tokenizer, sp: Specials, ids: &[u32]) -> (String, Vec<serde_json::
         call_ids: "ab".into(),
     };
     let parser = Some(CompletionParser::new(tok, sp, false));
-    out.seqs.insert(7, Sequence { end_ids: sp.end_ids().to_vec(), ..Sequence::new(tx, 1, parser, 7) });
+    let declared = vec!["f".to_owned(), "g".to_owned()];
+    out.seqs.insert(7, Sequence { end_ids: sp.end_ids().to_vec(), declared, ..Sequence::new(tx, 1, parser, 7) });
     let mut reason = FinishReason::Length;
     for &id in ids {
         if out.token(7, id) || sp.end_ids().contains(&id) {
@@ -75,6 +76,15 @@ fn calls_are_sent_as_deltas_with_finish_reason_tool_calls() {
         })
         .collect();
     assert_eq!(got, [(0, "call_ab7_0", "f", r#"{"a":1}"#), (1, "call_ab7_1", "g", "{}")]);
+    // A call to a tool the request did not declare is content; the others keep their order.
+    let calls = vec![
+        ToolCall { id: None, name: "nope".into(), arguments: "{}".into() },
+        ToolCall { id: None, name: "g".into(), arguments: "{}".into() },
+    ];
+    let m = Message { tool_calls: calls, ..Message::assistant(None, "") };
+    let (content, calls, finish) = feed(&tok, sp, &reply_ids(&tok, sp, &m, false));
+    assert_eq!(content, "<|open|>call tool=\"nope\"<|sep|><|open|>json type=\"object\"<|sep|>{}<|close|>json<|sep|><|close|>call<|sep|>");
+    assert_eq!((calls.len(), calls[0]["id"].as_str(), finish), (1, Some("call_ab7_0"), "tool_calls"));
 }
 
 #[test]

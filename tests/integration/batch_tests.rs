@@ -662,7 +662,7 @@ fn batch_messages_lines_take_tools_and_response_formats() {
     let user = serde_json::json!([{"role": "user", "content": "Count."}]);
     let lines = [
         serde_json::json!({"id": "call", "messages": user, "tools": [tool], "tool_choice": "required", "thinking": false,
-            "max_tokens": 120, "temperature": 0.8, "seed": 3}),
+            "max_tokens": 1000, "temperature": 0.8, "seed": 3}),
         serde_json::json!({"id": "json", "messages": user, "thinking": false, "max_tokens": 120, "temperature": 0.8, "seed": 4,
             "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": params}}}),
         serde_json::json!({"id": "bad", "messages": user, "tool_choice": "required"}),

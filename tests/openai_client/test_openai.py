@@ -296,7 +296,7 @@ def main():
     def tool_round_trip(stream):
         messages = [{"role": "user", "content": "What is the weather in Paris?"}]
         forced = {"type": "function", "function": {"name": "get_weather"}}
-        kwargs = dict(model=MODEL, tools=[weather], max_tokens=200, temperature=0.8, seed=5, extra_body={"thinking": False})
+        kwargs = dict(model=MODEL, tools=[weather], max_tokens=400, temperature=0.8, seed=5, extra_body={"thinking": False})
         if stream:
             calls, finish = {}, None
             for chunk in client.chat.completions.create(messages=messages, tool_choice=forced, stream=True, **kwargs):
