@@ -173,6 +173,10 @@ pub fn effort_text(e: Effort) -> String {
 pub struct Message {
     pub role: Role,
     pub content: String,
+    /// The text parts `content` joins, when a message came as several (OpenAI's list of
+    /// parts): the release encodes each on its own, so BPE never merges across two.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub content_parts: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
     /// The speaker's name (` name="…"` on system, user and assistant messages; a tool result's
@@ -342,7 +346,7 @@ fn message_into(p: &mut Pieces, m: &Message, result: Option<&tools::ToolResult>,
         _ => attrs.extend(m.name.as_deref().filter(|n| !n.is_empty()).map(|n| ("name", n))),
     }
     p.message(&attrs, |p| match m.role {
-        Role::System | Role::User | Role::Tool => p.text(&m.content),
+        Role::System | Role::User | Role::Tool => content(p, m),
         Role::Assistant => {
             if thinking.enabled {
                 p.open("think", &[]);
@@ -350,7 +354,7 @@ fn message_into(p: &mut Pieces, m: &Message, result: Option<&tools::ToolResult>,
                 p.close("think");
             }
             p.open("response", &[]);
-            p.text(&m.content);
+            content(p, m);
             p.close("response");
             tools::calls(p, &m.tool_calls);
         }
@@ -371,6 +375,16 @@ pub fn instructions(o: &ToolOptions) -> Vec<Piece> {
     let mut p = Pieces::default();
     tools::instructions(&mut p, o);
     p.0
+}
+
+/// A message's content: its parts one by one when it came in several.
+fn content(p: &mut Pieces, m: &Message) {
+    if m.content_parts.is_empty() {
+        p.text(&m.content);
+    }
+    for part in &m.content_parts {
+        p.text(part);
+    }
 }
 
 /// The generation prompt: an open assistant message, then the think block (thinking on) or the
@@ -514,6 +528,22 @@ mod tests {
             "<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>Hi!<|close|>response<|sep|>\
              <|close|>message<|sep|><|end_of_msg|>"
         );
+    }
+
+    #[test]
+    fn content_parts_are_encoded_one_by_one() {
+        let tok = tiny();
+        let sp = Specials::of(&tok).unwrap();
+        let parts = vec!["Part one. ".to_owned(), "Part two.".to_owned()];
+        let m = Message { content_parts: parts.clone(), ..Message::user(&parts.concat()) };
+        let pieces = message(&m, Thinking::default());
+        assert_eq!(
+            pieces[pieces.len() - 6..pieces.len() - 4],
+            [Piece::Text(parts[0].clone()), Piece::Text(parts[1].clone())]
+        );
+        let ids = to_ids(&pieces, &tok, &sp).unwrap();
+        let joined = to_ids(&message(&Message::user(&parts.concat()), Thinking::default()), &tok, &sp).unwrap();
+        assert_eq!(tok.decode(&ids).unwrap(), tok.decode(&joined).unwrap(), "the same text");
     }
 
     #[test]

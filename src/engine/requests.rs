@@ -252,6 +252,7 @@ fn render_messages(
                 name: m.name.clone(),
                 tool_calls,
                 tool_call_id: m.tool_call_id.clone().filter(|_| role == Role::Tool),
+                ..Message::default()
             })
         })
         .collect::<Result<Vec<_>, String>>()?;

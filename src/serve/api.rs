@@ -393,6 +393,7 @@ fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
             format!("message {index}: role {other:?} is not supported (system, developer, user, assistant, tool)"),
         )
     })?;
+    let mut content_parts = Vec::new();
     let content = match m.content {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s,
@@ -400,7 +401,10 @@ fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
             let mut text = String::new();
             for p in parts {
                 match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some("text"), Some(t)) => {
+                        text.push_str(t);
+                        content_parts.push(t.to_owned());
+                    }
                     _ => {
                         return Err(ApiError::param(
                             "messages",
@@ -420,7 +424,9 @@ fn chat_message(index: usize, m: ChatMessage) -> Result<Message, ApiError> {
         Vec::new()
     };
     let tool_call_id = if role == Role::Tool { m.tool_call_id.or(m.id) } else { None };
-    Ok(Message { role, content, reasoning_content: reasoning, name: m.name, tool_calls, tool_call_id })
+    // One part is the text itself; several are kept, as the release encodes each on its own.
+    let content_parts = if content_parts.len() > 1 { content_parts } else { Vec::new() };
+    Ok(Message { role, content, content_parts, reasoning_content: reasoning, name: m.name, tool_calls, tool_call_id })
 }
 
 fn common_job(prompt: Prompt, c: Common, limits: &Limits) -> Result<Job, ApiError> {
