@@ -123,6 +123,16 @@ impl Conversation {
             p.extend(generation_prompt(self.thinking));
         }
         let ids = to_ids(&p, tok, &self.specials)?;
+        let needed = self.session.ids().len() + ids.len();
+        if needed >= self.session.capacity() {
+            let index = self.messages.len();
+            let why = format!(
+                "the result would take the conversation to {needed} of its {} positions; /reset, or restart with a \
+                 larger --context",
+                self.session.capacity()
+            );
+            return Err(TemplateError::Order { index, why });
+        }
         self.session.push(&ids);
         self.messages.push(m);
         Ok(Some(last))

@@ -364,13 +364,11 @@ impl<S: WeightSource + LayerHook> Repl<'_, S> {
                 }
             }
             ("stats", _) => eprintln!("k3ring: {}", self.last.describe()),
-            ("result", text) => match conv.push_tool_result(&self.opened.tokenizer, text)? {
-                None => eprintln!("k3ring: no tool call waits for a result"),
-                Some(false) => eprintln!("k3ring: {} more results to give", conv.pending_calls().len()),
-                Some(true) if conv.session.ids().len() >= conv.session.capacity() => {
-                    eprintln!("k3ring: the context is full; /reset to go on");
-                }
-                Some(true) => self.reply(conv)?,
+            ("result", text) => match conv.push_tool_result(&self.opened.tokenizer, text) {
+                Err(e) => eprintln!("k3ring: {e}"),
+                Ok(None) => eprintln!("k3ring: no tool call waits for a result"),
+                Ok(Some(false)) => eprintln!("k3ring: {} more results to give", conv.pending_calls().len()),
+                Ok(Some(true)) => self.reply(conv)?,
             },
             ("help", _) => eprintln!("{HELP_LONG}"),
             _ => eprintln!("k3ring: unknown command /{name}; {HELP}"),
