@@ -154,7 +154,7 @@ mod tests {
         let tok = Tokenizer::from_model_dir(&root.join("tiny-k3")).unwrap();
         let sp = Specials::of(&tok).unwrap();
         let limits = Limits { model: "m".into(), max_tokens: 100 };
-        for name in ["A", "A2", "B1", "B2", "B3", "C1", "C2", "C3", "D2"] {
+        for name in ["A", "A2", "B1", "B2", "B3", "C1", "C2", "C3", "D2", "D3"] {
             let dir = root.join("xtml-tools");
             let body = std::fs::read(dir.join(format!("{name}.input.json"))).unwrap();
             let segments: Vec<(String, bool)> =
