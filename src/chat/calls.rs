@@ -34,6 +34,22 @@ pub fn openai_tool_call(c: &ParsedCall, prefix: &str, k: usize) -> serde_json::V
     })
 }
 
+/// The calls to `declared` tools in OpenAI's shape; the others (a tool the request did not
+/// declare) are written back into `text` as their markup.
+pub fn declared_calls(
+    calls: &[ParsedCall],
+    declared: &[String],
+    prefix: &str,
+    text: &mut String,
+) -> Vec<serde_json::Value> {
+    let (ok, other): (Vec<ParsedCall>, Vec<ParsedCall>) =
+        calls.iter().cloned().partition(|c| declared.contains(&c.name));
+    for c in &other {
+        text.push_str(&call_markup(c));
+    }
+    openai_tool_calls(&ok, prefix)
+}
+
 /// A call written back as the markup it came in (a `json` block holding its arguments), for a
 /// call that is returned as content.
 pub fn call_markup(c: &ParsedCall) -> String {
@@ -352,6 +368,19 @@ mod tests {
             );
             assert!(c.stray_ids.is_empty() && c.complete);
         }
+    }
+
+    #[test]
+    fn calls_to_undeclared_tools_are_written_back_as_text() {
+        let call = |name: &str| ParsedCall { name: name.into(), arguments: "{}".into() };
+        let mut text = String::from("so ");
+        let v = declared_calls(&[call("f"), call("x\"y"), call("g")], &["f".into(), "g".into()], "p", &mut text);
+        let names: Vec<&str> = v.iter().map(|c| c["function"]["name"].as_str().unwrap()).collect();
+        assert_eq!((names, v[1]["id"].as_str()), (vec!["f", "g"], Some("call_p_1")));
+        assert_eq!(
+            text,
+            "so <|open|>call tool=\"x&quot;y\"<|sep|><|open|>json type=\"object\"<|sep|>{}<|close|>json<|sep|><|close|>call<|sep|>"
+        );
     }
 
     #[test]

@@ -145,6 +145,12 @@ pub fn reply_constraint(
     Ok(g.constraint(o, thinking)?.map(Constraint::new))
 }
 
+/// What constrained replies' masks cost against a run's seconds, as a summary says it.
+pub fn cost_line(mask_seconds: f64, run_seconds: f64) -> String {
+    let share = 100.0 * mask_seconds / run_seconds.max(1e-9);
+    format!("constrained replies: their masks took {mask_seconds:.3} s of the {run_seconds:.2} s run ({share:.2}%)")
+}
+
 /// A JSON schema made compact (no whitespace between tokens: a model left free there may
 /// never stop writing spaces).
 fn compact_schema(schema: &Value) -> String {

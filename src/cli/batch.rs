@@ -20,6 +20,7 @@ use super::run::{streaming_run, typed_budget_flag};
 use super::startup::{start_up, startup_flags, Started};
 use super::summary::print_streaming_summary;
 use super::StorageArgs;
+use crate::chat::calls::declared_calls;
 use crate::chat::parse::{Channel, CompletionParser, Event as ParseEvent};
 use crate::config::Config;
 use crate::engine::requests::{parse_request_line, RequestDefaults};
@@ -388,8 +389,10 @@ struct ChatText<'t> {
     parser: CompletionParser<'t>,
     decoder: StreamDecoder,
     reasoning: String,
-    /// How many of the parser's stray tool-markup ids are in the text.
+    /// How many of the parser's stray tool-markup ids are in the text; the tools the line
+    /// declared (calls to others are text).
     stray_shown: usize,
+    declared: Vec<String>,
     /// The reply's end id came (with `--ignore-eos` generation goes on): later tokens are in
     /// `generated_ids` but no part of the reply's text.
     ended: bool,
@@ -450,9 +453,12 @@ impl BatchSink for Results<'_> {
                 seq.text.push_str(&tail);
             }
         }
+        let mut tool_calls = Vec::new();
         if let Some(chat) = &mut seq.chat {
             let tail = chat.decoder.finish();
             chat.reasoning.push_str(&tail);
+            let calls = &chat.parser.completion().calls;
+            tool_calls = declared_calls(calls, &chat.declared, &f.ticket.to_string(), &mut seq.text);
         }
         let record = ResultRecord {
             id: &seq.id,
@@ -460,9 +466,7 @@ impl BatchSink for Results<'_> {
             generated_ids: &seq.ids,
             text: &seq.text,
             reasoning_content: seq.chat.as_ref().map(|c| c.reasoning.as_str()).filter(|r| !r.is_empty()),
-            tool_calls: seq.chat.as_ref().map_or_else(Vec::new, |c| {
-                crate::chat::calls::openai_tool_calls(&c.parser.completion().calls, &format!("{}", f.ticket))
-            }),
+            tool_calls,
             finish_reason: f.reason,
             seconds: f.seconds,
         };
@@ -591,11 +595,7 @@ impl Job<'_> {
 /// The console line at the end of a batch.
 fn print_summary(summary: &Summary<'_>, threads: usize, isa: &str) {
     if let Some(c) = summary.constraint_seconds {
-        eprintln!(
-            "k3ring: constrained replies: their masks took {c:.3} s of the {:.2} s run ({:.2}%)",
-            summary.seconds,
-            100.0 * c / summary.seconds.max(1e-9)
-        );
+        eprintln!("k3ring: {}", crate::chat::constrain::cost_line(c, summary.seconds));
     }
     eprintln!(
         "k3ring: {} requests: {} done, {} failed{} | {} prompt + {} generated tokens in {:.2} s: {:.2} tokens/s | {} steps, {:.1} sequences per step, {} slots of {} positions{} | {threads} threads, {isa} kernels",
@@ -658,6 +658,7 @@ fn submit_all<S: WeightSource + LayerHook>(
                         decoder: StreamDecoder::default(),
                         reasoning: String::new(),
                         stray_shown: 0,
+                        declared: c.tools.names().into_iter().map(str::to_owned).collect(),
                         ended: false,
                     }),
                 };
