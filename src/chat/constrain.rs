@@ -106,19 +106,23 @@ impl Grammars {
         o: &ToolOptions,
         thinking: bool,
     ) -> Result<Option<Box<dyn TokenConstraint>>, ConstrainError> {
-        let Some(lark) = reply_grammar(o, thinking) else { return Ok(None) };
+        reply_grammar(o, thinking).map(|lark| self.compile(lark)).transpose()
+    }
+
+    /// The constraint of a reply grammar ([`reply_grammar`]).
+    fn compile(&self, lark: String) -> Result<Box<dyn TokenConstraint>, ConstrainError> {
         let parser = self.factory.create_parser(TopLevelGrammar::from_lark(lark)).map_err(|e| {
             // llguidance appends a parser dump: the first line says what is wrong.
             let e = e.to_string();
             let first = e.lines().next().unwrap_or_default();
             ConstrainError::Grammar(format!("the schema cannot be used to constrain the reply: {first}"))
         })?;
-        Ok(Some(Box::new(GrammarConstraint {
+        Ok(Box::new(GrammarConstraint {
             matcher: Matcher::new(Ok(parser)),
             end: self.factory.tok_env().tok_trie().eos_token(),
             bits: Vec::new(),
             seconds: 0.0,
-        })))
+        }))
     }
 }
 
@@ -133,16 +137,14 @@ pub fn reply_constraint(
     o: &ToolOptions,
     thinking: bool,
 ) -> Result<Option<Constraint>, ConstrainError> {
-    if reply_grammar(o, thinking).is_none() {
-        return Ok(None);
-    }
+    let Some(lark) = reply_grammar(o, thinking) else { return Ok(None) };
     if grammars.is_none() {
         let t = Instant::now();
         *grammars = Some(Grammars::new(tok, sp, vocab_size)?);
         tracing::info!("constrained decoding: the vocabulary's tables took {:.2} s", t.elapsed().as_secs_f64());
     }
     let Some(g) = grammars else { return Ok(None) };
-    Ok(g.constraint(o, thinking)?.map(Constraint::new))
+    Ok(Some(Constraint::new(g.compile(lark)?)))
 }
 
 /// What constrained replies' masks cost against a run's seconds, as a summary says it.

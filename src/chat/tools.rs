@@ -58,10 +58,6 @@ impl ToolOptions {
         self.tools.iter().filter_map(function_name).collect()
     }
 
-    /// The parameters schema of a declared function.
-    pub fn parameters(&self, name: &str) -> Option<&Value> {
-        self.tools.iter().find(|t| function_name(t) == Some(name)).and_then(|t| t["function"].get("parameters"))
-    }
 }
 
 /// `tools[k].function.name`.

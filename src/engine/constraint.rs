@@ -53,27 +53,19 @@ pub fn choose_masked(
     let id = match c.mask()? {
         None => pick(logits) as u32,
         Some(bits) => {
-            masked.clear();
-            masked.extend(logits.iter().enumerate().map(|(i, &v)| {
-                let allowed = bits.get(i / 32).is_some_and(|w| (w >> (i % 32)) & 1 == 1);
-                if allowed {
-                    v
-                } else {
-                    f32::NEG_INFINITY
-                }
-            }));
-            let any_allowed = (0..logits.len()).any(|i| bits.get(i / 32).is_some_and(|w| (w >> (i % 32)) & 1 == 1));
-            if !any_allowed {
+            let allowed = |i: usize| bits.get(i / 32).is_some_and(|w| (w >> (i % 32)) & 1 == 1);
+            if !(0..logits.len()).any(allowed) {
                 return Err("the constraint allows no token of this model".into());
             }
             // A logit that is -inf or NaN may be the only one left allowed; sampling needs a
             // finite value to choose it, and greedy choice needs the allowed ones ordered.
-            if !masked.iter().any(|v| v.is_finite()) {
-                for (i, v) in masked.iter_mut().enumerate() {
-                    let allowed = bits.get(i / 32).is_some_and(|w| (w >> (i % 32)) & 1 == 1);
-                    *v = if allowed { 0.0 } else { f32::NEG_INFINITY };
-                }
-            }
+            let finite = (0..logits.len()).any(|i| allowed(i) && logits[i].is_finite());
+            masked.clear();
+            masked.extend(logits.iter().enumerate().map(|(i, &v)| match (allowed(i), finite) {
+                (false, _) => f32::NEG_INFINITY,
+                (true, true) => v,
+                (true, false) => 0.0,
+            }));
             pick(masked) as u32
         }
     };
