@@ -20,11 +20,6 @@ pub struct ParsedCall {
     pub arguments: String,
 }
 
-/// Calls in OpenAI's `tool_calls` shape; ids are `call_<prefix>_<k>`, unique per reply.
-pub fn openai_tool_calls(calls: &[ParsedCall], prefix: &str) -> Vec<serde_json::Value> {
-    calls.iter().enumerate().map(|(k, c)| openai_tool_call(c, prefix, k)).collect()
-}
-
 /// One call in OpenAI's shape (without the `index` a stream adds).
 pub fn openai_tool_call(c: &ParsedCall, prefix: &str, k: usize) -> serde_json::Value {
     serde_json::json!({
@@ -34,20 +29,24 @@ pub fn openai_tool_call(c: &ParsedCall, prefix: &str, k: usize) -> serde_json::V
     })
 }
 
-/// The calls to `declared` tools in OpenAI's shape; the others (a tool the request did not
-/// declare) are written back into `text` as their markup.
+/// The calls to `declared` tools in OpenAI's shape, numbered from `first`; the others (a tool
+/// the request did not declare) are written back into `text` as their markup.
 pub fn declared_calls(
     calls: &[ParsedCall],
     declared: &[String],
     prefix: &str,
+    first: usize,
     text: &mut String,
 ) -> Vec<serde_json::Value> {
-    let (ok, other): (Vec<ParsedCall>, Vec<ParsedCall>) =
-        calls.iter().cloned().partition(|c| declared.contains(&c.name));
-    for c in &other {
-        text.push_str(&call_markup(c));
+    let mut out = Vec::new();
+    for c in calls {
+        if declared.contains(&c.name) {
+            out.push(openai_tool_call(c, prefix, first + out.len()));
+        } else {
+            text.push_str(&call_markup(c));
+        }
     }
-    openai_tool_calls(&ok, prefix)
+    out
 }
 
 /// A call written back as the markup it came in (a `json` block holding its arguments), for a
@@ -374,7 +373,7 @@ mod tests {
     fn calls_to_undeclared_tools_are_written_back_as_text() {
         let call = |name: &str| ParsedCall { name: name.into(), arguments: "{}".into() };
         let mut text = String::from("so ");
-        let v = declared_calls(&[call("f"), call("x\"y"), call("g")], &["f".into(), "g".into()], "p", &mut text);
+        let v = declared_calls(&[call("f"), call("x\"y"), call("g")], &["f".into(), "g".into()], "p", 0, &mut text);
         let names: Vec<&str> = v.iter().map(|c| c["function"]["name"].as_str().unwrap()).collect();
         assert_eq!((names, v[1]["id"].as_str()), (vec!["f", "g"], Some("call_p_1")));
         assert_eq!(

@@ -57,7 +57,6 @@ impl ToolOptions {
     pub fn names(&self) -> Vec<&str> {
         self.tools.iter().filter_map(function_name).collect()
     }
-
 }
 
 /// `tools[k].function.name`.

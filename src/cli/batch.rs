@@ -458,7 +458,7 @@ impl BatchSink for Results<'_> {
             let tail = chat.decoder.finish();
             chat.reasoning.push_str(&tail);
             let calls = &chat.parser.completion().calls;
-            tool_calls = declared_calls(calls, &chat.declared, &f.ticket.to_string(), &mut seq.text);
+            tool_calls = declared_calls(calls, &chat.declared, &f.ticket.to_string(), 0, &mut seq.text);
         }
         let record = ResultRecord {
             id: &seq.id,

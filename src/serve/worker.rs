@@ -214,17 +214,12 @@ impl<'t> Sequence<'t> {
     fn take_tool_markup(&mut self, tok: &Tokenizer, call_ids: &str, also_pending: bool) {
         let Some(parser) = &self.parser else { return };
         let c = parser.completion();
+        // A call to a tool the request did not declare is not OpenAI's to return: it is content.
         let mut stray = String::new();
-        for call in c.calls.iter().skip(self.calls_read) {
-            if !self.declared.contains(&call.name) {
-                // A call to a tool the request did not declare (or any call under `none`
-                // without tools) is not OpenAI's to return: it is content.
-                stray.push_str(&crate::chat::calls::call_markup(call));
-                continue;
-            }
-            let k = self.calls_sent;
-            let mut v = crate::chat::calls::openai_tool_call(call, &format!("{call_ids}{}", self.ticket), k);
-            v["index"] = serde_json::Value::from(k);
+        let prefix = format!("{call_ids}{}", self.ticket);
+        let new = &c.calls[self.calls_read..];
+        for mut v in crate::chat::calls::declared_calls(new, &self.declared, &prefix, self.calls_sent, &mut stray) {
+            v["index"] = serde_json::Value::from(self.calls_sent);
             self.calls.push(v);
             self.calls_sent += 1;
         }
