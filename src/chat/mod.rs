@@ -96,12 +96,15 @@ impl Conversation {
 
     /// The calls of the last reply that have no result yet, in order.
     pub fn pending_calls(&self) -> &[template::ToolCall] {
-        let Some(last) = self.messages.iter().rposition(|m| m.role == Role::Assistant) else { return &[] };
+        self.calls_and_results().map_or(&[], |(calls, answered)| calls.get(answered..).unwrap_or_default())
+    }
+
+    /// The last assistant message's calls and how many results follow it, when nothing but
+    /// results does.
+    fn calls_and_results(&self) -> Option<(&[template::ToolCall], usize)> {
+        let last = self.messages.iter().rposition(|m| m.role == Role::Assistant)?;
         let answered = self.messages[last + 1..].iter().take_while(|m| m.role == Role::Tool).count();
-        if last + 1 + answered < self.messages.len() {
-            return &[];
-        }
-        self.messages[last].tool_calls.get(answered..).unwrap_or_default()
+        (last + 1 + answered == self.messages.len()).then_some((&self.messages[last].tool_calls[..], answered))
     }
 
     /// Answers the next pending call with `content`: its result message's ids, then (when it was
@@ -109,7 +112,7 @@ impl Conversation {
     /// call is pending.
     pub fn push_tool_result(&mut self, tok: &Tokenizer, content: &str) -> Result<Option<bool>, TemplateError> {
         let Some(call) = self.pending_calls().first().cloned() else { return Ok(None) };
-        let index = self.pending_calls_answered() + 1;
+        let index = self.calls_and_results().map_or(0, |(_, answered)| answered) + 1;
         let m = Message {
             role: Role::Tool,
             content: content.to_owned(),
@@ -136,11 +139,6 @@ impl Conversation {
         self.session.push(&ids);
         self.messages.push(m);
         Ok(Some(last))
-    }
-
-    fn pending_calls_answered(&self) -> usize {
-        let last = self.messages.iter().rposition(|m| m.role == Role::Assistant).unwrap_or(0);
-        self.messages[last + 1..].iter().take_while(|m| m.role == Role::Tool).count()
     }
 
     /// Adds a user turn whose ids [`Conversation::user_turn_ids`] made.
