@@ -309,24 +309,25 @@ impl<'t> CompletionParser<'t> {
                 }
             }
         };
-        let then: &[Markup] = match &self.phase {
+        // The markup to close from, and its step reached (only a partly matched one is past 0).
+        let from = match &self.phase {
             Phase::Done => return out,
-            Phase::AwaitEnd => &[],
-            Phase::Payload(Channel::Reasoning) => Markup::AfterReasoning.then_with_self(),
-            Phase::Payload(Channel::Content) => Markup::CloseResponse.then_with_self(),
-            Phase::AfterResponse => Markup::CloseMessage.then_with_self(),
+            Phase::AwaitEnd => None,
+            Phase::Payload(Channel::Reasoning) => Some((Markup::AfterReasoning, 0)),
+            Phase::Payload(Channel::Content) => Some((Markup::CloseResponse, 0)),
+            Phase::AfterResponse => Some((Markup::CloseMessage, 0)),
             Phase::Tools(block) => {
                 out.extend(block.closing(self.tok));
-                Markup::CloseMessage.then_with_self()
+                Some((Markup::CloseMessage, 0))
             }
-            Phase::Markup(m, k) => {
-                let done = self.tok.decode_bytes(&self.tag).unwrap_or_default();
-                push_steps(&mut out, &m.steps()[*k..], &done);
-                m.then()
-            }
+            Phase::Markup(m, k) => Some((*m, *k)),
         };
-        for m in then {
-            push_steps(&mut out, m.steps(), &[]);
+        if let Some((m, k)) = from {
+            let done = self.tok.decode_bytes(&self.tag).unwrap_or_default();
+            push_steps(&mut out, &m.steps()[k..], &done);
+            for next in m.then() {
+                push_steps(&mut out, next.steps(), &[]);
+            }
         }
         out.push(Piece::Special(Special::EndOfMsg));
         out
@@ -352,17 +353,6 @@ impl<'t> CompletionParser<'t> {
 
     pub fn into_completion(self) -> Completion {
         self.out
-    }
-}
-
-impl Markup {
-    /// This markup and all that follows it.
-    fn then_with_self(self) -> &'static [Markup] {
-        match self {
-            Markup::AfterReasoning => &[Markup::AfterReasoning, Markup::CloseResponse, Markup::CloseMessage],
-            Markup::CloseResponse => &[Markup::CloseResponse, Markup::CloseMessage],
-            Markup::CloseMessage => &[Markup::CloseMessage],
-        }
     }
 }
 
