@@ -20,7 +20,7 @@ mod draft_cells;
 mod print;
 
 use super::bench_batch::{self, BatchReport, BatchWork};
-use super::bench_host::{self, host_floors, Host, HostFloors};
+use super::bench_host::{self, host_floors, ExpertReads, Host, HostFloors};
 use super::budget::name_budget_flag;
 use super::svg::{line_chart, Series};
 use crate::checkpoint::CheckpointIndex;
@@ -182,6 +182,9 @@ struct Report {
     /// The part of the resident compute that expert reads can overlap without routing
     /// prediction: the shared and routed experts, after each router.
     resident_overlappable_seconds_per_token: Option<f64>,
+    /// The layers with routed experts, which share the overlappable compute equally in the
+    /// floor without prediction (each layer's reads overlap its own share).
+    resident_moe_layers: usize,
     /// The resident run per operation class (issue 19): s/token, weight bytes per token and
     /// GB/s against `memory_bandwidth`; the rows sum to `resident_seconds_per_token`.
     resident_attribution: Option<AttributionTable>,
@@ -320,10 +323,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let ids_identical = residents_agree && cells.iter().all(|c| same_ids(&c.m, &resident));
-    let (speedups, speculation_gains) = (ratios(args, &cells, "serial"), ratios(args, &cells, "no-spec"));
-    let drafting = draft_gains(&cells);
     let report = Report {
+        ids_identical: residents_agree && cells.iter().all(|c| same_ids(&c.m, &resident)),
+        speedups: ratios(args, &cells, "serial"),
+        speculation_gains: ratios(args, &cells, "no-spec"),
+        drafting: draft_gains(&cells),
         host,
         read_tax: tax,
         device_read_rate: device,
@@ -335,16 +339,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         memory_bandwidth_after: membw_after,
         resident_seconds_per_token: resident.seconds_per_token,
         resident_overlappable_seconds_per_token: resident.overlappable_seconds_per_token,
+        resident_moe_layers: resident.moe_layers,
         resident_attribution: resident.attribution.as_ref().map(|w| w.table(Some(membw))),
         page_cache_dropped: measured.dropped,
         experts_checked: !args.no_verify_experts,
         device_rates_by_budget: measured.device_rate_sources.clone(),
         cells,
-        speedups,
-        speculation_gains,
-        ids_identical,
         batch: batch_report,
-        drafting,
     };
     write_outputs(&report, &cfg, args, json.as_ref())?;
     check_ids(&report)
@@ -497,7 +498,7 @@ fn cell((budget_gb, mode, m, rate): CellResult, resident: &Measurement, tax: Opt
     let floor = (bytes / device_rate).max(resident.seconds_per_token);
     let floor_no_prediction = resident.overlappable_seconds_per_token.map(|o| {
         let never_overlapped = resident.seconds_per_token - o;
-        floor.max(never_overlapped + m.expert_bytes_per_token / device_rate)
+        floor.max(never_overlapped + ExpertReads::of(&m, resident).routed_seconds(o, device_rate))
     });
     Cell {
         budget_gb,

@@ -264,7 +264,7 @@ fn cell(
     let b = m.batch.max(1) as f64;
     let Bounds { bound, by, no_prediction } = bounds(&m, device_rate, (compute, overlappable));
     let host = tax.map(|t| {
-        let bytes = (m.trunk_bytes_per_step, m.expert_bytes_per_step);
+        let bytes = (m.trunk_bytes_per_step, super::bench_host::ExpertReads::Total(m.expert_bytes_per_step));
         super::bench_host::charged_floors(bytes, (compute, overlappable), device_rate, t)
     });
     let per_step = |v: f64| v / m.seconds_per_step;

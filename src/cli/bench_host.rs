@@ -181,7 +181,8 @@ pub struct HostFloors {
     pub floor_host_seconds_per_token: f64,
     pub efficiency_host: f64,
     /// The floor without routing prediction with the tax charged: `max(floor_host, the compute
-    /// expert reads cannot overlap + tax x trunk bytes + expert bytes / device)`.
+    /// expert reads cannot overlap + tax x trunk bytes + the routed seconds)`, the routed
+    /// seconds summed per step and layer ([`ExpertReads::routed_seconds`]).
     pub floor_no_prediction_host_seconds_per_token: Option<f64>,
     pub efficiency_no_prediction_host: Option<f64>,
     /// Where the measured time goes: resident compute, compute lost to reads (the tax on this
@@ -202,8 +203,12 @@ pub fn host_floors(m: &Measurement, resident: &Measurement, device_rate: f64, ta
     let (trunk, experts) = (m.trunk_bytes_per_token, m.expert_bytes_per_token);
     let compute = resident.seconds_per_token;
     let charged = tax.charge(trunk + experts);
-    let (floor, no_prediction) =
-        charged_floors((trunk, experts), (compute, resident.overlappable_seconds_per_token), device_rate, tax);
+    let (floor, no_prediction) = charged_floors(
+        (trunk, ExpertReads::of(m, resident)),
+        (compute, resident.overlappable_seconds_per_token),
+        device_rate,
+        tax,
+    );
     let spt = m.seconds_per_token;
     HostFloors {
         floor_host_seconds_per_token: floor,
@@ -218,19 +223,71 @@ pub fn host_floors(m: &Measurement, resident: &Measurement, device_rate: f64, ta
     }
 }
 
-/// The floors of a token or step that reads `trunk` and `experts` bytes at `device_rate`, whose
+/// A cell's expert reads, as the floor without prediction needs them.
+#[derive(Clone, Copy, Debug)]
+pub enum ExpertReads<'a> {
+    /// Bytes per token (or step), not split by layer: the floor lets every layer's reads
+    /// overlap the expert compute of every layer (batch cells).
+    Total(f64),
+    /// Bytes per token, and the bytes read for each layer in each measured step over `tokens`
+    /// tokens, with `moe_layers` layers sharing the overlappable compute equally.
+    ByLayer { bytes: f64, steps: &'a [Vec<u64>], tokens: f64, moe_layers: usize },
+}
+
+impl<'a> ExpertReads<'a> {
+    /// `m`'s expert reads, split by step and layer when it measured them and the resident run
+    /// counted its expert layers.
+    pub fn of(m: &'a Measurement, resident: &Measurement) -> ExpertReads<'a> {
+        let steps = &m.expert_bytes_by_step;
+        let tokens = m.draft.map_or(steps.len() as f64, |d| (d.steps + d.accepted) as f64);
+        if steps.is_empty() || resident.moe_layers == 0 || tokens <= 0.0 {
+            return ExpertReads::Total(m.expert_bytes_per_token);
+        }
+        ExpertReads::ByLayer { bytes: m.expert_bytes_per_token, steps, tokens, moe_layers: resident.moe_layers }
+    }
+
+    pub fn bytes(&self) -> f64 {
+        match *self {
+            ExpertReads::Total(b) | ExpertReads::ByLayer { bytes: b, .. } => b,
+        }
+    }
+
+    /// Per token: the time from the routers to the last expert computed, when a layer's reads
+    /// start at its router and overlap its own `overlappable` share (the whole `overlappable`
+    /// for [`ExpertReads::Total`]): `max(overlappable, bytes / rate)`, or per step and layer
+    /// `sum max(overlappable / layers, layer bytes / rate) / tokens`. A read that overlaps
+    /// another layer's compute started before its router: that is prediction.
+    pub fn routed_seconds(&self, overlappable: f64, device_rate: f64) -> f64 {
+        match *self {
+            ExpertReads::Total(b) => overlappable.max(b / device_rate),
+            ExpertReads::ByLayer { steps, tokens, moe_layers, .. } => {
+                let per_layer = overlappable / moe_layers as f64;
+                let step_seconds = |layers: &Vec<u64>| {
+                    let read: f64 = layers.iter().map(|&b| (b as f64 / device_rate - per_layer).max(0.0)).sum();
+                    overlappable + read
+                };
+                steps.iter().map(step_seconds).sum::<f64>() / tokens
+            }
+        }
+    }
+}
+
+/// The floors of a token or step that reads `trunk` bytes and `experts` at `device_rate`, whose
 /// resident compute is `compute` (of which `overlappable` can overlap expert reads without
 /// prediction), with `tax` charged per byte: `max(bytes / rate, compute + tax x bytes)`, and
-/// without prediction `max(that, compute - overlappable + tax x trunk + experts / rate)` (the
-/// trunk reads run beside the compute expert reads cannot overlap).
+/// without prediction `max(that, compute - overlappable + tax x trunk + the routed seconds)`
+/// (the trunk reads run beside the compute expert reads cannot overlap; the routed seconds are
+/// [`ExpertReads::routed_seconds`]).
 pub fn charged_floors(
-    (trunk, experts): (f64, f64),
+    (trunk, experts): (f64, ExpertReads<'_>),
     (compute, overlappable): (f64, Option<f64>),
     device_rate: f64,
     tax: &ReadTax,
 ) -> (f64, Option<f64>) {
-    let floor = ((trunk + experts) / device_rate).max(compute + tax.charge(trunk + experts));
-    let no_prediction = overlappable.map(|o| floor.max(compute - o + tax.charge(trunk) + experts / device_rate));
+    let bytes = trunk + experts.bytes();
+    let floor = (bytes / device_rate).max(compute + tax.charge(bytes));
+    let no_prediction =
+        overlappable.map(|o| floor.max(compute - o + tax.charge(trunk) + experts.routed_seconds(o, device_rate)));
     (floor, no_prediction)
 }
 
@@ -296,4 +353,37 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
          reads) + rest (scheduling, and overlap of the parts); dev idle: no read in flight (in a device-bound cell, \
          reads not started)"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ExpertReads;
+
+    const RATE: f64 = 1e9;
+
+    #[test]
+    fn a_layer_whose_reads_outlast_its_compute_does_not_borrow_another_layers() {
+        // Two expert layers share 20 ms of overlappable compute; layer 0 is dense.
+        let bunched = [vec![0, 30_000_000, 0]];
+        let spread = [vec![0, 15_000_000, 15_000_000]];
+        fn by_layer(steps: &[Vec<u64>]) -> ExpertReads<'_> {
+            ExpertReads::ByLayer { bytes: 30e6, steps, tokens: 1.0, moe_layers: 2 }
+        }
+        // Bunched: 30 ms of reads after layer 1's router, then layer 2's own 10 ms.
+        assert!((by_layer(&bunched).routed_seconds(0.02, RATE) - 0.04).abs() < 1e-12);
+        // Spread evenly, each layer reads 15 ms against its 10: the unsplit bound holds.
+        assert!((by_layer(&spread).routed_seconds(0.02, RATE) - 0.03).abs() < 1e-12);
+        assert!((ExpertReads::Total(30e6).routed_seconds(0.02, RATE) - 0.03).abs() < 1e-12);
+        // With nothing to read, the experts' compute remains.
+        assert!((by_layer(&[vec![0, 0, 0]]).routed_seconds(0.02, RATE) - 0.02).abs() < 1e-12);
+    }
+
+    #[test]
+    fn routed_seconds_are_per_token_over_steps_that_chose_several() {
+        // Two drafted steps chose three tokens between them.
+        let steps = [vec![0, 30_000_000, 0], vec![0, 0, 0]];
+        let reads = ExpertReads::ByLayer { bytes: 10e6, steps: &steps, tokens: 3.0, moe_layers: 2 };
+        assert!((reads.routed_seconds(0.02, RATE) - (0.04 + 0.02) / 3.0).abs() < 1e-12);
+        assert_eq!(reads.bytes(), 10e6);
+    }
 }

@@ -71,6 +71,19 @@ pub struct Measurement {
     /// `steps + accepted`, at least `tokens`; per-token figures are over them).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub draft: Option<DraftStats>,
+    /// Streaming runs: the expert bytes read for each layer (index = layer) in each measured
+    /// step, in step order, whatever started the read (the router or a guess). What the floor
+    /// without prediction needs: a layer's reads overlap only that layer's expert compute.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub expert_bytes_by_step: Vec<Vec<u64>>,
+    /// Resident runs: the layers with routed experts, which share
+    /// `overlappable_seconds_per_token` equally (0 for streaming runs).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub moe_layers: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// One device's reads over a measured window.
@@ -154,9 +167,13 @@ fn decode<S: WeightSource + crate::model::LayerHook>(
         next = argmax(&logits[..vocab]) as u32;
         ids.push(next);
     }
+    // Before every measured step: the first call opens the window, each later one closes a step.
     between();
     let start = Instant::now();
-    for _ in 0..spec.tokens {
+    for token in 0..spec.tokens {
+        if token > 0 {
+            between();
+        }
         let logits = engine.prefill(&mut sess, &[next], LogitRows::Last, None)?;
         next = argmax(&logits[..vocab]) as u32;
         ids.push(next);
@@ -228,9 +245,13 @@ impl<S: WeightSource + crate::model::LayerHook, F: FnMut()> super::decode::Steps
     }
 
     fn run(&mut self, sess: &mut super::Session, rows: &[u32], _context: &[u32]) -> Result<(), EngineError> {
+        // Before every measured step: the first call opens the window, each later one closes a
+        // step.
         if self.start.is_none() && self.ids.len() >= self.warmup {
             (self.between)();
             self.start = Some(Instant::now());
+        } else if self.start.is_some() {
+            (self.between)();
         }
         if self.start.is_some() {
             self.window.steps += 1;
@@ -299,6 +320,8 @@ pub fn measure_streaming_drafted(
         attribution: None,
         devices: DeviceWindow::of(before, after, seconds, n),
         draft: drafted,
+        expert_bytes_by_step: window.expert_bytes_by_step(),
+        moe_layers: 0,
     })
 }
 
@@ -321,11 +344,32 @@ pub(super) struct StreamWindow {
     pub before: StreamStats,
     pub after: StreamStats,
     pub metrics: Metrics,
+    /// Each layer's expert bytes read so far, at every step boundary inside the window (the
+    /// counters at each later call of the window's mark).
+    pub marks: Vec<Vec<u64>>,
 }
 
 impl StreamWindow {
     pub fn bytes_read(&self) -> f64 {
         (self.after.io.bytes_read - self.before.io.bytes_read) as f64
+    }
+
+    /// The expert bytes read for each layer in each step of the window: the differences of the
+    /// marks, `before` and `after`.
+    pub fn expert_bytes_by_step(&self) -> Vec<Vec<u64>> {
+        let per_layer = |s: &StreamStats| s.per_layer.iter().map(|l| l.expert_bytes_read).collect::<Vec<u64>>();
+        let mut points = vec![per_layer(&self.before)];
+        points.extend(self.marks.iter().cloned());
+        points.push(per_layer(&self.after));
+        points
+            .windows(2)
+            .map(|w| {
+                let layers = w[1].len().max(w[0].len());
+                (0..layers)
+                    .map(|l| w[1].get(l).copied().unwrap_or(0).saturating_sub(w[0].get(l).copied().unwrap_or(0)))
+                    .collect()
+            })
+            .collect()
     }
 
     /// Bytes per second of the time some read was in flight.
@@ -339,22 +383,29 @@ impl StreamWindow {
     }
 }
 
-/// Runs `measure` on a streaming engine. `measure` calls its argument once, where timing starts
-/// (after the warm-up): that snapshots the counters and restarts the tracer; the window closes
-/// when `measure` returns.
+/// Runs `measure` on a streaming engine. `measure` calls its argument where timing starts
+/// (after the warm-up): that snapshots the counters and restarts the tracer. It may call it
+/// again at each later step boundary, which marks each layer's expert bytes there; the window
+/// closes when `measure` returns.
 pub(super) fn stream_window<T, E>(
     engine: &Engine<Streamed>,
     measure: impl FnOnce(&mut dyn FnMut()) -> Result<T, E>,
 ) -> Result<(T, StreamWindow), E> {
     let tracer = std::sync::Arc::clone(engine.src.tracer());
-    let mut before = StreamStats::default();
+    let mut before: Option<StreamStats> = None;
+    let mut marks = Vec::new();
     let out = measure(&mut || {
-        before = engine.src.stats();
-        tracer.reset_metrics();
-        tracer.mark_start();
+        if before.is_none() {
+            before = Some(engine.src.stats());
+            tracer.reset_metrics();
+            tracer.mark_start();
+        } else {
+            marks.push(engine.src.stats().per_layer.iter().map(|l| l.expert_bytes_read).collect());
+        }
     })?;
     tracer.mark_end();
-    Ok((out, StreamWindow { before, after: engine.src.stats(), metrics: tracer.metrics() }))
+    let before = before.unwrap_or_default();
+    Ok((out, StreamWindow { before, after: engine.src.stats(), metrics: tracer.metrics(), marks }))
 }
 
 /// Measures with every weight mapped and already in the page cache (no I/O while timing):
@@ -384,10 +435,14 @@ pub fn measure_resident_with(
     opened.engine.model.tracer = Some(std::sync::Arc::clone(&tracer));
     let attribution = std::sync::Arc::new(Attribution::new());
     opened.engine.model.attribution = Some(std::sync::Arc::clone(&attribution));
+    let mut opened_window = false;
     let (ids, seconds) = decode(&opened.engine, spec, || {
-        tracer.reset_metrics();
-        attribution.reset();
-        at_window();
+        // Called before every measured step; the window opens at the first.
+        if !std::mem::replace(&mut opened_window, true) {
+            tracer.reset_metrics();
+            attribution.reset();
+            at_window();
+        }
     })?;
     let n = spec.tokens.max(1) as f64;
     let overlappable = tracer.span_seconds(&crate::model::moe::SPANS_READS_CAN_OVERLAP).map(|s| s / n);
@@ -395,6 +450,7 @@ pub fn measure_resident_with(
         ids,
         seconds_per_token: seconds / n,
         overlappable_seconds_per_token: overlappable,
+        moe_layers: opened.engine.model.cfg.moe_layers().len(),
         attribution: Some(Window::of(&attribution, spec.tokens, seconds)),
         ..Measurement::default()
     })

@@ -416,8 +416,28 @@ fn bench_reports_every_cell_with_identical_ids() {
         // cells that do not predict; given for every cell, so the predicting ones compare).
         let overlappable = v["resident_overlappable_seconds_per_token"].as_f64().unwrap();
         assert!(overlappable > 0.0 && overlappable < resident, "{v}");
-        let experts = c["expert_bytes_per_token"].as_f64().unwrap() / rate;
-        let want = floor.max(resident - overlappable + experts);
+        // Each layer's reads overlap only that layer's share of it: per measured step and
+        // layer, max(share, the layer's expert bytes / rate).
+        let layers = v["resident_moe_layers"].as_u64().unwrap() as f64;
+        assert!(layers >= 1.0, "{v}");
+        let steps = c["expert_bytes_by_step"].as_array().unwrap();
+        assert_eq!(steps.len(), 2, "one entry per measured token (--tokens 2): {c}");
+        let step_bytes =
+            |s: &serde_json::Value| s.as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).collect::<Vec<_>>();
+        let total: u64 = steps.iter().flat_map(step_bytes).sum();
+        let per_token = c["expert_bytes_per_token"].as_f64().unwrap();
+        assert!(
+            (total as f64 / 2.0 - per_token).abs() <= 1e-9 * per_token.max(1.0),
+            "the steps hold every expert byte: {c}"
+        );
+        let share = overlappable / layers;
+        let routed: f64 = steps
+            .iter()
+            .map(|s| overlappable + step_bytes(s).iter().map(|&b| (b as f64 / rate - share).max(0.0)).sum::<f64>())
+            .sum::<f64>()
+            / 2.0;
+        assert!(routed >= overlappable.max(per_token / rate) - 1e-12, "never below the unsplit bound: {c}");
+        let want = floor.max(resident - overlappable + routed);
         let got = c["floor_no_prediction_seconds_per_token"].as_f64().unwrap();
         assert!((got - want).abs() <= 1e-12 * want.max(1.0), "{c}");
         let eff = c["efficiency_no_prediction"].as_f64().unwrap();

@@ -172,7 +172,7 @@ fn print_cells(r: &Report) {
     }
     println!(
         "floor*: the floor without routing prediction: a layer's expert reads start at its router, so they overlap \
-         only the experts' compute (cells that predict routing can beat it)"
+         only that layer's expert compute (per measured token and layer; cells that predict routing can beat it)"
     );
 }
 
