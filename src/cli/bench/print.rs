@@ -62,6 +62,15 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
         rates(&r.device_read_rate_before),
         rates(&r.device_read_rate_after)
     );
+    let alone = r.device_read_rate.iter().map(|&(_, v)| v).fold(0.0, f64::max);
+    if let Some(tax) = r.read_tax.as_ref().filter(|_| alone > 0.0) {
+        println!(
+            "reads beside compute: the read-tax stream ran at {:.2} GB/s while resident decode computed, {:.2} of the \
+             device alone (what the host leaves the device while the cores compute; the floors use the device alone)",
+            tax.read_rate / 1e9,
+            tax.read_rate / alone
+        );
+    }
     println!(
         "memory bandwidth (triad): {:.1} GB/s (the better of {:.1} before the resident cell and {:.1} after it)",
         r.memory_bandwidth / 1e9,
