@@ -248,8 +248,12 @@ pub(super) fn streaming_run(
     context: usize,
 ) -> anyhow::Result<StreamingRun> {
     pipe.refuse_unused_speculation()?;
-    // Read once: the preset and the plan's check of it must see the same number.
-    let available = crate::memory::available();
+    // Read once: the preset and the plan's check of it must see the same number. A given budget
+    // waits for memory a run that just ended is still returning.
+    let available = match st.mem_gb {
+        Some(gb) => crate::memory::available_for((gb * GB) as u64 / PRESET_MAX_PERCENT * 100),
+        None => crate::memory::available(),
+    };
     let budget = match (st.mem_gb, &st.preset) {
         (Some(gb), _) => (gb * GB) as u64,
         (None, preset) => {

@@ -68,6 +68,37 @@ pub fn available() -> Option<Available> {
     combine(meminfo.as_deref().and_then(parse_mem_available), &limits)
 }
 
+/// How often [`available_for`] reads again, at most how many times in all (3 s), and after how
+/// many readings without growth it gives up (1 s: a budget beyond the machine).
+const SETTLE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+const SETTLE_POLLS_MAX: u32 = 30;
+const SETTLE_POLLS_IDLE: u32 = 10;
+/// Growth that counts as memory being returned.
+const SETTLE_RISE_MIN: u64 = 64 << 20;
+
+/// [`available`], read again while it is below `need` and rising: a run that just ended (a bench
+/// cell, or a process that exited) has its pinned buffers released by the kernel after it is
+/// gone, so for a moment `MemAvailable` still counts them (measured: 13.1 GB right after an
+/// 11 GB run exited, 23.8 GB half a second later). Gives up after a second without growth and
+/// after three in all, returning the last reading.
+pub fn available_for(need: u64) -> Option<Available> {
+    settle(need, available, || std::thread::sleep(SETTLE_POLL))
+}
+
+fn settle(need: u64, mut read: impl FnMut() -> Option<Available>, mut pause: impl FnMut()) -> Option<Available> {
+    let first = read()?;
+    let mut last = first.clone();
+    for poll in 1..=SETTLE_POLLS_MAX {
+        let idle = poll > SETTLE_POLLS_IDLE && last.bytes < first.bytes.saturating_add(SETTLE_RISE_MIN);
+        if last.bytes >= need || idle {
+            break;
+        }
+        pause();
+        last = read()?;
+    }
+    Some(last)
+}
+
 /// The smaller of `mem_available` and the cgroups' headroom.
 pub fn combine(mem_available: Option<u64>, cgroups: &[CgroupLimit]) -> Option<Available> {
     let tightest = cgroups.iter().min_by_key(|c| c.headroom());
@@ -96,6 +127,33 @@ pub fn kib_field(text: &str, key: &str) -> Option<u64> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    #[test]
+    fn a_reading_below_the_need_is_taken_again_while_memory_is_returned() {
+        let gb = |n: u64| Some(super::Available { bytes: n << 30, limited_by: super::Limit::MemAvailable });
+        // Freed over three readings: the wait ends at the first that suffices.
+        let mut seq = [12, 12, 18, 23, 23].into_iter();
+        let mut pauses = 0;
+        let got = super::settle(20 << 30, || gb(seq.next().unwrap_or(23)), || pauses += 1).unwrap();
+        assert_eq!((got.bytes >> 30, pauses), (23, 3));
+        // Enough at once: no wait.
+        let mut pauses = 0;
+        assert_eq!(super::settle(20 << 30, || gb(23), || pauses += 1).unwrap().bytes >> 30, 23);
+        assert_eq!(pauses, 0);
+        // Never enough and never rising: gives up after the idle readings, with the last one.
+        let mut pauses = 0;
+        assert_eq!(super::settle(100 << 30, || gb(12), || pauses += 1).unwrap().bytes >> 30, 12);
+        assert_eq!(pauses, super::SETTLE_POLLS_IDLE);
+        // Rising but never enough: bounded.
+        let mut n = 0u64;
+        let mut pauses = 0;
+        let rising = || {
+            n += 1;
+            gb(n)
+        };
+        assert!(super::settle(1 << 50, rising, || pauses += 1).unwrap().bytes < 1 << 50);
+        assert_eq!(pauses, super::SETTLE_POLLS_MAX);
+    }
+
     use std::path::PathBuf;
 
     use super::*;
