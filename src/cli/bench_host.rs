@@ -255,16 +255,19 @@ impl<'a> ExpertReads<'a> {
     /// Per token: the time from the routers to the last expert computed, when a layer's reads
     /// start at its router and overlap its own `overlappable` share (the whole `overlappable`
     /// for [`ExpertReads::Total`]): `max(overlappable, bytes / rate)`, or per step and layer
-    /// `sum max(overlappable / layers, layer bytes / rate) / tokens`. A read that overlaps
-    /// another layer's compute started before its router: that is prediction.
+    /// `sum max(step's overlappable / layers, layer bytes / rate) / tokens`, a step's
+    /// overlappable compute being `overlappable x tokens / steps`. A read that overlaps another
+    /// layer's compute started before its router: that is prediction.
     pub fn routed_seconds(&self, overlappable: f64, device_rate: f64) -> f64 {
         match *self {
             ExpertReads::Total(b) => overlappable.max(b / device_rate),
             ExpertReads::ByLayer { steps, tokens, moe_layers, .. } => {
-                let per_layer = overlappable / moe_layers as f64;
+                // A step computes the experts of tokens / steps tokens (more than one when drafted).
+                let step_overlappable = overlappable * tokens / steps.len().max(1) as f64;
+                let per_layer = step_overlappable / moe_layers as f64;
                 let step_seconds = |layers: &Vec<u64>| {
                     let read: f64 = layers.iter().map(|&b| (b as f64 / device_rate - per_layer).max(0.0)).sum();
-                    overlappable + read
+                    step_overlappable + read
                 };
                 steps.iter().map(step_seconds).sum::<f64>() / tokens
             }
@@ -380,10 +383,15 @@ mod tests {
 
     #[test]
     fn routed_seconds_are_per_token_over_steps_that_chose_several() {
-        // Two drafted steps chose three tokens between them.
+        // Two drafted steps chose three tokens between them: each step computes 1.5 tokens'
+        // experts, 30 ms of overlappable compute, 15 ms per layer.
         let steps = [vec![0, 30_000_000, 0], vec![0, 0, 0]];
         let reads = ExpertReads::ByLayer { bytes: 10e6, steps: &steps, tokens: 3.0, moe_layers: 2 };
-        assert!((reads.routed_seconds(0.02, RATE) - (0.04 + 0.02) / 3.0).abs() < 1e-12);
+        assert!((reads.routed_seconds(0.02, RATE) - ((0.03 + 0.015) + 0.03) / 3.0).abs() < 1e-12);
         assert_eq!(reads.bytes(), 10e6);
+        // Nothing read: the experts' compute per token remains.
+        let quiet = [vec![0, 0, 0], vec![0, 0, 0]];
+        let reads = ExpertReads::ByLayer { bytes: 0.0, steps: &quiet, tokens: 3.0, moe_layers: 2 };
+        assert!((reads.routed_seconds(0.02, RATE) - 0.02).abs() < 1e-12);
     }
 }

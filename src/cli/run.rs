@@ -251,7 +251,7 @@ pub(super) fn streaming_run(
     // Read once: the preset and the plan's check of it must see the same number. A given budget
     // waits for memory a run that just ended is still returning.
     let available = match st.mem_gb {
-        Some(gb) => crate::memory::available_for((gb * GB) as u64 / PRESET_MAX_PERCENT * 100),
+        Some(gb) => crate::memory::available_for(crate::memory::need_for_budget((gb * GB) as u64)),
         None => crate::memory::available(),
     };
     let budget = match (st.mem_gb, &st.preset) {

@@ -163,7 +163,11 @@ pub fn open_streaming(
     let manifest = Manifest::load(trunk_dir)?;
     // Identity before sizes: another model's pack is refused as such (exit 3), not for memory.
     manifest.check_source(trunk_dir, dir, &c.index)?;
-    let sized = super::sizing::plan_input(&c.cfg, &c.index, &c.weights, &manifest.units, manifest.alignment, run);
+    let mut sized = super::sizing::plan_input(&c.cfg, &c.index, &c.weights, &manifest.units, manifest.alignment, run);
+    if run.available_memory.is_none() {
+        // This machine runs it: wait for memory a run that just ended is still returning.
+        sized.input.mem_available = crate::memory::available_for(crate::memory::need_for_budget(run.budget_bytes));
+    }
     let (chunk, plain_chunk) = (sized.chunk, sized.plain_chunk);
     let plan = super::sizing::plan_drafting(sized, &run.drafting)?;
     on_plan(&plan);

@@ -400,7 +400,7 @@ pub(super) fn stream_window<T, E>(
             tracer.reset_metrics();
             tracer.mark_start();
         } else {
-            marks.push(engine.src.stats().per_layer.iter().map(|l| l.expert_bytes_read).collect());
+            marks.push(engine.src.expert_bytes_by_layer());
         }
     })?;
     tracer.mark_end();

@@ -63,9 +63,7 @@ pub(super) fn plan_input(
     let spec = run.pipeline.effective_speculation();
     let input = PlanInput {
         budget: run.budget_bytes,
-        mem_available: run.available_memory.clone().or_else(|| {
-            crate::memory::available_for(run.budget_bytes / crate::storage::plan::PRESET_MAX_PERCENT * 100)
-        }),
+        mem_available: run.available_memory.clone().or_else(crate::memory::available),
         units: lens,
         expert_slot_bytes: expert_slot_bytes(cfg, align),
         experts_total: index.experts.len(),

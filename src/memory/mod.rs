@@ -69,7 +69,7 @@ pub fn available() -> Option<Available> {
 }
 
 /// How often [`available_for`] reads again, at most how many times in all (3 s), and after how
-/// many readings without growth it gives up (1 s: a budget beyond the machine).
+/// many readings in a row without growth it gives up (1 s: a budget beyond the machine).
 const SETTLE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 const SETTLE_POLLS_MAX: u32 = 30;
 const SETTLE_POLLS_IDLE: u32 = 10;
@@ -80,23 +80,37 @@ const SETTLE_RISE_MIN: u64 = 64 << 20;
 /// cell, or a process that exited) has its pinned buffers released by the kernel after it is
 /// gone, so for a moment `MemAvailable` still counts them (measured: 13.1 GB right after an
 /// 11 GB run exited, 23.8 GB half a second later). Gives up after a second without growth and
-/// after three in all, returning the last reading.
+/// after three in all, returning the last reading (the last good one if a reading fails).
 pub fn available_for(need: u64) -> Option<Available> {
     settle(need, available, || std::thread::sleep(SETTLE_POLL))
 }
 
 fn settle(need: u64, mut read: impl FnMut() -> Option<Available>, mut pause: impl FnMut()) -> Option<Available> {
-    let first = read()?;
-    let mut last = first.clone();
-    for poll in 1..=SETTLE_POLLS_MAX {
-        let idle = poll > SETTLE_POLLS_IDLE && last.bytes < first.bytes.saturating_add(SETTLE_RISE_MIN);
-        if last.bytes >= need || idle {
+    let mut last = read()?;
+    let (mut grown_to, mut idle) = (last.bytes, 0);
+    for _ in 0..SETTLE_POLLS_MAX {
+        if last.bytes >= need || idle >= SETTLE_POLLS_IDLE {
             break;
         }
         pause();
-        last = read()?;
+        match read() {
+            Some(a) => last = a,
+            None => break,
+        }
+        if last.bytes >= grown_to.saturating_add(SETTLE_RISE_MIN) {
+            (grown_to, idle) = (last.bytes, 0);
+        } else {
+            idle += 1;
+        }
     }
     Some(last)
+}
+
+/// The memory a budget needs available to pass the plan's check (`budget` at most
+/// `PRESET_MAX_PERCENT`% of it), rounded up.
+pub fn need_for_budget(budget: u64) -> u64 {
+    let percent = crate::storage::plan::PRESET_MAX_PERCENT;
+    budget.div_ceil(percent).saturating_mul(100)
 }
 
 /// The smaller of `mem_available` and the cgroups' headroom.
@@ -152,6 +166,15 @@ mod tests {
         };
         assert!(super::settle(1 << 50, rising, || pauses += 1).unwrap().bytes < 1 << 50);
         assert_eq!(pauses, super::SETTLE_POLLS_MAX);
+        // A reading that fails mid-way keeps the last good one.
+        let mut seq = [Some(12), Some(14), None].into_iter();
+        let got = super::settle(20 << 30, || seq.next().flatten().and_then(gb), || {}).unwrap();
+        assert_eq!(got.bytes >> 30, 14);
+        // The need passes the plan's check: the budget is at most 95% of it.
+        for budget in [1, 95, 96, 12_000_000_000, 12_000_000_001] {
+            let need = super::need_for_budget(budget);
+            assert!(budget <= need / 100 * crate::storage::plan::PRESET_MAX_PERCENT, "{budget}");
+        }
     }
 
     use std::path::PathBuf;

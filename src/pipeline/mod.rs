@@ -141,6 +141,12 @@ impl Pipeline {
         Ok(Pipeline { store, io, prefetcher, mode: opts.mode, device_names })
     }
 
+    /// Each layer's expert bytes read so far (index = layer), cheaply enough to take between
+    /// timed steps.
+    pub fn expert_bytes_by_layer(&self) -> Vec<u64> {
+        self.store.expert_bytes_by_layer()
+    }
+
     /// Counters so far: the store's and the I/O stage's.
     pub fn stats(&self) -> StreamStats {
         let mut s = self.store.stats().with_io(self.io.stats());

@@ -335,6 +335,15 @@ fn bench_measures_drafted_cells_at_chosen_acceptances() {
     // under a full parallel test run), so the bound leaves room for it.
     assert!(gain("draft-replay-100%")["bytes_ratio"].as_f64().unwrap() > 1.25, "{v}");
     assert!(out.contains("drafting at 0.004 GB, draft-replay-100%: 100% of"), "{out}");
+    // A drafted cell's expert bytes are split per step (the floor without prediction needs
+    // them), one entry per step however many tokens each chose.
+    let drafted: Vec<&serde_json::Value> =
+        v["cells"].as_array().unwrap().iter().filter(|c| c["draft"].is_object()).collect();
+    assert_eq!(drafted.len(), 4, "{v}");
+    for c in drafted {
+        let steps = c["draft"]["steps"].as_u64().unwrap() as usize;
+        assert_eq!(c["expert_bytes_by_step"].as_array().map_or(0, Vec::len), steps, "{c}");
+    }
 }
 
 /// The read tax of a bench report was measured: `pairs` quiet/loaded pairs, each loaded run

@@ -66,7 +66,7 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
     if let Some(tax) = r.read_tax.as_ref().filter(|_| alone > 0.0) {
         println!(
             "reads beside compute: the read-tax stream ran at {:.2} GB/s while resident decode computed, {:.2} of the \
-             device alone (what the host leaves the device while the cores compute; the floors use the device alone)",
+             device alone (what the host leaves the device while the cores compute; the floors do not use it)",
             tax.read_rate / 1e9,
             tax.read_rate / alone
         );

@@ -473,6 +473,11 @@ impl Store {
         lock(&self.stats).clone()
     }
 
+    /// Each layer's expert bytes read so far (index = layer): one lock, no copy of the rest.
+    pub fn expert_bytes_by_layer(&self) -> Vec<u64> {
+        lock(&self.stats).per_layer.iter().map(|l| l.expert_bytes_read).collect()
+    }
+
     /// Adds to the counters.
     pub fn count(&self, f: impl FnOnce(&mut StreamStats)) {
         f(&mut lock(&self.stats));
