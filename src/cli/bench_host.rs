@@ -195,6 +195,11 @@ pub struct HostFloors {
     /// Seconds per token with no read in flight: in a device-bound cell, the time reads were not
     /// started (nothing asked for yet, or held back by the routing dependency).
     pub device_idle_seconds_per_token: f64,
+    /// What the device loses while the cores compute beside it: `(compute + tax) x (1 - the
+    /// read-tax stream's rate beside compute / device rate)`, 0 when the stream kept up. In a
+    /// device-bound cell, seconds per token the host's slowdown of the device adds to
+    /// `bytes / device` (the floors do not charge it).
+    pub device_slowed_seconds_per_token: f64,
 }
 
 /// The floors of a cell that read `m`'s bytes at `device_rate`, from the resident compute and
@@ -220,6 +225,7 @@ pub fn host_floors(m: &Measurement, resident: &Measurement, device_rate: f64, ta
         waited_seconds_per_token: m.stall_seconds_per_token,
         rest_seconds_per_token: spt - compute - charged - m.stall_seconds_per_token,
         device_idle_seconds_per_token: spt * (1.0 - m.io_busy_fraction),
+        device_slowed_seconds_per_token: device_slowed(compute + charged, tax.read_rate, device_rate),
     }
 }
 
@@ -275,6 +281,16 @@ impl<'a> ExpertReads<'a> {
     }
 }
 
+/// Seconds a device at `device_rate` loses over `busy` seconds of compute during which it reads
+/// at `beside` (the read-tax stream's rate beside compute) instead.
+pub fn device_slowed(busy: f64, beside: f64, device_rate: f64) -> f64 {
+    if device_rate > 0.0 && beside > 0.0 {
+        busy * (1.0 - beside / device_rate).max(0.0)
+    } else {
+        0.0
+    }
+}
+
 /// The floors of a token or step that reads `trunk` bytes and `experts` at `device_rate`, whose
 /// resident compute is `compute` (of which `overlappable` can overlap expert reads without
 /// prediction), with `tax` charged per byte: `max(bytes / rate, compute + tax x bytes)`, and
@@ -319,7 +335,7 @@ pub fn print_host(host: &Host, tax: Option<&ReadTax>) {
 /// One line per cell: its host floors and where its time goes.
 pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a HostFloors)>) {
     println!(
-        "{:>7} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} | {:>8}",
+        "{:>7} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} | {:>8} {:>10}",
         "budget",
         "mode",
         "s/token",
@@ -331,11 +347,12 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
         "tax",
         "waited",
         "rest",
-        "dev idle"
+        "dev idle",
+        "dev slowed"
     );
     for (budget, mode, spt, h) in cells {
         println!(
-            "{:>6}G {:>10} {:>9.3} {:>8.3} {:>7.2} {} {} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} | {:>8.3}",
+            "{:>6}G {:>10} {:>9.3} {:>8.3} {:>7.2} {} {} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} | {:>8.3} {:>10.3}",
             budget,
             mode,
             spt,
@@ -347,14 +364,17 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
             h.tax_seconds_per_token,
             h.waited_seconds_per_token,
             h.rest_seconds_per_token,
-            h.device_idle_seconds_per_token
+            h.device_idle_seconds_per_token,
+            h.device_slowed_seconds_per_token
         );
     }
     println!(
         "floor_h: the floor with the read tax charged, max(bytes / device, compute + s/GB x bytes); floor*_h: the same \
          without routing prediction. s/token = compute + tax (compute lost to reads) + waited (compute waiting for \
          reads) + rest (scheduling, and overlap of the parts); dev idle: no read in flight (in a device-bound cell, \
-         reads not started)"
+         reads not started); dev slowed: (compute + tax) x (1 - the read-tax stream's rate beside compute / the \
+         device's), what the device loses while the cores compute (in a device-bound cell, time the floors do not \
+         charge)"
     );
 }
 
@@ -379,6 +399,15 @@ mod tests {
         assert!((ExpertReads::Total(30e6).routed_seconds(0.02, RATE) - 0.03).abs() < 1e-12);
         // With nothing to read, the experts' compute remains.
         assert!((by_layer(&[vec![0, 0, 0]]).routed_seconds(0.02, RATE) - 0.02).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_device_slowed_beside_compute_loses_that_share_of_the_compute_seconds() {
+        // 0.4 s of compute and tax while the device reads at 3 of its 4 GB/s: 0.1 s lost.
+        assert!((super::device_slowed(0.4, 3e9, 4e9) - 0.1).abs() < 1e-12);
+        // A stream that kept up (or beat the probe), and no measurement: nothing.
+        assert_eq!(super::device_slowed(0.4, 4.2e9, 4e9), 0.0);
+        assert_eq!(super::device_slowed(0.4, 0.0, 4e9), 0.0);
     }
 
     #[test]

@@ -391,6 +391,11 @@ fn assert_read_tax_measured(v: &serde_json::Value, out: &str, pairs: usize) {
         assert!(get("floor_no_prediction_host_seconds_per_token") >= floor_h - 1e-12, "{c}");
         let idle = get("seconds_per_token") * (1.0 - get("io_busy_fraction"));
         assert!((get("device_idle_seconds_per_token") - idle).abs() <= 1e-9, "{c}");
+        // What the device loses beside compute: the stream's rate beside compute against the
+        // cell's device rate, over the compute and tax seconds.
+        let (beside, rate) = (tax["read_rate"].as_f64().unwrap(), get("device_read_rate_during"));
+        let slowed = (resident + charged) * (1.0 - beside / rate).max(0.0);
+        assert!((get("device_slowed_seconds_per_token") - slowed).abs() <= 1e-9 * slowed.max(1.0), "{c}");
     }
     for c in v["batch"]["cells"].as_array().into_iter().flatten() {
         let get = |k: &str| c[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {c}"));
