@@ -77,6 +77,14 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
         r.memory_bandwidth_before / 1e9,
         r.memory_bandwidth_after / 1e9
     );
+    if let Some(moved) = bandwidth_moved(r.memory_bandwidth_before, r.memory_bandwidth_after) {
+        println!(
+            "warning: the memory bandwidth moved by {:.0}% between before and after the resident cell: the host's speed \
+             changed during this run (a shared or throttled machine), so cells measured at different times differ by \
+             that much too; compare the modes of one budget (they alternate), repeat, or run on a quieter host",
+            100.0 * moved
+        );
+    }
     match r.resident_overlappable_seconds_per_token {
         Some(o) => println!(
             "resident compute: {:.3} s/token ({o:.3} of it shared and routed experts, which expert reads can overlap)",
@@ -212,5 +220,25 @@ pub(in crate::cli) fn or_dash(v: Option<f64>, width: usize, prec: usize) -> Stri
     match v {
         Some(v) => format!("{v:>width$.prec$}"),
         None => format!("{:>width$}", "-"),
+    }
+}
+
+/// How far apart two triad readings of one run are (as a share of the larger), when more than
+/// a fifth: beyond the 5-10% a triad varies on a quiet host.
+fn bandwidth_moved(before: f64, after: f64) -> Option<f64> {
+    let (lo, hi) = (before.min(after), before.max(after));
+    let moved = if hi > 0.0 { 1.0 - lo / hi } else { 0.0 };
+    (moved > 0.2).then_some(moved)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_triad_that_moved_by_more_than_a_fifth_is_reported() {
+        // This VM on 2026-12-05: 71.4 GB/s before the resident cell, 47.5 after.
+        let moved = super::bandwidth_moved(71.4e9, 47.5e9).unwrap_or(0.0);
+        assert!((moved - (1.0 - 47.5 / 71.4)).abs() < 1e-12);
+        assert_eq!(super::bandwidth_moved(48.2e9, 45.7e9), None);
+        assert_eq!(super::bandwidth_moved(0.0, 0.0), None);
     }
 }
