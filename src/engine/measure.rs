@@ -344,8 +344,8 @@ pub(super) struct StreamWindow {
     pub before: StreamStats,
     pub after: StreamStats,
     pub metrics: Metrics,
-    /// Each layer's expert bytes read so far, at every step boundary inside the window (the
-    /// counters at each later call of the window's mark).
+    /// Each layer's expert bytes read so far at the window's start, at every step boundary
+    /// inside it (each later call of the window's mark) and at its end.
     pub marks: Vec<Vec<u64>>,
 }
 
@@ -354,14 +354,10 @@ impl StreamWindow {
         (self.after.io.bytes_read - self.before.io.bytes_read) as f64
     }
 
-    /// The expert bytes read for each layer in each step of the window: the differences of the
-    /// marks, `before` and `after`.
+    /// The expert bytes read for each layer in each step of the window: the differences of
+    /// consecutive marks.
     pub fn expert_bytes_by_step(&self) -> Vec<Vec<u64>> {
-        let per_layer = |s: &StreamStats| s.per_layer.iter().map(|l| l.expert_bytes_read).collect::<Vec<u64>>();
-        let mut points = vec![per_layer(&self.before)];
-        points.extend(self.marks.iter().cloned());
-        points.push(per_layer(&self.after));
-        points
+        self.marks
             .windows(2)
             .map(|w| {
                 let layers = w[1].len().max(w[0].len());
@@ -396,7 +392,9 @@ pub(super) fn stream_window<T, E>(
     let mut marks = Vec::new();
     let out = measure(&mut || {
         if before.is_none() {
-            before = Some(engine.src.stats());
+            let stats = engine.src.stats();
+            marks.push(stats.expert_bytes_by_layer());
+            before = Some(stats);
             tracer.reset_metrics();
             tracer.mark_start();
         } else {
@@ -404,8 +402,9 @@ pub(super) fn stream_window<T, E>(
         }
     })?;
     tracer.mark_end();
-    let before = before.unwrap_or_default();
-    Ok((out, StreamWindow { before, after: engine.src.stats(), metrics: tracer.metrics(), marks }))
+    let (before, after) = (before.unwrap_or_default(), engine.src.stats());
+    marks.push(after.expert_bytes_by_layer());
+    Ok((out, StreamWindow { before, after, metrics: tracer.metrics(), marks }))
 }
 
 /// Measures with every weight mapped and already in the page cache (no I/O while timing):

@@ -141,42 +141,6 @@ pub fn kib_field(text: &str, key: &str) -> Option<u64> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    #[test]
-    fn a_reading_below_the_need_is_taken_again_while_memory_is_returned() {
-        let gb = |n: u64| Some(super::Available { bytes: n << 30, limited_by: super::Limit::MemAvailable });
-        // Freed over three readings: the wait ends at the first that suffices.
-        let mut seq = [12, 12, 18, 23, 23].into_iter();
-        let mut pauses = 0;
-        let got = super::settle(20 << 30, || gb(seq.next().unwrap_or(23)), || pauses += 1).unwrap();
-        assert_eq!((got.bytes >> 30, pauses), (23, 3));
-        // Enough at once: no wait.
-        let mut pauses = 0;
-        assert_eq!(super::settle(20 << 30, || gb(23), || pauses += 1).unwrap().bytes >> 30, 23);
-        assert_eq!(pauses, 0);
-        // Never enough and never rising: gives up after the idle readings, with the last one.
-        let mut pauses = 0;
-        assert_eq!(super::settle(100 << 30, || gb(12), || pauses += 1).unwrap().bytes >> 30, 12);
-        assert_eq!(pauses, super::SETTLE_POLLS_IDLE);
-        // Rising but never enough: bounded.
-        let mut n = 0u64;
-        let mut pauses = 0;
-        let rising = || {
-            n += 1;
-            gb(n)
-        };
-        assert!(super::settle(1 << 50, rising, || pauses += 1).unwrap().bytes < 1 << 50);
-        assert_eq!(pauses, super::SETTLE_POLLS_MAX);
-        // A reading that fails mid-way keeps the last good one.
-        let mut seq = [Some(12), Some(14), None].into_iter();
-        let got = super::settle(20 << 30, || seq.next().flatten().and_then(gb), || {}).unwrap();
-        assert_eq!(got.bytes >> 30, 14);
-        // The need passes the plan's check: the budget is at most 95% of it.
-        for budget in [1, 95, 96, 12_000_000_000, 12_000_000_001] {
-            let need = super::need_for_budget(budget);
-            assert!(budget <= need / 100 * crate::storage::plan::PRESET_MAX_PERCENT, "{budget}");
-        }
-    }
-
     use std::path::PathBuf;
 
     use super::*;
@@ -211,5 +175,41 @@ mod tests {
         assert_eq!(a.bytes, gib, "the tightest of several cgroups");
         assert_eq!(combine(None, &[cg(gib, 2 * gib)]).unwrap().bytes, 0, "usage above the limit leaves nothing");
         assert_eq!(combine(None, &[]), None);
+    }
+
+    #[test]
+    fn a_reading_below_the_need_is_taken_again_while_memory_is_returned() {
+        let gb = |n: u64| Some(super::Available { bytes: n << 30, limited_by: super::Limit::MemAvailable });
+        // Freed over three readings: the wait ends at the first that suffices.
+        let mut seq = [12, 12, 18, 23, 23].into_iter();
+        let mut pauses = 0;
+        let got = super::settle(20 << 30, || gb(seq.next().unwrap_or(23)), || pauses += 1).unwrap();
+        assert_eq!((got.bytes >> 30, pauses), (23, 3));
+        // Enough at once: no wait.
+        let mut pauses = 0;
+        assert_eq!(super::settle(20 << 30, || gb(23), || pauses += 1).unwrap().bytes >> 30, 23);
+        assert_eq!(pauses, 0);
+        // Never enough and never rising: gives up after the idle readings, with the last one.
+        let mut pauses = 0;
+        assert_eq!(super::settle(100 << 30, || gb(12), || pauses += 1).unwrap().bytes >> 30, 12);
+        assert_eq!(pauses, super::SETTLE_POLLS_IDLE);
+        // Rising but never enough: bounded.
+        let mut n = 0u64;
+        let mut pauses = 0;
+        let rising = || {
+            n += 1;
+            gb(n)
+        };
+        assert!(super::settle(1 << 50, rising, || pauses += 1).unwrap().bytes < 1 << 50);
+        assert_eq!(pauses, super::SETTLE_POLLS_MAX);
+        // A reading that fails mid-way keeps the last good one.
+        let mut seq = [Some(12), Some(14), None].into_iter();
+        let got = super::settle(20 << 30, || seq.next().flatten().and_then(gb), || {}).unwrap();
+        assert_eq!(got.bytes >> 30, 14);
+        // The need passes the plan's check: the budget is at most 95% of it.
+        for budget in [1, 95, 96, 12_000_000_000, 12_000_000_001] {
+            let need = super::need_for_budget(budget);
+            assert!(budget <= need / 100 * crate::storage::plan::PRESET_MAX_PERCENT, "{budget}");
+        }
     }
 }

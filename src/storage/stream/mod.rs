@@ -475,7 +475,7 @@ impl Store {
 
     /// Each layer's expert bytes read so far (index = layer): one lock, no copy of the rest.
     pub fn expert_bytes_by_layer(&self) -> Vec<u64> {
-        lock(&self.stats).per_layer.iter().map(|l| l.expert_bytes_read).collect()
+        lock(&self.stats).expert_bytes_by_layer()
     }
 
     /// Adds to the counters.

@@ -117,6 +117,11 @@ impl StreamStats {
         &mut self.per_layer[layer]
     }
 
+    /// Each layer's expert bytes read (index = layer).
+    pub fn expert_bytes_by_layer(&self) -> Vec<u64> {
+        self.per_layer.iter().map(|l| l.expert_bytes_read).collect()
+    }
+
     /// Expert bytes the backend reads: whole aligned windows, not only the tensors.
     pub fn expert_bytes_read_windows(&self) -> u64 {
         self.expert_window_bytes_read
