@@ -4,8 +4,8 @@
 //!
 //! `cargo bench -p k3ring-kernels --bench roofline [-- --threads N --repeats N --isa NAME
 //! --only bf16|mxfp4 --tokens 1,2,... --hot --avx2-mxfp4 ymm|xmm]` (`--only` and `--tokens`
-//! restrict the kernel rows; the limits are always measured; `--hot` adds MXFP4 rows of a
-//! 256x3584 matrix that stays in L2, 100 products per timing: the kernel's rate when memory is not
+//! restrict the kernel rows; the limits are always measured; `--hot` adds rows of an MXFP4
+//! 256x3584 and a bf16 128x2048 matrix that stay in L2, 100 products per timing: the kernel's rate when memory is not
 //! the limit; `--avx2-mxfp4` runs that AVX2 one-token MXFP4 kernel instead of this CPU's choice).
 //!
 //! Every number is the median of `--repeats` timings (default 9); the triad and the FMA peak are
@@ -222,22 +222,29 @@ struct Row {
 
 fn bf16_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -> Vec<Row> {
     let mut out = Vec::new();
-    for (rows, cols) in [(7168usize, 12288usize), (12288, 7168)] {
+    let mut shapes = vec![(7168usize, 12288usize, 1usize), (12288, 7168, 1)];
+    if o.hot {
+        shapes.push((128, 2048, 100));
+    }
+    for (rows, cols, calls) in shapes {
         let w = rng.bf16_bytes(rows * cols);
         for t in [1usize, 2, 4, 16].into_iter().filter(|t| o.tokens.contains(t)) {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
             let mut y = vec![0.0f32; t * rows];
             for threads in [1, o.threads] {
                 let secs = time(o.repeats, || {
-                    if threads == 1 {
-                        k.matmul_bf16(black_box(&w), rows, cols, black_box(&x), t, &mut y);
-                    } else {
-                        pool.install(|| k.par_matmul_bf16(black_box(&w), rows, cols, black_box(&x), t, &mut y));
+                    for _ in 0..calls {
+                        if threads == 1 {
+                            k.matmul_bf16(black_box(&w), rows, cols, black_box(&x), t, &mut y);
+                        } else {
+                            pool.install(|| k.par_matmul_bf16(black_box(&w), rows, cols, black_box(&x), t, &mut y));
+                        }
                     }
                 })
                 .as_secs_f64();
-                let name = format!("bf16 {rows}x{cols}");
-                out.push(Row { name, t, threads, bytes: w.len(), flops: 2 * rows * cols * t, secs });
+                let name = if calls > 1 { format!("bf16 {rows}x{cols} hot") } else { format!("bf16 {rows}x{cols}") };
+                let (bytes, flops) = (calls * w.len(), calls * 2 * rows * cols * t);
+                out.push(Row { name, t, threads, bytes, flops, secs });
             }
         }
     }

@@ -5,15 +5,15 @@
 //! [`TILE_COLS`] columns is decoded to f32 on the stack, then every token of the block runs its
 //! FMAs over the tile. Each (token, row) keeps its 16 canonical lanes in a buffer between
 //! tiles, so the per-lane FMA order is exactly the canonical one (increasing column) and the
-//! result is bit-identical to the single-token and scalar paths. Memory: 52 KiB of stack
-//! (4 KiB of decoded tiles, 16 KiB of staged x, 32 KiB of lanes) and no heap allocation; rayon's
+//! result is bit-identical to the single-token and scalar paths. Memory: 84 KiB of stack
+//! (4 KiB of decoded tiles, 16 KiB of staged x, 64 KiB of lanes) and no heap allocation; rayon's
 //! default 2 MiB worker stacks hold it easily.
 
 use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_setzero_ps, _mm512_fmadd_ps, _mm512_setzero_ps};
 
-use crate::dot::avx2::{load16, store16};
-use crate::dot::avx512::{load16z, store16z};
-use crate::dot::scalar::{pad16, Lanes as CanonicalLanes, LANES};
+use crate::dot::avx2::{load16, reduce16, store16};
+use crate::dot::avx512::{load16z, reduce16z, store16z};
+use crate::dot::scalar::{pad16, LANES};
 use crate::mxfp4::GROUP;
 use crate::out::RowsOut;
 
@@ -62,6 +62,12 @@ pub(crate) trait TileIsa {
     /// # Safety
     /// The ISA must be available on this host.
     unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &[Tile], chunks: usize, acc: &mut [TokenLanes]);
+
+    /// The canonical tree over one (token, row)'s 16 lanes.
+    ///
+    /// # Safety
+    /// The ISA must be available on this host.
+    unsafe fn reduce(lanes: &[f32; LANES]) -> f32;
 }
 
 /// AVX2 + FMA: lanes as two ymm registers.
@@ -92,6 +98,15 @@ impl TileIsa for Avx2 {
             unsafe { tile_fma_avx2(tiles, xk, chunks, acck) }
         }
     }
+
+    #[inline(always)]
+    unsafe fn reduce(lanes: &[f32; LANES]) -> f32 {
+        // SAFETY: the caller guarantees AVX2 + FMA.
+        unsafe {
+            let (lo, hi) = load16(lanes);
+            reduce16(lo, hi)
+        }
+    }
 }
 
 impl TileIsa for Avx512 {
@@ -111,16 +126,28 @@ impl TileIsa for Avx512 {
 
     #[inline(always)]
     unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &[Tile], chunks: usize, acc: &mut [TokenLanes]) {
-        let (x_pairs, x_last) = x.as_chunks::<2>();
-        let (acc_pairs, acc_last) = acc.as_chunks_mut::<2>();
-        for (xp, accp) in x_pairs.iter().zip(acc_pairs) {
+        let (x_quads, x_rest) = x.as_chunks::<4>();
+        let (acc_quads, acc_rest) = acc.as_chunks_mut::<4>();
+        for (xq, accq) in x_quads.iter().zip(acc_quads) {
             // SAFETY: the caller guarantees AVX-512 F + BW + VL and AVX2 + FMA.
-            unsafe { tile_fma_avx512_pair(tiles, xp, chunks, accp) }
+            unsafe { tile_fma_avx512_tokens::<4>(tiles, xq, chunks, accq) }
+        }
+        let (x_pairs, x_last) = x_rest.as_chunks::<2>();
+        let (acc_pairs, acc_last) = acc_rest.as_chunks_mut::<2>();
+        for (xp, accp) in x_pairs.iter().zip(acc_pairs) {
+            // SAFETY: as above.
+            unsafe { tile_fma_avx512_tokens::<2>(tiles, xp, chunks, accp) }
         }
         for (xk, acck) in x_last.iter().zip(acc_last) {
             // SAFETY: as above.
-            unsafe { tile_fma_avx512(tiles, xk, chunks, acck) }
+            unsafe { tile_fma_avx512_tokens::<1>(tiles, std::array::from_ref(xk), chunks, std::array::from_mut(acck)) }
         }
+    }
+
+    #[inline(always)]
+    unsafe fn reduce(lanes: &[f32; LANES]) -> f32 {
+        // SAFETY: the caller guarantees AVX-512 F + BW + VL and AVX2 + FMA.
+        unsafe { reduce16z(load16z(lanes)) }
     }
 }
 
@@ -137,8 +164,11 @@ fn mxfp4_row<'a>(packed: &'a [u8], scales: &'a [u8], row: usize, cols: usize) ->
     (&packed[row * pb..][..pb], &scales[row * groups..][..groups])
 }
 
-/// Row groups of [`ROWS`] sharing one staged x tile.
-const GROUPS: usize = 8;
+/// Row groups of [`ROWS`] sharing one staged x tile: a whole block of the parallel split
+/// (`par::ROWS_PER_BLOCK`), so each tile of x is staged once per block. Staging it twice (8
+/// groups, whose lanes fit L1 where 16 groups' do not) ran 10% slower at 16 tokens on a Zen 5
+/// host.
+const GROUPS: usize = 16;
 
 /// One token's canonical lanes for the [`ROWS`] rows of a row group.
 pub(crate) type TokenLanes = [[f32; LANES]; ROWS];
@@ -195,8 +225,8 @@ pub(crate) unsafe fn multi_token<I: TileIsa>(
                 let rn = ROWS.min(rb - g * ROWS);
                 for (tt, acc) in group_lanes.iter().enumerate().take(tn) {
                     for (i, lane) in acc.iter().enumerate().take(rn) {
-                        // The scalar tree is the definition; 15 adds per (token, row).
-                        out.set(t0 + tt, r0 + g * ROWS + i, CanonicalLanes::from_array(*lane).reduce());
+                        // SAFETY: forwarded from this function's contract.
+                        out.set(t0 + tt, r0 + g * ROWS + i, unsafe { I::reduce(lane) });
                     }
                 }
             }
@@ -237,47 +267,39 @@ fn tile_fma_avx2(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut TokenL
     }
 }
 
-/// [`TileIsa::tile_fma`] on AVX-512 for two tokens: 8 zmm accumulators (8 independent FMA
-/// chains, what two 512-bit FMA units of latency 4 need), each tile row loaded once for both.
+/// [`TileIsa::tile_fma`] on AVX-512 for `K` tokens at once: `4 K` zmm accumulators, each tile
+/// chunk loaded once for all `K` tokens. With `K = 4` a chunk costs 8 loads for 16 FMAs; two
+/// tokens at a time (12 loads per 16 FMAs) kept the loads ports as busy as the FMA units and
+/// ran the tile loop at half the FMA peak.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn tile_fma_avx512_pair(tiles: &[Tile; ROWS], x: &[Tile; 2], chunks: usize, acc: &mut [TokenLanes; 2]) {
-    let mut a = [[_mm512_setzero_ps(); ROWS]; 2];
-    for k in 0..2 {
+fn tile_fma_avx512_tokens<const K: usize>(
+    tiles: &[Tile; ROWS],
+    x: &[Tile; K],
+    chunks: usize,
+    acc: &mut [TokenLanes; K],
+) {
+    let mut a = [[_mm512_setzero_ps(); ROWS]; K];
+    for k in 0..K {
         for i in 0..ROWS {
             a[k][i] = load16z(&acc[k][i]);
         }
     }
     for c in 0..chunks {
-        let (x0, x1) = (load16z(&x[0][c]), load16z(&x[1][c]));
+        let mut xv = [_mm512_setzero_ps(); K];
+        for k in 0..K {
+            xv[k] = load16z(&x[k][c]);
+        }
         for i in 0..ROWS {
             let w = load16z(&tiles[i][c]);
-            a[0][i] = _mm512_fmadd_ps(w, x0, a[0][i]);
-            a[1][i] = _mm512_fmadd_ps(w, x1, a[1][i]);
+            for k in 0..K {
+                a[k][i] = _mm512_fmadd_ps(w, xv[k], a[k][i]);
+            }
         }
     }
-    for k in 0..2 {
+    for k in 0..K {
         for i in 0..ROWS {
             store16z(&mut acc[k][i], a[k][i]);
         }
-    }
-}
-
-/// [`TileIsa::tile_fma`] on AVX-512 for one token: 4 zmm accumulators.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn tile_fma_avx512(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut TokenLanes) {
-    let mut a = [_mm512_setzero_ps(); ROWS];
-    for i in 0..ROWS {
-        a[i] = load16z(&acc[i]);
-    }
-    for (c, xc) in x.iter().enumerate().take(chunks) {
-        let xv = load16z(xc);
-        for i in 0..ROWS {
-            a[i] = _mm512_fmadd_ps(load16z(&tiles[i][c]), xv, a[i]);
-        }
-    }
-    for i in 0..ROWS {
-        store16z(&mut acc[i], a[i]);
     }
 }

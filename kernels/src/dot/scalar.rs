@@ -11,12 +11,6 @@ impl Lanes {
     /// All lanes +0.0.
     pub(crate) const ZERO: Lanes = Lanes([0.0; LANES]);
 
-    /// Lanes holding `acc`, lane `l` = `acc[l]` (e.g. kept in memory by a SIMD kernel).
-    #[cfg(target_arch = "x86_64")]
-    pub(crate) fn from_array(acc: [f32; LANES]) -> Lanes {
-        Lanes(acc)
-    }
-
     /// `acc[l] = fma(a[l], b[l], acc[l])` for every lane.
     #[inline]
     pub(crate) fn fma(&mut self, a: &[f32; LANES], b: &[f32; LANES]) {

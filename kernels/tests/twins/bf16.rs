@@ -54,8 +54,9 @@ fn matmul_bf16_batch_invariance() {
     let mut rng = Rng::new(3);
     for k in all_kernels() {
         for (rows, cols) in [(5, 16), (9, 300), (7, 513), (66, 40), (3, 1)] {
-            // Tiles of 3, 16 and 17 rows against tiles of 1 (issue 18: a batch step's rows).
-            for t in [2usize, 3, 4, 5, 16, 17, 33] {
+            // Batches of 2 to 33 tokens (every split of the tile loop into 4, 2 and 1) against one
+            // token at a time (issue 18: a batch step's rows).
+            for t in [2usize, 3, 4, 5, 7, 16, 17, 22, 33] {
                 let w = rng.bf16_bytes(rows * cols, false);
                 let x = rng.adversarials(t * cols);
                 let batched = run_bf16(&k, false, &w, rows, cols, &x, t);
