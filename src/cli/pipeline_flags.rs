@@ -37,8 +37,8 @@ pub struct PipelineArgs {
     /// device had idle time for at this layer are read).
     #[arg(long)]
     pub spec_fixed: bool,
-    /// Expert cache policy: lru, s3fifo or lfu.
-    #[arg(long, value_name = "NAME", default_value = "lru", value_parser = ["lru", "s3fifo", "lfu"])]
+    /// Expert cache policy: lru, s3fifo, lfu or cyclic.
+    #[arg(long, value_name = "NAME", default_value = "cyclic", value_parser = ["lru", "s3fifo", "lfu", "cyclic"])]
     pub policy: String,
     /// pipelined (reads overlap compute) or serial (read a layer's experts, then compute them).
     #[arg(long, value_name = "MODE", default_value = "pipelined", value_parser = ["pipelined", "serial"])]

@@ -178,6 +178,7 @@ impl Store {
     /// being read in issue order.
     pub fn request_demand(&self, layer: usize, experts: &mut [usize]) -> Routed {
         let mut pool = lock(&self.pool);
+        pool.policy.on_layer(layer);
         let (cached, cached_hits) = self.settle_guesses(&mut pool, layer, experts);
         pool.protected.clear();
         pool.pending.clear();

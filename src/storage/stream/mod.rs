@@ -74,7 +74,7 @@ pub struct StoreOptions {
     pub verify_experts: bool,
     pub lock_memory: bool,
     pub numa_node: Option<u32>,
-    /// Expert cache policy: "lru", "s3fifo" or "lfu".
+    /// Expert cache policy: "lru", "s3fifo", "lfu" or "cyclic".
     pub policy: String,
     /// Stream trunk units in pieces of this many bytes whatever the budget (`--piece-mb`);
     /// `None`: the planner decides.
@@ -90,7 +90,7 @@ impl Default for StoreOptions {
             verify_experts: true,
             lock_memory: true,
             numa_node: None,
-            policy: "lru".to_owned(),
+            policy: "cyclic".to_owned(),
             piece_bytes: None,
         }
     }

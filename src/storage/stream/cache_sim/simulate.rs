@@ -74,6 +74,7 @@ pub fn simulate_with_progress(
     let (mut hits, mut misses) = (Vec::with_capacity(trace.top_k), Vec::with_capacity(trace.top_k));
     let (mut hit_count, mut evictions) = (0u64, 0u64);
     for (index, b) in trace.iter().enumerate() {
+        policy.on_layer(b.layer);
         hits.clear();
         misses.clear();
         for &e in b.experts {

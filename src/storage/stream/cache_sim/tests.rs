@@ -39,6 +39,9 @@ impl CachePolicy for ListCandidates {
     fn name(&self) -> &'static str {
         self.0.name()
     }
+    fn on_layer(&mut self, layer: usize) {
+        self.0.on_layer(layer);
+    }
     fn on_insert(&mut self, key: ExpertKey) {
         self.0.on_insert(key);
     }
@@ -116,6 +119,26 @@ fn hand_computed_lru_and_belady() {
     assert_eq!(b.tokens, 4);
     assert!((r.bytes_read_per_token(10.0) - 12.5).abs() < 1e-12);
     assert_eq!(default_capacities(&t), vec![2, 4]);
+}
+
+#[test]
+fn a_sweep_larger_than_the_pool_misses_every_expert_under_lru_but_not_under_cyclic() {
+    // Every token uses all 4 experts of each of 4 layers; the pool holds 10 of the 16. At each
+    // layer LRU's oldest are the next layer's experts, so it evicts each expert just before its
+    // use. Cyclic evicts from the layer that ran last (its next turn comes last), which on this
+    // trace is Belady's choice.
+    let mut t = Trace::new(4, 4, 4).unwrap();
+    for token in 0..10 {
+        for layer in 0..4 {
+            t.push(token, layer, &[0, 1, 2, 3]).unwrap();
+        }
+    }
+    let lru = simulate(&t, 10, &mut super::super::policy::Lru::default()).unwrap();
+    assert_eq!((lru.hits, lru.misses), (0, 160));
+    let cyclic = simulate(&t, 10, &mut super::super::policy::Cyclic::default()).unwrap();
+    let best = belady(&t, 10).unwrap();
+    assert_eq!((cyclic.hits, cyclic.misses), (72, 88));
+    assert_eq!((best.hits, best.misses), (72, 88));
 }
 
 #[test]

@@ -2,7 +2,8 @@
 //! resident experts that may be evicted; the policy only orders them.
 //!
 //! How the pool drives a policy (`stream/expert_pool.rs`; `cache_sim` replays the
-//! same calls): for each layer it first reads the batch's misses in disk order, calling
+//! same calls): for each layer it first says which layer (`on_layer`), then reads the batch's
+//! misses in disk order, calling
 //! `victim` + `on_evict` when no slot is free and then `on_insert`, and afterwards uses every
 //! expert of the batch once (`on_access`: hits first, then the misses). So the request that made
 //! the pool insert a key reaches the policy as the `on_access` right after `on_insert`: a policy
@@ -17,11 +18,14 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+mod cyclic;
+pub use cyclic::Cyclic;
+
 /// (layer, expert).
 pub type ExpertKey = (usize, usize);
 
 /// Names accepted by [`policy_by_name`], in table order.
-pub const POLICY_NAMES: [&str; 3] = ["lru", "s3fifo", "lfu"];
+pub const POLICY_NAMES: [&str; 4] = ["lru", "s3fifo", "lfu", "cyclic"];
 
 /// A policy by name, for a pool of `capacity` experts; `None` for an unknown name.
 pub fn policy_by_name(name: &str, capacity: usize) -> Option<Box<dyn CachePolicy>> {
@@ -29,6 +33,7 @@ pub fn policy_by_name(name: &str, capacity: usize) -> Option<Box<dyn CachePolicy
         "lru" => Some(Box::new(Lru::default())),
         "s3fifo" => Some(Box::new(S3Fifo::new(capacity))),
         "lfu" => Some(Box::new(Lfu::new(capacity))),
+        "cyclic" => Some(Box::new(Cyclic::default())),
         _ => None,
     }
 }
@@ -36,6 +41,8 @@ pub fn policy_by_name(name: &str, capacity: usize) -> Option<Box<dyn CachePolicy
 /// How the expert pool chooses what to evict.
 pub trait CachePolicy: Send {
     fn name(&self) -> &'static str;
+    /// The routing of `layer` came: the pool is about to read its misses.
+    fn on_layer(&mut self, _layer: usize) {}
     /// `key` was read into the pool.
     fn on_insert(&mut self, key: ExpertKey);
     /// `key` was used by a token.
