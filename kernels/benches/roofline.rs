@@ -5,8 +5,10 @@
 //! `cargo bench -p k3ring-kernels --bench roofline [-- --threads N --repeats N --isa NAME
 //! --only bf16|mxfp4 --tokens 1,2,... --hot --avx2-mxfp4 ymm|xmm]` (`--only` and `--tokens`
 //! restrict the kernel rows; the limits are always measured; `--hot` adds rows of an MXFP4
-//! 256x3584 and a bf16 128x2048 matrix that stay in L2, 100 products per timing: the kernel's rate when memory is not
-//! the limit; `--avx2-mxfp4` runs that AVX2 one-token MXFP4 kernel instead of this CPU's choice).
+//! 256x3584 and a bf16 128x2048 matrix that stay in L2, 100 products per timing: the kernels'
+//! rate when memory is not the limit, on one thread (the bf16 one has only two 64-row blocks, so
+//! its multi-thread rows mostly show fork and join); `--avx2-mxfp4` runs that AVX2 one-token
+//! MXFP4 kernel instead of this CPU's choice).
 //!
 //! Every number is the median of `--repeats` timings (default 9); the triad and the FMA peak are
 //! measured before and after the kernels and the better of the two medians is the limit, so a
@@ -32,7 +34,7 @@ struct Options {
     only: Option<String>,
     /// Token counts to measure (default 1, 2, 3, 4, 16; bf16 skips 3).
     tokens: Vec<usize>,
-    /// Also measure an L2-resident MXFP4 matrix.
+    /// Also measure an L2-resident MXFP4 and bf16 matrix.
     hot: bool,
     /// `--avx2-mxfp4 ymm|xmm`: the AVX2 one-token MXFP4 kernel instead of this CPU's choice.
     avx2_mxfp4: Option<Avx2Mxfp4>,

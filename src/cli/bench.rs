@@ -101,6 +101,9 @@ pub struct BenchArgs {
     /// --no-verify-experts`), to see what the check costs.
     #[arg(long)]
     pub no_verify_experts: bool,
+    /// Expert cache policy of every cell (as `run --policy`).
+    #[arg(long, value_name = "NAME", default_value = "cyclic", value_parser = ["lru", "s3fifo", "lfu", "cyclic"])]
+    pub policy: String,
     /// The backend every cell and probe reads through: uring (the disk), or drives modeled in
     /// real time over the page cache, sim:RATE[,LATENCY][,qdQ][xN] (e.g. `sim:7GB/s,80us x4`).
     #[arg(long = "io", value_name = "BACKEND", default_value = "uring", value_parser = super::parse_io)]
@@ -192,6 +195,8 @@ struct Report {
     /// Experts read from the shards were checked against their checksums (the default; false
     /// with `--no-verify-experts`).
     experts_checked: bool,
+    /// The expert cache policy of the cells (`--policy`).
+    expert_cache_policy: String,
     /// Per budget: the device probe, the cells' own busy read rate and the better of the two,
     /// which that budget's floors and bounds use.
     device_rates_by_budget: Vec<DeviceRate>,
@@ -343,6 +348,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         resident_attribution: resident.attribution.as_ref().map(|w| w.table(Some(membw))),
         page_cache_dropped: measured.dropped,
         experts_checked: !args.no_verify_experts,
+        expert_cache_policy: args.policy.clone(),
         device_rates_by_budget: measured.device_rate_sources.clone(),
         cells,
         batch: batch_report,
@@ -656,7 +662,12 @@ fn cell_run(args: &BenchArgs, io: IoKind, spec: &MeasureSpec, budget: f64, mode:
         context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
         chunk: spec.prefill_chunk,
         threads: args.threads,
-        store: StoreOptions { readahead: 1, verify_experts: !args.no_verify_experts, ..StoreOptions::default() },
+        store: StoreOptions {
+            readahead: 1,
+            verify_experts: !args.no_verify_experts,
+            policy: args.policy.clone(),
+            ..StoreOptions::default()
+        },
         pipeline: PipelineOptions {
             io: cell_io(args, io),
             mode: if serial { Mode::Serial } else { Mode::Pipelined },

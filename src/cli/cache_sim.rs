@@ -65,7 +65,7 @@ struct Cell {
 #[derive(Serialize)]
 struct Row {
     capacity: usize,
-    /// lru, s3fifo, lfu, belady.
+    /// The policies in `POLICY_NAMES` order, then belady.
     results: Vec<Cell>,
 }
 
@@ -287,7 +287,8 @@ fn print_table(r: &Report) {
     let names: Vec<&str> = POLICY_NAMES.iter().copied().chain(["belady"]).collect();
     let rate_header: String = names.iter().map(|n| format!("{n:>8}")).collect();
     let mb_header: String = names.iter().map(|n| format!("{n:>10}")).collect();
-    println!("{:>8}  {:<32}  MB read per token ({} MB per expert)", "", "hit rate", r.expert_mb);
+    let rates_width = 8 * names.len();
+    println!("{:>8}  {:<rates_width$}  MB read per token ({} MB per expert)", "", "hit rate", r.expert_mb);
     println!("{:>8}  {rate_header}  {mb_header}", "capacity");
     for row in &r.rows {
         let rates: String = row.results.iter().map(|c| format!("{:>7.2}%", 100.0 * c.hit_rate)).collect();

@@ -1,4 +1,4 @@
-//! Flags of the pipeline (`run`, `tune`, `bench`): placement, speculation, cache policy, mode,
+//! Flags of the pipeline (`run`, `chat`, `batch`, `serve`): placement, speculation, cache policy, mode,
 //! profiling outputs; and turning them into the library's options.
 
 use std::path::PathBuf;

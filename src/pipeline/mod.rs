@@ -182,11 +182,6 @@ impl Pipeline {
         self.io.tickets_held()
     }
 
-    /// Replaces the expert cache policy.
-    pub fn set_policy(&self, policy: Box<dyn crate::storage::stream::policy::CachePolicy>) {
-        self.store.set_policy(policy);
-    }
-
     pub fn mode(&self) -> Mode {
         self.mode
     }

@@ -296,6 +296,21 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
     assert_read_tax_measured(&v, &out, 1);
 }
 
+/// `bench --policy` runs its cells under that expert cache policy and says which; the default is
+/// `cyclic`, as for `run`.
+#[test]
+fn bench_names_the_expert_cache_policy_of_its_cells() {
+    for (args, want) in [(&["--policy", "lru"][..], "lru"), (&[][..], "cyclic")] {
+        let (code, _, err, v) = bench_tiny(&[&["--modes", "no-spec", "--no-read-tax"][..], args].concat());
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(v["expert_cache_policy"], want, "{v}");
+        assert_eq!(v["ids_identical"], true, "{v}");
+    }
+    let (code, _, err, _) = bench_tiny(&["--policy", "mru"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--policy"), "{err}");
+}
+
 fn gain_of<'a>(gains: &'a [serde_json::Value], mode: &str) -> &'a serde_json::Value {
     gains.iter().find(|g| g["mode"] == mode).unwrap()
 }

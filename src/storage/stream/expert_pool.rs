@@ -123,10 +123,6 @@ impl ExpertPool {
         }
     }
 
-    pub fn set_policy(&mut self, policy: Box<dyn CachePolicy>) {
-        self.policy = policy;
-    }
-
     /// Whether `key` is resident or being read.
     pub fn has(&self, key: ExpertKey) -> bool {
         self.resident.contains_key(&key)

@@ -463,11 +463,6 @@ impl Store {
         Ok(())
     }
 
-    /// Replaces the expert cache policy.
-    pub fn set_policy(&self, policy: Box<dyn policy::CachePolicy>) {
-        lock(&self.pool).set_policy(policy);
-    }
-
     /// The store's counters so far (without the I/O stage's).
     pub fn stats(&self) -> StreamStats {
         lock(&self.stats).clone()

@@ -3,15 +3,17 @@
 //! Decoding visits the MoE layers in a fixed cycle, so an expert of layer `l` is next needed
 //! at layer `l`'s next turn. When the layer running is `c`, the layers' next turns come in the
 //! order `c + 1, c + 2, ..., c - 1, c`: an expert of `c` itself that this step does not use
-//! waits a whole cycle, one of `c - 1` one layer less, and so on. Belady's rule (evict what is
-//! needed last) therefore takes victims from `c`, then `c - 1`, down to 0, then from the last
-//! layer down to `c + 1`; within a layer, the least recently used first.
+//! waits a whole cycle, one of `c - 1` one layer less, and so on. So victims come from `c`, then
+//! `c - 1`, down to 0, then from the last layer down to `c + 1`; within a layer, the least
+//! recently used first. Where every cached expert is used at its layer's next turn (a batch
+//! that uses nearly all experts) that is Belady's choice; otherwise an approximation of it.
 //!
-//! Why not LRU: when a step's experts outnumber the pool (a batch of 16 sequences uses 63 of 64
-//! experts per layer), LRU evicts each expert just before its next use and misses every time.
-//! On such a trace (6 layers, 64 experts, 16 x 16 routed per layer, a pool of 233) LRU read 380
-//! experts per step and this policy 184, with Belady's optimum at 180; on one sequence it read
-//! 41 against LRU's 44.
+//! Why not LRU: when a step's experts outnumber the pool, LRU's oldest experts are those of
+//! layer `c + 1`, needed next, so it evicts each expert just before its use. On the 6-layer
+//! 64-expert synth at 12 GB (233 slots for 320 routed experts) a 16-sequence step read 63.2
+//! experts per layer under LRU and 21.4 under this policy (docs/BENCHMARKS.md, "The expert
+//! cache by layer turn"). Keys the policy never saw (none, unless a pool handed it keys without
+//! `on_insert`) go after all others, lowest rank first.
 
 use std::collections::BTreeMap;
 
@@ -77,17 +79,20 @@ impl CachePolicy for Cyclic {
     }
 
     fn victim(&mut self, candidates: &[ExpertKey]) -> Option<ExpertKey> {
-        candidates.iter().copied().min_by_key(|&k| self.rank(k))
+        candidates.iter().copied().min_by_key(|&k| (!self.last_use.contains_key(&k), self.rank(k)))
     }
 
     fn victim_where(
         &mut self,
-        _resident: &mut dyn Iterator<Item = ExpertKey>,
+        resident: &mut dyn Iterator<Item = ExpertKey>,
         evictable: &dyn Fn(ExpertKey) -> bool,
     ) -> Option<ExpertKey> {
         let now_and_before = self.by_layer.range(..=self.current).rev();
         let after = self.by_layer.range(self.current + 1..).rev();
-        now_and_before.chain(after).flat_map(|(_, m)| m.values().copied()).find(|&k| evictable(k))
+        let seen = now_and_before.chain(after).flat_map(|(_, m)| m.values().copied()).find(|&k| evictable(k));
+        seen.or_else(|| {
+            resident.filter(|&k| evictable(k) && !self.last_use.contains_key(&k)).min_by_key(|&k| self.rank(k))
+        })
     }
 }
 
@@ -114,5 +119,21 @@ mod tests {
             resident.retain(|&k| k != want);
         }
         assert!(p.last_use.is_empty() && p.by_layer.is_empty());
+    }
+
+    #[test]
+    fn keys_never_seen_go_last_in_both_ways_of_choosing() {
+        let mut p = Cyclic::default();
+        p.on_access((2, 1));
+        p.on_layer(2);
+        let resident = [(0, 7), (2, 1), (2, 9)];
+        let all = |_: ExpertKey| true;
+        assert_eq!(p.victim(&resident), Some((2, 1)));
+        assert_eq!(p.victim_where(&mut resident.iter().copied(), &all), Some((2, 1)));
+        // Only unseen keys left: the nearest to the running layer's turn first, as for seen ones.
+        let unseen = [(0, 7), (2, 9)];
+        let not_seen = |k: ExpertKey| k != (2, 1);
+        assert_eq!(p.victim(&unseen), Some((2, 9)));
+        assert_eq!(p.victim_where(&mut resident.iter().copied(), &not_seen), Some((2, 9)));
     }
 }

@@ -1,11 +1,10 @@
 //! Expert cache policies behind one trait. The pool asks a policy for a victim among the
 //! resident experts that may be evicted; the policy only orders them.
 //!
-//! How the pool drives a policy (`stream/expert_pool.rs`; `cache_sim` replays the
-//! same calls): for each layer it first says which layer (`on_layer`), then reads the batch's
-//! misses in disk order, calling
-//! `victim` + `on_evict` when no slot is free and then `on_insert`, and afterwards uses every
-//! expert of the batch once (`on_access`: hits first, then the misses). So the request that made
+//! How the pool drives a policy (`stream/expert_pool.rs`; `cache_sim` replays the same calls):
+//! for each layer it first names the layer (`on_layer`), then reads the batch's misses in disk
+//! order, calling `victim` + `on_evict` when no slot is free and then `on_insert`, and afterwards
+//! uses every expert of the batch once (`on_access`: hits first, then the misses). So the request that made
 //! the pool insert a key reaches the policy as the `on_access` right after `on_insert`: a policy
 //! that counts reuse must not count that access. Experts of the current batch are never
 //! candidates.
