@@ -301,9 +301,10 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
 #[test]
 fn bench_names_the_expert_cache_policy_of_its_cells() {
     for (args, want) in [(&["--policy", "lru"][..], "lru"), (&[][..], "cyclic")] {
-        let (code, _, err, v) = bench_tiny(&[&["--modes", "no-spec", "--no-read-tax"][..], args].concat());
+        let (code, out, err, v) = bench_tiny(&[&["--modes", "no-spec", "--no-read-tax"][..], args].concat());
         assert_eq!(code, 0, "{err}");
         assert_eq!(v["expert_cache_policy"], want, "{v}");
+        assert!(out.contains(&format!("expert cache policy: {want} (--policy)")), "{out}");
         assert_eq!(v["ids_identical"], true, "{v}");
     }
     let (code, _, err, _) = bench_tiny(&["--policy", "mru"]);

@@ -43,6 +43,7 @@ pub(super) fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
     } else {
         println!("expert checksums: not checked (--no-verify-experts)");
     }
+    println!("expert cache policy: {} (--policy)", r.expert_cache_policy);
     println!("ids identical in every cell and resident: {}", if r.ids_identical { "yes" } else { "NO" });
     if let Some(batch) = &r.batch {
         bench_batch::print(batch);
