@@ -36,8 +36,10 @@ use crate::error::UsageError;
 use crate::model::attribution::AttributionTable;
 use crate::pipeline::{IoKind, IoOptions, Mode, PipelineOptions, Speculation};
 use crate::storage::plan::GB;
+use crate::storage::stream::policy::{DEFAULT_POLICY, POLICY_NAMES};
 use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
+use clap::builder::PossibleValuesParser;
 use draft_cells::DraftCells;
 pub(super) use print::or_dash;
 use print::print_report;
@@ -102,7 +104,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub no_verify_experts: bool,
     /// Expert cache policy of every cell (as `run --policy`).
-    #[arg(long, value_name = "NAME", default_value = "cyclic", value_parser = ["lru", "s3fifo", "lfu", "cyclic"])]
+    #[arg(long, value_name = "NAME", default_value = DEFAULT_POLICY, value_parser = PossibleValuesParser::new(POLICY_NAMES))]
     pub policy: String,
     /// The backend every cell and probe reads through: uring (the disk), or drives modeled in
     /// real time over the page cache, sim:RATE[,LATENCY][,qdQ][xN] (e.g. `sim:7GB/s,80us x4`).

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use crate::pipeline::{Mode, Placement, PlacementRequest, Speculation};
 use crate::storage::io::topology::parse_cpulist;
+use crate::storage::stream::policy::{DEFAULT_POLICY, POLICY_NAMES};
+use clap::builder::PossibleValuesParser;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PipelineArgs {
@@ -38,7 +40,7 @@ pub struct PipelineArgs {
     #[arg(long)]
     pub spec_fixed: bool,
     /// Expert cache policy: lru, s3fifo, lfu or cyclic.
-    #[arg(long, value_name = "NAME", default_value = "cyclic", value_parser = ["lru", "s3fifo", "lfu", "cyclic"])]
+    #[arg(long, value_name = "NAME", default_value = DEFAULT_POLICY, value_parser = PossibleValuesParser::new(POLICY_NAMES))]
     pub policy: String,
     /// pipelined (reads overlap compute) or serial (read a layer's experts, then compute them).
     #[arg(long, value_name = "MODE", default_value = "pipelined", value_parser = ["pipelined", "serial"])]

@@ -90,7 +90,7 @@ impl Default for StoreOptions {
             verify_experts: true,
             lock_memory: true,
             numa_node: None,
-            policy: "cyclic".to_owned(),
+            policy: policy::DEFAULT_POLICY.to_owned(),
             piece_bytes: None,
         }
     }

@@ -4,9 +4,9 @@
 //! How the pool drives a policy (`stream/expert_pool.rs`; `cache_sim` replays the same calls):
 //! for each layer it first names the layer (`on_layer`), then reads the batch's misses in disk
 //! order, calling `victim` + `on_evict` when no slot is free and then `on_insert`, and afterwards
-//! uses every expert of the batch once (`on_access`: hits first, then the misses). So the request that made
-//! the pool insert a key reaches the policy as the `on_access` right after `on_insert`: a policy
-//! that counts reuse must not count that access. Experts of the current batch are never
+//! uses every expert of the batch once (`on_access`: hits first, then the misses). So the
+//! request that made the pool insert a key reaches the policy as the `on_access` right after
+//! `on_insert`: a policy that counts reuse must not count that access. Experts of the current batch are never
 //! candidates.
 //!
 //! Threads: a policy lives inside the pool's state and runs under its lock (compute thread).
@@ -25,6 +25,9 @@ pub type ExpertKey = (usize, usize);
 
 /// Names accepted by [`policy_by_name`], in table order.
 pub const POLICY_NAMES: [&str; 4] = ["lru", "s3fifo", "lfu", "cyclic"];
+
+/// The policy of a run that names none (`--policy`, [`super::StoreOptions`]).
+pub const DEFAULT_POLICY: &str = "cyclic";
 
 /// A policy by name, for a pool of `capacity` experts; `None` for an unknown name.
 pub fn policy_by_name(name: &str, capacity: usize) -> Option<Box<dyn CachePolicy>> {
