@@ -13,8 +13,12 @@
 //! A layer's window runs from the point its experts are predicted (the previous layer's MLP
 //! residual read, or the previous layer's end for a block start) to the end of the layer: it
 //! holds the reads its guesses cause, the compute they slow down and the stall they save. Passes
-//! alternate all layers together, so the two settings meet the same drift of the machine. Only
-//! single-token (decode) passes are timed; passes of other sizes run with the current choice.
+//! alternate all layers together, so the two settings meet the same drift of the machine. A
+//! trial times passes of one size, its first pass's or the smallest since: one row in a single sequence's
+//! decode, one row per sequence in a batch's decode steps (a step that also carries prompt
+//! pieces is larger). Passes of other sizes run with the current choice and do not alternate.
+//! A smaller pass starts the trial over at its size; so does a run of [`TRIAL_PASSES_MAX`]
+//! passes of other sizes, at the last one's (a batch that grew).
 //!
 //! Allocation: the sample lists are sized once for the layers and the trial length.
 
@@ -23,8 +27,9 @@ use std::time::Instant;
 /// Windows timed with and without guesses per layer in one trial (each).
 pub const TRIAL_PASSES: usize = 3;
 
-/// A trial that has not filled every layer's samples after this many decode passes decides
-/// with what it has (a layer short of samples stays without guesses).
+/// A trial that has not filled every layer's samples after this many timed passes decides
+/// with what it has (a layer short of samples stays without guesses). Also the passes of
+/// another size after which a trial starts over at that size.
 pub const TRIAL_PASSES_MAX: usize = 4 * TRIAL_PASSES;
 
 /// Passes run with the layers' decisions before the next trial.
@@ -59,6 +64,10 @@ struct LayerTrial {
 pub struct Trials {
     phase: Phase,
     layers: Vec<LayerTrial>,
+    /// The pass size the current trial times (`None` until a pass ends in it).
+    rows: Option<usize>,
+    /// Passes in a row of another size than `rows`.
+    other_passes: usize,
     /// Layer decisions made so far for guessing and against it (for the run report).
     pub decided_on: u64,
     pub decided_off: u64,
@@ -75,6 +84,8 @@ impl Trials {
         Trials {
             phase: Phase::Trial { on: false, passes: 0 },
             layers: vec![layer; layers],
+            rows: None,
+            other_passes: 0,
             decided_on: 0,
             decided_off: 0,
         }
@@ -101,7 +112,7 @@ impl Trials {
         let in_trial = matches!(self.phase, Phase::Trial { .. });
         let Some(l) = self.layers.get_mut(layer) else { return };
         let Some((start, guessed)) = l.open.take() else { return };
-        if in_trial && tokens == 1 {
+        if in_trial && self.rows.is_none_or(|rows| rows == tokens) {
             l.record(guessed, now.duration_since(start).as_secs_f64());
         }
     }
@@ -113,14 +124,18 @@ impl Trials {
                 self.phase = Phase::Decided { passes_left: passes_left - 1 };
             }
             Phase::Decided { .. } => {
-                for l in &mut self.layers {
-                    l.with.clear();
-                    l.without.clear();
-                }
-                self.phase = Phase::Trial { on: false, passes: 0 };
+                self.restart(None);
             }
-            Phase::Trial { .. } if tokens != 1 => {}
+            Phase::Trial { .. } if self.rows.is_some_and(|rows| tokens < rows) => self.restart(Some(tokens)),
+            Phase::Trial { .. } if self.rows.is_some_and(|rows| rows != tokens) => {
+                self.other_passes += 1;
+                if self.other_passes >= TRIAL_PASSES_MAX {
+                    self.restart(Some(tokens));
+                }
+            }
             Phase::Trial { on, passes } => {
+                self.rows = Some(tokens);
+                self.other_passes = 0;
                 let timed = self.layers.iter().filter(|l| !l.with.is_empty() || !l.without.is_empty());
                 let full = timed.clone().count() > 0
                     && timed.clone().all(|l| l.with.len() >= TRIAL_PASSES && l.without.len() >= TRIAL_PASSES);
@@ -131,6 +146,17 @@ impl Trials {
                 }
             }
         }
+    }
+
+    /// A new trial, timing passes of `rows` (`None`: the next pass's size).
+    fn restart(&mut self, rows: Option<usize>) {
+        for l in &mut self.layers {
+            l.with.clear();
+            l.without.clear();
+        }
+        self.rows = rows;
+        self.other_passes = 0;
+        self.phase = Phase::Trial { on: false, passes: 0 };
     }
 
     fn decide(&mut self) {
@@ -224,19 +250,66 @@ mod tests {
     }
 
     #[test]
-    fn only_single_token_passes_are_timed_and_a_trial_is_bounded() {
+    fn a_trial_times_its_smallest_passes_and_is_bounded() {
         let mut t = Trials::new(2);
         let now = Instant::now();
         t.window_start(1, now);
         t.window_end(1, 32, now + Duration::from_secs(10));
         t.pass_end(32);
-        assert!(!t.guessing(1), "a prefill pass neither counts nor alternates");
-        // A layer whose window never closes in a decode pass is never timed; the trial still
+        assert!(t.guessing(1), "a first pass of 32 rows is timed and alternates");
+        let pass = |t: &mut Trials, rows: usize| {
+            t.window_start(1, now);
+            t.window_end(1, rows, now + Duration::from_secs(1));
+            t.pass_end(rows);
+        };
+        pass(&mut t, 1);
+        assert!(!t.guessing(1), "a single-row pass starts the trial over at one row");
+        assert!(t.layers[1].with.is_empty() && t.layers[1].without.is_empty(), "the 32-row samples are dropped");
+        pass(&mut t, 1);
+        assert!(t.guessing(1));
+        pass(&mut t, 32);
+        assert!(t.guessing(1), "a larger pass neither counts nor alternates");
+        assert_eq!(t.layers[1].without.len(), 1);
+        // A layer whose window never closes in a timed pass is never timed; the trial still
         // ends after TRIAL_PASSES_MAX passes, without guesses for it.
+        let mut t = Trials::new(2);
         for _ in 0..TRIAL_PASSES_MAX {
             t.pass_end(1);
         }
         assert!(!t.guessing(1));
         assert_eq!((t.decided_on, t.decided_off), (0, 0));
+    }
+
+    #[test]
+    fn a_batch_is_timed_at_its_decode_steps_and_again_when_it_grows() {
+        let mut t = Trials::new(2);
+        let mut now = Instant::now();
+        let mut pass = |t: &mut Trials, rows: usize, seconds: f64| {
+            t.window_start(1, now);
+            now += Duration::from_secs_f64(seconds);
+            t.window_end(1, rows, now);
+            t.pass_end(rows);
+        };
+        pass(&mut t, 16, 1.0);
+        pass(&mut t, 48, 3.0);
+        assert_eq!(
+            (t.layers[1].with.len(), t.layers[1].without.len()),
+            (0, 1),
+            "a step with prompt pieces is not timed"
+        );
+        // The 48-row step began a run of passes of other sizes.
+        for _ in 0..TRIAL_PASSES_MAX - 2 {
+            pass(&mut t, 20, 1.0);
+        }
+        assert_eq!(t.rows, Some(16), "not yet: {} passes of other sizes", TRIAL_PASSES_MAX - 1);
+        pass(&mut t, 20, 1.0);
+        assert_eq!(t.rows, Some(20), "a batch that grew is timed at its new size");
+        for _ in 0..2 * TRIAL_PASSES {
+            let on = t.guessing(1);
+            pass(&mut t, 20, if on { 0.5 } else { 1.0 });
+        }
+        assert!(matches!(t.phase, Phase::Decided { .. }));
+        assert!(t.guessing(1), "guessing won the 20-row windows");
+        assert_eq!((t.decided_on, t.decided_off), (1, 0));
     }
 }
