@@ -17,9 +17,12 @@
 //! is the bottleneck:
 //! - Each guess carries the chance that its layer's routing chooses it, measured per prediction
 //!   rank from every past prediction against the routing that followed (used or not).
-//! - A guess never evicts a resident expert more likely to be used than itself: a pending guess
-//!   by its own chance, any other expert by the share of its layer's cached experts that past
-//!   routings chose (the cache's own hit history).
+//! - A guess never evicts an expert of a layer whose routing comes before the guessed layer's.
+//!   It evicts one of a layer whose turn comes after it if it is at least as likely to be used
+//!   as not (its read was due anyway, and would have evicted such an expert at its routing).
+//!   Any other only if that is less likely to be used than the guess: a pending guess by its
+//!   own chance, any other expert by the share of its layer's cached experts that past routings
+//!   chose (the cache's own hit history).
 //! - The bytes guessed for a layer are capped by the device time that was free for them: per
 //!   layer, the time from its prediction to its routing minus the time demand reads and trunk
 //!   read-ahead kept the device busy (measured by the I/O stage), times the device's read rate.
@@ -67,8 +70,8 @@ pub struct Speculation {
 }
 
 impl Default for Speculation {
-    /// On, adaptive: it reads only into device time demand reads leave free and never evicts a
-    /// likelier expert, so it is never a loss (docs/PIPELINE.md).
+    /// On, adaptive: it reads only into device time demand reads leave free and evicts only an
+    /// expert needed after its guess or less likely to be used (docs/PIPELINE.md).
     fn default() -> Self {
         Speculation { enabled: true, margin: 0, prev_token: false, adaptive: true }
     }
@@ -172,7 +175,19 @@ struct RouterScratch {
     predicted: Vec<(usize, usize)>,
 }
 
-/// Lets a guess evict only an expert less likely to be used than itself.
+/// A guess at least this likely to be used may evict an expert needed after it (see
+/// [`AdmitLikelier`]): its expected cost is then below one read.
+const SOONER_MIN_P: f32 = 0.5;
+
+/// Lets a guess evict an expert needed before it never, one needed after it if the guess is as
+/// likely to be used as not, and any other only if it is less likely to be used than the guess.
+///
+/// Needed after, by the layers' turns: decoding visits the layers in a fixed order, so an expert
+/// of a layer whose turn comes after the guessed layer's is needed later. If the guess is right,
+/// its read was due anyway and would have evicted such an expert at the guessed layer's routing
+/// (the cache policy's victim then), so the eviction costs nothing; only a wrong guess costs a
+/// read and perhaps the victim's. Comparing chances alone refused every guess of a batch, whose
+/// cached experts some row nearly always uses again (both chances near 0.99).
 struct AdmitLikelier<'a> {
     /// The guesses being read.
     guesses: &'a [Guess],
@@ -181,7 +196,7 @@ struct AdmitLikelier<'a> {
     /// Per layer: the chance a cached expert is chosen.
     cached_p: &'a [f32],
     /// A layer whose routing comes before the guessed layer's: its experts are needed first, so
-    /// no guess evicts them.
+    /// no guess evicts them. `None`: the guessed layer's routing comes next.
     spare_layer: Option<usize>,
 }
 
@@ -195,12 +210,24 @@ impl AdmitLikelier<'_> {
     }
 }
 
+impl AdmitLikelier<'_> {
+    /// Turns from now until `layer`'s routing (0: it is the next), over the `cached_p` layers.
+    fn turns_until(&self, layer: usize, guessed: usize) -> usize {
+        let layers = self.cached_p.len().max(1);
+        let next = self.spare_layer.unwrap_or(guessed);
+        (layer + layers - next % layers) % layers
+    }
+}
+
 impl Admission for AdmitLikelier<'_> {
     fn admit(&self, guess: usize, victim: Victim) -> bool {
-        if self.spare_layer == Some(victim.key.0) {
+        let Some(g) = self.guesses.get(guess) else { return false };
+        let (victim_turn, guess_turn) = (self.turns_until(victim.key.0, g.key.0), self.turns_until(g.key.0, g.key.0));
+        if victim_turn < guess_turn {
             return false;
         }
-        self.guesses.get(guess).is_some_and(|g| g.p_use > self.p_victim(victim))
+        let p_victim = self.p_victim(victim);
+        g.p_use > p_victim || (victim_turn > guess_turn && g.p_use >= SOONER_MIN_P)
     }
 }
 
@@ -547,11 +574,27 @@ mod tests {
         assert!(!a.admit(0, likely_guess), "a pending guess at 0.7 stays");
         let unlikely_guess = Victim { key: (3, 9), pending_guess: Some(0.5) };
         assert!(a.admit(0, unlikely_guess));
-        let tie = Victim { key: (0, 0), pending_guess: Some(0.6) };
+        let tie = Victim { key: (3, 0), pending_guess: Some(0.6) };
         assert!(!a.admit(0, tie), "a tie keeps the resident expert");
         let predicted_too = Victim { key: (3, 5), pending_guess: None };
         assert!(!a.admit(0, predicted_too), "a resident expert the prediction ranks at 0.9 stays");
         let imminent = Victim { key: (2, 0), pending_guess: None };
         assert!(!a.admit(0, imminent), "the layer routed before the guessed one keeps its experts");
+    }
+
+    #[test]
+    fn a_likely_guess_evicts_an_expert_needed_after_it_however_likely() {
+        // A batch: some row uses nearly every cached expert again, and nearly every guess.
+        let guesses = [Guess { key: (3, 1), p_use: 0.98 }, Guess { key: (3, 2), p_use: 0.4 }];
+        let cached_p = [0.99; 5];
+        let a = AdmitLikelier { guesses: &guesses, predicted: &[], cached_p: &cached_p, spare_layer: Some(2) };
+        let later = Victim { key: (1, 7), pending_guess: None };
+        assert!(a.admit(0, later), "layer 1's turn comes after layer 3's (2, 3, 4, 0, 1)");
+        assert!(a.admit(0, Victim { key: (4, 0), pending_guess: None }), "layer 4 too");
+        assert!(!a.admit(1, later), "a guess less likely than not does not");
+        assert!(!a.admit(0, Victim { key: (3, 9), pending_guess: None }), "the guessed layer's own: chances decide");
+        assert!(!a.admit(0, Victim { key: (2, 0), pending_guess: None }), "the layer routed next: never");
+        let at_block_start = AdmitLikelier { spare_layer: None, ..a };
+        assert!(at_block_start.admit(0, Victim { key: (2, 0), pending_guess: None }), "layer 2 has had its turn");
     }
 }
