@@ -41,8 +41,8 @@ use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
 use clap::builder::PossibleValuesParser;
 use draft_cells::DraftCells;
-pub(super) use print::or_dash;
 use print::print_report;
+pub(super) use print::{or_dash, print_in_trial};
 
 #[derive(Debug, clap::Args)]
 #[command(allow_negative_numbers = true, args_override_self = true)]

@@ -11,7 +11,7 @@
 use anyhow::Context;
 use serde::Serialize;
 
-use super::bench::{or_dash, BenchArgs};
+use super::bench::{or_dash, print_in_trial, BenchArgs};
 use crate::config::Config;
 use crate::engine::measure::MeasureSpec;
 use crate::engine::measure_batch::{
@@ -386,6 +386,11 @@ pub(super) fn print(r: &BatchReport) {
             if c.ids_match_solo { "ok" } else { "DIFF" }
         );
     }
+    let in_trial = r.cells.iter().filter(|c| c.m.speculation_trial_open);
+    print_in_trial(
+        "steps",
+        &in_trial.map(|c| format!("batch {} at {} GB", c.m.batch, c.budget_gb)).collect::<Vec<_>>(),
+    );
     for x in &r.ratios {
         println!(
             "batch at {} GB: batch {} decodes {:.2}x the tokens/s of batch 1",

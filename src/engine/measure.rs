@@ -80,6 +80,12 @@ pub struct Measurement {
     /// `overlappable_seconds_per_token` equally (0 for streaming runs).
     #[serde(skip_serializing_if = "is_zero")]
     pub moe_layers: usize,
+    /// Adaptive speculation's first per-layer trial had decided nothing when the window
+    /// opened, so by design part of the measured passes ran without guesses: the cell measured
+    /// the trial, not the setting it settles on (a longer `--warmup` measures that). False
+    /// where nothing is guessed adaptively.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub speculation_trial_open: bool,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -322,7 +328,14 @@ pub fn measure_streaming_drafted(
         draft: drafted,
         expert_bytes_by_step: window.expert_bytes_by_step(),
         moe_layers: 0,
+        speculation_trial_open: trial_open(run, before),
     })
+}
+
+/// Whether a window that opened at `before` fell in adaptive speculation's first trial.
+pub(super) fn trial_open(run: &StreamingRun, before: &StreamStats) -> bool {
+    let spec = run.pipeline.effective_speculation();
+    spec.enabled && spec.adaptive && before.spec_trials_won + before.spec_trials_lost == 0
 }
 
 /// The ids of a plain greedy run of `n` tokens after `prompt`, resident (what a replay drafter

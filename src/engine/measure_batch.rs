@@ -92,6 +92,10 @@ pub struct BatchMeasurement {
     /// overlap without prediction (the shared experts and the routed experts' own compute,
     /// [`SPANS_READS_CAN_OVERLAP`]), from the run's trace spans.
     pub overlappable_seconds_per_step: Option<f64>,
+    /// The measured steps began inside adaptive speculation's first trial (see
+    /// [`super::measure::Measurement::speculation_trial_open`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub speculation_trial_open: bool,
 }
 
 /// Records each sequence's ids by ticket (tickets count from 0 in submission order).
@@ -191,6 +195,7 @@ pub fn measure_streaming_batch(
         expert_verify_seconds_per_step: (after.expert_verify_seconds - before.expert_verify_seconds) / steps,
         plan: Some(plan),
         overlappable_seconds_per_step: None,
+        speculation_trial_open: super::measure::trial_open(run, before),
     })
 }
 

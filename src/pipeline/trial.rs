@@ -32,6 +32,10 @@ pub const TRIAL_PASSES: usize = 3;
 /// another size after which a trial starts over at that size.
 pub const TRIAL_PASSES_MAX: usize = 4 * TRIAL_PASSES;
 
+/// Decode passes after a prompt's pass until the first trial decides, when every layer's window
+/// closes in each: the first starts the trial over at one row, then [`TRIAL_PASSES`] each way.
+pub const DECODE_PASSES_TO_FIRST_DECISION: usize = 1 + 2 * TRIAL_PASSES;
+
 /// Passes run with the layers' decisions before the next trial.
 pub const DECIDED_PASSES: usize = 48;
 

@@ -160,6 +160,8 @@ fn print_cells(r: &Report) {
     for (b, s) in &r.speculation_gains {
         println!("speculation at {b} GB: pipelined is {s:.2}x no-spec");
     }
+    let in_trial = r.cells.iter().filter(|c| c.m.speculation_trial_open);
+    print_in_trial("passes", &in_trial.map(|c| format!("{} at {} GB", c.mode, c.budget_gb)).collect::<Vec<_>>());
     for g in &r.drafting {
         println!(
             "drafting at {} GB, {}: {:.0}% of {} guesses kept, {:.2} tokens per step; s/token {:.2}x and bytes read per token {:.2}x pipelined's",
@@ -213,6 +215,19 @@ fn print_devices(cells: &[Cell]) {
                 })
                 .collect();
         println!("devices at {} GB, {} | {}", c.budget_gb, c.mode, per.join(" | "));
+    }
+}
+
+/// Names the `cells` measured before adaptive speculation's first trial decided (their
+/// `passes` alternate with and without guesses by design), if any.
+pub(in crate::cli) fn print_in_trial(passes: &str, cells: &[String]) {
+    if !cells.is_empty() {
+        println!(
+            "measured during speculation's first trial, whose {passes} alternate with and without guesses: {}; \
+             --warmup {} or more measures the setting each layer settles on",
+            cells.join(", "),
+            crate::pipeline::trial::DECODE_PASSES_TO_FIRST_DECISION
+        );
     }
 }
 
