@@ -335,7 +335,7 @@ pub fn measure_streaming_drafted(
 /// Whether a window that opened at `before` fell in adaptive speculation's first trial.
 pub(super) fn trial_open(run: &StreamingRun, before: &StreamStats) -> bool {
     let spec = run.pipeline.effective_speculation();
-    spec.enabled && spec.adaptive && before.spec_trials_won + before.spec_trials_lost == 0
+    spec.enabled && spec.adaptive && before.spec_trials_decided == 0
 }
 
 /// The ids of a plain greedy run of `n` tokens after `prompt`, resident (what a replay drafter

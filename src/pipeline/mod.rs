@@ -136,8 +136,15 @@ impl Pipeline {
             crate::storage::io::modeled::warm_ranges(&files, &ranges)?;
         }
         let spec = opts.effective_speculation();
-        let prefetcher =
-            Prefetcher::new(cfg, store_opts.chunk_tokens, spec, Arc::clone(&io), window, cfg.expert_bytes());
+        let prefetcher = Prefetcher::new(
+            cfg,
+            store_opts.chunk_tokens,
+            plan.sequences,
+            spec,
+            Arc::clone(&io),
+            window,
+            cfg.expert_bytes(),
+        );
         Ok(Pipeline { store, io, prefetcher, mode: opts.mode, device_names })
     }
 
@@ -161,7 +168,7 @@ impl Pipeline {
         }
         // Cancelled guesses wasted the part of their reads that reached the device.
         s.spec_wasted_bytes += s.spec_cancelled_window_bytes.saturating_sub(self.io.cancelled_bytes());
-        (s.spec_trials_won, s.spec_trials_lost) = self.prefetcher.trials();
+        (s.spec_trials_won, s.spec_trials_lost, s.spec_trials_decided) = self.prefetcher.trials();
         s
     }
 

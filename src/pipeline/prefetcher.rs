@@ -18,8 +18,8 @@
 //! - Each guess carries the chance that its layer's routing chooses it, measured per prediction
 //!   rank from every past prediction against the routing that followed (used or not).
 //! - A guess never evicts an expert of a layer whose routing comes before the guessed layer's.
-//!   It evicts one of a layer whose turn comes after it if it is at least as likely to be used
-//!   as not (its read was due anyway, and would have evicted such an expert at its routing).
+//!   It evicts one of a layer whose turn comes after it if it is more likely to be used than
+//!   not (its read was due anyway, and would have evicted such an expert at its routing).
 //!   Any other only if that is less likely to be used than the guess: a pending guess by its
 //!   own chance, any other expert by the share of its layer's cached experts that past routings
 //!   chose (the cache's own hit history).
@@ -175,12 +175,14 @@ struct RouterScratch {
     predicted: Vec<(usize, usize)>,
 }
 
-/// A guess at least this likely to be used may evict an expert needed after it (see
-/// [`AdmitLikelier`]): its expected cost is then below one read.
+/// A guess more likely than this to be used may evict an expert needed after it (see
+/// [`AdmitLikelier`]): its expected cost is then below one read. Strictly more: an untrained
+/// rate starts at exactly one half.
 const SOONER_MIN_P: f32 = 0.5;
 
-/// Lets a guess evict an expert needed before it never, one needed after it if the guess is as
-/// likely to be used as not, and any other only if it is less likely to be used than the guess.
+/// Lets a guess evict an expert needed before it never, one needed after it if the guess is
+/// more likely to be used than not, and any other only if it is less likely to be used than the
+/// guess.
 ///
 /// Needed after, by the layers' turns: decoding visits the layers in a fixed order, so an expert
 /// of a layer whose turn comes after the guessed layer's is needed later. If the guess is right,
@@ -227,7 +229,7 @@ impl Admission for AdmitLikelier<'_> {
             return false;
         }
         let p_victim = self.p_victim(victim);
-        g.p_use > p_victim || (victim_turn > guess_turn && g.p_use >= SOONER_MIN_P)
+        g.p_use > p_victim || (victim_turn > guess_turn && g.p_use > SOONER_MIN_P)
     }
 }
 
@@ -248,11 +250,13 @@ pub struct Prefetcher {
 }
 
 impl Prefetcher {
-    /// A prefetcher for chunks of up to `chunk` tokens over the I/O stage `io`, whose window
-    /// is `busy_bytes`; an expert read costs `expert_read_bytes`.
+    /// A prefetcher for chunks of up to `chunk` tokens of up to `sequences` sequences over the
+    /// I/O stage `io`, whose window is `busy_bytes`; an expert read costs `expert_read_bytes`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: &Config,
         chunk: usize,
+        sequences: usize,
         spec: Speculation,
         io: Arc<IoStage>,
         busy_bytes: usize,
@@ -276,7 +280,7 @@ impl Prefetcher {
             busy_bytes,
             scratch: Mutex::new(scratch),
             history: Mutex::new(history),
-            trial: Mutex::new(Trials::new(cfg.n_layers)),
+            trial: Mutex::new(Trials::new(cfg.n_layers, sequences)),
         }
     }
 
@@ -293,10 +297,10 @@ impl Prefetcher {
         }
     }
 
-    /// Trials decided for guessing and against it so far.
-    pub fn trials(&self) -> (u64, u64) {
+    /// Layer decisions for guessing and against it so far, and the trials that made them.
+    pub fn trials(&self) -> (u64, u64, u64) {
         let t = lock(&self.trial);
-        (t.decided_on, t.decided_off)
+        (t.decided_on, t.decided_off, t.trials_decided)
     }
 
     /// Bytes of the buffers [`Prefetcher::new`] allocates (for the memory plan).
@@ -567,7 +571,8 @@ mod tests {
         let cached_p = [0.4, 0.4, 0.4, 0.4];
         let predicted = [Guess { key: (3, 5), p_use: 0.9 }];
         let a = AdmitLikelier { guesses: &guesses, predicted: &predicted, cached_p: &cached_p, spare_layer: Some(2) };
-        let cached = Victim { key: (1, 7), pending_guess: None };
+        // The guessed layer's own cached expert: the chances decide.
+        let cached = Victim { key: (3, 7), pending_guess: None };
         assert!(a.admit(0, cached), "0.6 beats a cached expert used 40% of the time");
         assert!(!a.admit(1, cached), "0.2 does not");
         let likely_guess = Victim { key: (3, 9), pending_guess: Some(0.7) };
@@ -592,6 +597,9 @@ mod tests {
         assert!(a.admit(0, later), "layer 1's turn comes after layer 3's (2, 3, 4, 0, 1)");
         assert!(a.admit(0, Victim { key: (4, 0), pending_guess: None }), "layer 4 too");
         assert!(!a.admit(1, later), "a guess less likely than not does not");
+        let untrained = [Guess { key: (3, 1), p_use: 0.5 }];
+        let a_half = AdmitLikelier { guesses: &untrained, ..a };
+        assert!(!a_half.admit(0, later), "an untrained rate (one half) does not");
         assert!(!a.admit(0, Victim { key: (3, 9), pending_guess: None }), "the guessed layer's own: chances decide");
         assert!(!a.admit(0, Victim { key: (2, 0), pending_guess: None }), "the layer routed next: never");
         let at_block_start = AdmitLikelier { spare_layer: None, ..a };

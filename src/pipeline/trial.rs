@@ -13,12 +13,13 @@
 //! A layer's window runs from the point its experts are predicted (the previous layer's MLP
 //! residual read, or the previous layer's end for a block start) to the end of the layer: it
 //! holds the reads its guesses cause, the compute they slow down and the stall they save. Passes
-//! alternate all layers together, so the two settings meet the same drift of the machine. A
-//! trial times passes of one size, its first pass's or the smallest since: one row in a single sequence's
-//! decode, one row per sequence in a batch's decode steps (a step that also carries prompt
-//! pieces is larger). Passes of other sizes run with the current choice and do not alternate.
-//! A smaller pass starts the trial over at its size; so does a run of [`TRIAL_PASSES_MAX`]
-//! passes of other sizes, at the last one's (a batch that grew).
+//! alternate all layers together, so the two settings meet the same drift of the machine. Only
+//! decode-sized passes are timed: at most one row per sequence the run holds (one for a single
+//! sequence; a batch's decode steps; a step that carries prompt pieces or a draft's extra rows
+//! is usually larger). Larger passes run with the current choice and do not alternate. A trial
+//! times passes of one size: a timed pass of another size (a sequence left the batch, or
+//! joined it) starts it over at that size, and a trial still undecided after
+//! [`TRIAL_BOUND_PASSES`] timed passes, restarts included, decides with what it has.
 //!
 //! Allocation: the sample lists are sized once for the layers and the trial length.
 
@@ -27,14 +28,18 @@ use std::time::Instant;
 /// Windows timed with and without guesses per layer in one trial (each).
 pub const TRIAL_PASSES: usize = 3;
 
-/// A trial that has not filled every layer's samples after this many timed passes decides
-/// with what it has (a layer short of samples stays without guesses). Also the passes of
-/// another size after which a trial starts over at that size.
+/// A trial that has not filled every layer's samples after this many timed passes of its size
+/// decides with what it has (a layer short of samples stays without guesses).
 pub const TRIAL_PASSES_MAX: usize = 4 * TRIAL_PASSES;
 
-/// Decode passes after a prompt's pass until the first trial decides, when every layer's window
-/// closes in each: the first starts the trial over at one row, then [`TRIAL_PASSES`] each way.
-pub const DECODE_PASSES_TO_FIRST_DECISION: usize = 1 + 2 * TRIAL_PASSES;
+/// Timed passes of any size after which a trial that keeps starting over decides with what it
+/// has.
+pub const TRIAL_BOUND_PASSES: usize = 2 * TRIAL_PASSES_MAX;
+
+/// Decode passes after the prompt until the first trial decides, when every layer's window
+/// closes in each: [`TRIAL_PASSES`] each way, plus one for a batch whose last prompt step is no
+/// larger than its decode steps (timed, then started over at the decode steps' size).
+pub const DECODE_PASSES_TO_FIRST_DECISION: usize = 2 * TRIAL_PASSES + 1;
 
 /// Passes run with the layers' decisions before the next trial.
 pub const DECIDED_PASSES: usize = 48;
@@ -46,7 +51,7 @@ pub const GUESSING_MARGIN: f64 = 0.05;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
-    /// Alternating all layers together; `passes` decode passes so far.
+    /// Alternating all layers together; `passes` timed passes of the trial's size so far.
     Trial { on: bool, passes: usize },
     /// Each layer runs its decision for `passes_left` more passes.
     Decided { passes_left: usize },
@@ -68,18 +73,22 @@ struct LayerTrial {
 pub struct Trials {
     phase: Phase,
     layers: Vec<LayerTrial>,
-    /// The pass size the current trial times (`None` until a pass ends in it).
+    /// Passes larger than this are never timed: one row per sequence the run holds.
+    max_rows: usize,
+    /// The pass size the current trial times (`None` until a timed pass ends in it).
     rows: Option<usize>,
-    /// Passes in a row of another size than `rows`.
-    other_passes: usize,
+    /// Timed passes since this trial began, restarts included.
+    trial_passes: usize,
+    /// Trials decided so far, whether or not any layer was timed in them.
+    pub trials_decided: u64,
     /// Layer decisions made so far for guessing and against it (for the run report).
     pub decided_on: u64,
     pub decided_off: u64,
 }
 
 impl Trials {
-    /// Starts in a trial, with a pass without guesses.
-    pub fn new(layers: usize) -> Trials {
+    /// Starts in a trial, with a pass without guesses, for a run of up to `sequences` sequences.
+    pub fn new(layers: usize, sequences: usize) -> Trials {
         let layer = LayerTrial {
             with: Vec::with_capacity(TRIAL_PASSES_MAX),
             without: Vec::with_capacity(TRIAL_PASSES_MAX),
@@ -88,8 +97,10 @@ impl Trials {
         Trials {
             phase: Phase::Trial { on: false, passes: 0 },
             layers: vec![layer; layers],
+            max_rows: sequences.max(1),
             rows: None,
-            other_passes: 0,
+            trial_passes: 0,
+            trials_decided: 0,
             decided_on: 0,
             decided_off: 0,
         }
@@ -116,7 +127,7 @@ impl Trials {
         let in_trial = matches!(self.phase, Phase::Trial { .. });
         let Some(l) = self.layers.get_mut(layer) else { return };
         let Some((start, guessed)) = l.open.take() else { return };
-        if in_trial && self.rows.is_none_or(|rows| rows == tokens) {
+        if in_trial && tokens <= self.max_rows && self.rows.is_none_or(|rows| rows == tokens) {
             l.record(guessed, now.duration_since(start).as_secs_f64());
         }
     }
@@ -128,18 +139,18 @@ impl Trials {
                 self.phase = Phase::Decided { passes_left: passes_left - 1 };
             }
             Phase::Decided { .. } => {
+                self.trial_passes = 0;
                 self.restart(None);
             }
-            Phase::Trial { .. } if self.rows.is_some_and(|rows| tokens < rows) => self.restart(Some(tokens)),
+            Phase::Trial { .. } if tokens > self.max_rows => {}
+            Phase::Trial { .. } if self.trial_passes + 1 >= TRIAL_BOUND_PASSES => self.decide(),
             Phase::Trial { .. } if self.rows.is_some_and(|rows| rows != tokens) => {
-                self.other_passes += 1;
-                if self.other_passes >= TRIAL_PASSES_MAX {
-                    self.restart(Some(tokens));
-                }
+                self.trial_passes += 1;
+                self.restart(Some(tokens));
             }
             Phase::Trial { on, passes } => {
+                self.trial_passes += 1;
                 self.rows = Some(tokens);
-                self.other_passes = 0;
                 let timed = self.layers.iter().filter(|l| !l.with.is_empty() || !l.without.is_empty());
                 let full = timed.clone().count() > 0
                     && timed.clone().all(|l| l.with.len() >= TRIAL_PASSES && l.without.len() >= TRIAL_PASSES);
@@ -152,18 +163,18 @@ impl Trials {
         }
     }
 
-    /// A new trial, timing passes of `rows` (`None`: the next pass's size).
+    /// The trial starts over, timing passes of `rows` (`None`: the next timed pass's size).
     fn restart(&mut self, rows: Option<usize>) {
         for l in &mut self.layers {
             l.with.clear();
             l.without.clear();
         }
         self.rows = rows;
-        self.other_passes = 0;
         self.phase = Phase::Trial { on: false, passes: 0 };
     }
 
     fn decide(&mut self) {
+        self.trials_decided += 1;
         for l in &mut self.layers {
             if l.with.is_empty() && l.without.is_empty() {
                 continue;
@@ -221,7 +232,7 @@ mod tests {
 
     #[test]
     fn each_layer_keeps_the_faster_setting() {
-        let mut t = Trials::new(3);
+        let mut t = Trials::new(3, 1);
         let trial = drive(&mut t, 2 * TRIAL_PASSES, [0.1, 0.12], [0.15, 0.1]);
         assert_eq!(trial.iter().map(|u| u[0]).collect::<Vec<_>>(), [false, true, false, true, false, true]);
         let decided = drive(&mut t, DECIDED_PASSES, [0.1, 0.12], [0.15, 0.1]);
@@ -233,14 +244,14 @@ mod tests {
 
     #[test]
     fn a_gain_within_the_noise_margin_does_not_switch_guessing_on() {
-        let mut t = Trials::new(3);
+        let mut t = Trials::new(3, 1);
         drive(&mut t, 2 * TRIAL_PASSES, [0.96, 0.96], [1.0, 1.0]);
         assert!(!t.guessing(1) && !t.guessing(2));
     }
 
     #[test]
     fn an_outlier_does_not_decide() {
-        let mut t = Trials::new(2);
+        let mut t = Trials::new(2, 1);
         let mut now = Instant::now();
         // Without guesses: 1.0, 1.0, 5.0 (one slow window); with: 1.1 each. Medians compare.
         for s in [1.0, 1.1, 1.0, 1.1, 5.0, 1.1] {
@@ -254,39 +265,26 @@ mod tests {
     }
 
     #[test]
-    fn a_trial_times_its_smallest_passes_and_is_bounded() {
-        let mut t = Trials::new(2);
+    fn only_decode_sized_passes_are_timed_and_a_trial_is_bounded() {
+        let mut t = Trials::new(2, 1);
         let now = Instant::now();
         t.window_start(1, now);
         t.window_end(1, 32, now + Duration::from_secs(10));
         t.pass_end(32);
-        assert!(t.guessing(1), "a first pass of 32 rows is timed and alternates");
-        let pass = |t: &mut Trials, rows: usize| {
-            t.window_start(1, now);
-            t.window_end(1, rows, now + Duration::from_secs(1));
-            t.pass_end(rows);
-        };
-        pass(&mut t, 1);
-        assert!(!t.guessing(1), "a single-row pass starts the trial over at one row");
-        assert!(t.layers[1].with.is_empty() && t.layers[1].without.is_empty(), "the 32-row samples are dropped");
-        pass(&mut t, 1);
-        assert!(t.guessing(1));
-        pass(&mut t, 32);
-        assert!(t.guessing(1), "a larger pass neither counts nor alternates");
-        assert_eq!(t.layers[1].without.len(), 1);
+        assert!(!t.guessing(1), "a prompt pass of one sequence neither counts nor alternates");
+        assert!(t.layers[1].without.is_empty());
         // A layer whose window never closes in a timed pass is never timed; the trial still
         // ends after TRIAL_PASSES_MAX passes, without guesses for it.
-        let mut t = Trials::new(2);
         for _ in 0..TRIAL_PASSES_MAX {
             t.pass_end(1);
         }
         assert!(!t.guessing(1));
-        assert_eq!((t.decided_on, t.decided_off), (0, 0));
+        assert_eq!((t.decided_on, t.decided_off, t.trials_decided), (0, 0, 1), "decided, with nothing timed");
     }
 
     #[test]
-    fn a_batch_is_timed_at_its_decode_steps_and_again_when_it_grows() {
-        let mut t = Trials::new(2);
+    fn a_batch_is_timed_at_its_decode_steps_and_again_when_it_changes() {
+        let mut t = Trials::new(2, 20);
         let mut now = Instant::now();
         let mut pass = |t: &mut Trials, rows: usize, seconds: f64| {
             t.window_start(1, now);
@@ -294,26 +292,33 @@ mod tests {
             t.window_end(1, rows, now);
             t.pass_end(rows);
         };
-        pass(&mut t, 16, 1.0);
         pass(&mut t, 48, 3.0);
-        assert_eq!(
-            (t.layers[1].with.len(), t.layers[1].without.len()),
-            (0, 1),
-            "a step with prompt pieces is not timed"
-        );
-        // The 48-row step began a run of passes of other sizes.
-        for _ in 0..TRIAL_PASSES_MAX - 2 {
-            pass(&mut t, 20, 1.0);
-        }
-        assert_eq!(t.rows, Some(16), "not yet: {} passes of other sizes", TRIAL_PASSES_MAX - 1);
+        assert_eq!(t.rows, None, "a step with prompt pieces, more rows than sequences, is not timed");
+        pass(&mut t, 16, 1.0);
+        pass(&mut t, 16, 1.0);
+        assert_eq!((t.rows, t.layers[1].with.len() + t.layers[1].without.len()), (Some(16), 2));
         pass(&mut t, 20, 1.0);
-        assert_eq!(t.rows, Some(20), "a batch that grew is timed at its new size");
+        assert_eq!(t.rows, Some(20), "four sequences joined: the trial starts over at 20 rows");
+        assert!(t.layers[1].with.is_empty() && t.layers[1].without.is_empty());
         for _ in 0..2 * TRIAL_PASSES {
             let on = t.guessing(1);
             pass(&mut t, 20, if on { 0.5 } else { 1.0 });
         }
         assert!(matches!(t.phase, Phase::Decided { .. }));
         assert!(t.guessing(1), "guessing won the 20-row windows");
-        assert_eq!((t.decided_on, t.decided_off), (1, 0));
+        assert_eq!((t.decided_on, t.decided_off, t.trials_decided), (1, 0, 1));
+    }
+
+    #[test]
+    fn a_trial_that_keeps_starting_over_still_decides() {
+        // Sizes that change at every step (sequences leaving and joining, drafts' extra rows).
+        let mut t = Trials::new(2, 8);
+        for i in 0..TRIAL_BOUND_PASSES - 1 {
+            t.pass_end(1 + i % 2);
+            assert!(matches!(t.phase, Phase::Trial { .. }), "pass {i}");
+        }
+        t.pass_end(1);
+        assert!(matches!(t.phase, Phase::Decided { .. }));
+        assert_eq!(t.trials_decided, 1);
     }
 }

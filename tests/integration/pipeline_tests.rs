@@ -475,7 +475,8 @@ fn bench_flags_cells_measured_during_the_first_speculation_trial() {
     let trunk = pack(&tiny_dir());
     let tmp = tempfile::tempdir().unwrap();
     let decide = k3ring::pipeline::trial::DECODE_PASSES_TO_FIRST_DECISION;
-    for (warmup, open) in [(decide - 1, true), (decide, false)] {
+    let trial = 2 * k3ring::pipeline::trial::TRIAL_PASSES;
+    for (warmup, open) in [(trial - 1, true), (decide, false)] {
         let json = tmp.path().join(format!("w{warmup}.json"));
         let (code, out, err) = k3ring(&[
             "bench",
