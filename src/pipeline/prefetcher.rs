@@ -210,9 +210,7 @@ impl AdmitLikelier<'_> {
         let predicted = self.predicted.iter().find(|g| g.key == victim.key).map_or(0.0, |g| g.p_use);
         cached.max(predicted).max(victim.pending_guess.unwrap_or(0.0))
     }
-}
 
-impl AdmitLikelier<'_> {
     /// Turns from now until `layer`'s routing (0: it is the next), over the `cached_p` layers.
     fn turns_until(&self, layer: usize, guessed: usize) -> usize {
         let layers = self.cached_p.len().max(1);

@@ -54,7 +54,8 @@ pub struct StreamStats {
     /// for guessing, and against it.
     pub spec_trials_won: u64,
     pub spec_trials_lost: u64,
-    /// The trials that made those decisions (a trial in which no layer was timed decides none).
+    /// Trials decided, including those in which no layer was timed (they add to neither count
+    /// above).
     pub spec_trials_decided: u64,
     /// True routed experts, and those already requested (resident or in flight) when the
     /// layer's routing was known: recall = recalled / routed.
