@@ -132,85 +132,25 @@ fn triad(pool: &rayon::ThreadPool, repeats: usize) -> f64 {
     (3 * N * 4) as f64 / t.as_secs_f64() / 1e9
 }
 
-/// Peak f32 FMA rate on the pool, GFLOP/s (2 flops per lane per FMA): 16 independent chains
-/// of 256-bit `vfmadd` per thread (AVX2 + FMA; on an AVX-512 host this is half the zmm peak).
-fn fma_peak(pool: &rayon::ThreadPool, repeats: usize) -> f64 {
+/// Peak f32 FMA rate of `k`'s ISA on the pool, GFLOP/s: every thread runs the kernels' FMA
+/// probe ([`Kernels::fma_chains`]: 12 chains of 256-bit FMAs on AVX2, 16 of 512-bit ones on
+/// AVX-512; before 2026-12-05 this bench ran 16 chains of 256-bit FMAs, which spilled out of
+/// AVX2's 16 registers and measured 1.6x below the real peak on a Zen 5 host).
+fn fma_peak(k: Kernels, pool: &rayon::ThreadPool, repeats: usize) -> f64 {
     const ITERS: usize = 2_000_000;
-    assert!(Isa::Avx2.is_available(), "the FMA peak needs AVX2 + FMA");
     let threads = pool.current_num_threads();
+    // Flops are linear in the iterations: two per lane and iteration.
+    let flops = k.fma_chains(1, 1.0, 0.0).1 * ITERS as u64;
     let t = time(repeats, || {
         pool.scope(|s| {
             for _ in 0..threads {
                 s.spawn(|_| {
-                    // SAFETY: AVX2 + FMA availability was asserted above.
-                    black_box(unsafe { fma_chains(ITERS) });
+                    black_box(k.fma_chains(ITERS, black_box(0.999_999), black_box(1e-7)));
                 });
             }
         });
     });
-    (threads * ITERS * CHAINS_YMM * 8 * 2) as f64 / t.as_secs_f64() / 1e9
-}
-
-/// Independent chains of the 256-bit peak: enough to cover the FMA latency on two pipes, few
-/// enough that they and the two operands stay in AVX2's 16 registers (16 chains spilled).
-const CHAINS_YMM: usize = 12;
-
-#[target_feature(enable = "avx2,fma")]
-fn fma_chains(iters: usize) -> f32 {
-    use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_set1_ps, _mm256_storeu_ps};
-    let m = _mm256_set1_ps(black_box(0.999_999));
-    let a = _mm256_set1_ps(black_box(1e-7));
-    let mut acc = [_mm256_set1_ps(0.0); CHAINS_YMM];
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm256_fmadd_ps(*x, m, a);
-        }
-    }
-    let mut sum = 0.0;
-    for x in acc {
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: `lanes` holds 8 floats; the store is unaligned.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), x) };
-        sum += lanes.iter().sum::<f32>();
-    }
-    sum
-}
-
-/// The same with 512-bit `vfmadd` (AVX-512 F hosts only): the roof's peak when the kernels run
-/// their AVX-512 paths (before 2026-12-05 the roof kept the 256-bit peak, and that one was
-/// measured with 16 chains that spilled out of AVX2's 16 registers: 1.6x below the real peak
-/// on a Zen 5 host).
-fn fma_peak_zmm(pool: &rayon::ThreadPool, repeats: usize) -> Option<f64> {
-    const ITERS: usize = 2_000_000;
-    if !Isa::Avx512.is_available() {
-        return None;
-    }
-    let threads = pool.current_num_threads();
-    let t = time(repeats, || {
-        pool.scope(|s| {
-            for _ in 0..threads {
-                s.spawn(|_| {
-                    // SAFETY: AVX-512 availability was checked above.
-                    black_box(unsafe { fma_chains_zmm(ITERS) });
-                });
-            }
-        });
-    });
-    Some((threads * ITERS * 16 * 16 * 2) as f64 / t.as_secs_f64() / 1e9)
-}
-
-#[target_feature(enable = "avx512f")]
-fn fma_chains_zmm(iters: usize) -> f32 {
-    use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_reduce_add_ps, _mm512_set1_ps};
-    let m = _mm512_set1_ps(black_box(0.999_999));
-    let a = _mm512_set1_ps(black_box(1e-7));
-    let mut acc = [_mm512_set1_ps(0.0); 16];
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm512_fmadd_ps(*x, m, a);
-        }
-    }
-    acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
+    (threads as u64 * flops) as f64 / t.as_secs_f64() / 1e9
 }
 
 struct Row {
@@ -302,13 +242,7 @@ fn main() {
     let bw_before = [triad(&single, o.repeats), triad(&pool, o.repeats)];
     // The roof's FMA peak is at the width the kernels compute in: zmm for the AVX-512 kernels.
     let zmm = k.isa() == Isa::Avx512;
-    let roof_peak = |p: &rayon::ThreadPool| {
-        if zmm {
-            fma_peak_zmm(p, o.repeats).expect("AVX-512 kernels run only where AVX-512 is")
-        } else {
-            fma_peak(p, o.repeats)
-        }
-    };
+    let roof_peak = |p: &rayon::ThreadPool| fma_peak(k, p, o.repeats);
     let peak_before = [roof_peak(&single), roof_peak(&pool)];
     let mut rng = Lcg(3);
     let mut rows = Vec::new();
@@ -329,7 +263,8 @@ fn main() {
     let width = if zmm { "zmm" } else { "ymm" };
     println!("      FMA peak GFLOP/s ({width}): 1 thread {:.1}, {} threads {:.1}", peak[0], o.threads, peak[1]);
     if zmm {
-        let (y1, y2) = (fma_peak(&single, o.repeats), fma_peak(&pool, o.repeats));
+        let ymm = Kernels::with_isa(Isa::Avx2).expect("an AVX-512 host has AVX2 + FMA");
+        let (y1, y2) = (fma_peak(ymm, &single, o.repeats), fma_peak(ymm, &pool, o.repeats));
         println!("      ymm FMA peak GFLOP/s (not in the roof): 1 thread {y1:.1}, {} threads {y2:.1}", o.threads);
     }
     println!("(limits: better of before/after medians; before {bw_before:.1?} / {peak_before:.1?})");

@@ -92,6 +92,17 @@ impl Kernels {
         (self.isa == Isa::Avx2).then_some(self.avx2_mxfp4)
     }
 
+    /// The FMA peak probe: `iters` iterations of independent chains of this ISA's widest FMA
+    /// (`x = fma(x, m, a)` per lane, from 0) on the calling thread. Returns the lanes' sum (the
+    /// same bits as the scalar twin with as many lanes) and the flops done, two per lane and
+    /// iteration. Timing it on every thread of a pool gives the roof that multi-token products
+    /// are held against.
+    pub fn fma_chains(&self, iters: usize, m: f32, a: f32) -> (f32, u64) {
+        // SAFETY: `self` was built for `self.isa`, so that ISA is available.
+        let sum = unsafe { crate::peak::chains(self.isa, iters, m, a) };
+        (sum, (2 * crate::peak::lanes(self.isa) * iters) as u64)
+    }
+
     /// `y[tok, r] = canonical_dot(W[r, :] as f32, x[tok, :])` for every token and row
     /// (spec §3, §5: every BF16 projection).
     ///

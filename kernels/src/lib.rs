@@ -58,6 +58,7 @@ pub mod math;
 pub mod mxfp4;
 mod out;
 mod par;
+mod peak;
 pub mod softmax;
 #[cfg(target_arch = "x86_64")]
 mod tiled;

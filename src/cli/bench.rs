@@ -26,8 +26,8 @@ use super::svg::{line_chart, Series};
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
 use crate::engine::measure::{
-    drop_page_cache, measure_resident, measure_streaming_drafted, triad_bandwidth, warm_page_cache, MeasureSpec,
-    Measurement,
+    drop_page_cache, fma_peak, measure_resident, measure_streaming_drafted, triad_bandwidth, warm_page_cache,
+    MeasureSpec, Measurement,
 };
 use crate::engine::measure_batch::BatchMeasurement;
 use crate::engine::read_tax::ReadTax;
@@ -183,6 +183,8 @@ struct Report {
     memory_bandwidth: f64,
     memory_bandwidth_before: f64,
     memory_bandwidth_after: f64,
+    /// The FMA peak of the kernels' ISA on the compute threads (`None` for scalar kernels).
+    fma_peak_flops_per_second: Option<f64>,
     resident_seconds_per_token: f64,
     /// The part of the resident compute that expert reads can overlap without routing
     /// prediction: the shared and routed experts, after each router.
@@ -279,8 +281,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let probe_device = |pass| probe_queue_depths(&probed, io, cfg.expert_bytes() as usize, args.device_reads, pass);
     let device_before = probe_device(0)?;
     bar.inc(1);
-    bar.set_message("memory bandwidth");
-    let membw_before = triad_bandwidth(threads);
+    bar.set_message("memory bandwidth and FMA peak");
+    let (membw_before, fma_peak) = (triad_bandwidth(threads), fma_peak(kernels, threads));
     bar.inc(1);
     bar.set_message("resident compute (every weight in RAM)");
     warm_page_cache(&files).context("reading the model into the page cache")?;
@@ -326,7 +328,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let batch_report = match (&batch, resident_batch) {
         (Some(work), Some(r)) => {
             let rates: Vec<(f64, f64)> = measured.device_rate_sources.iter().map(|d| (d.budget_gb, d.used)).collect();
-            Some(bench_batch::report(&measured.batch_samples, &rates, r, work, &cfg, tax.as_ref()))
+            Some(bench_batch::report(&measured.batch_samples, &rates, r, work, &cfg, tax.as_ref(), (membw, fma_peak)))
         }
         _ => None,
     };
@@ -347,7 +349,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         resident_seconds_per_token: resident.seconds_per_token,
         resident_overlappable_seconds_per_token: resident.overlappable_seconds_per_token,
         resident_moe_layers: resident.moe_layers,
-        resident_attribution: resident.attribution.as_ref().map(|w| w.table(Some(membw))),
+        fma_peak_flops_per_second: fma_peak,
+        resident_attribution: resident.attribution.as_ref().map(|w| w.table(Some(membw), fma_peak)),
         page_cache_dropped: measured.dropped,
         experts_checked: !args.no_verify_experts,
         expert_cache_policy: args.policy.clone(),

@@ -21,6 +21,7 @@ use crate::engine::measure_batch::{
 use crate::engine::read_tax::ReadTax;
 use crate::engine::StreamingRun;
 use crate::error::UsageError;
+use crate::model::attribution::{AttributionTable, Window};
 use crate::tokenizer::Tokenizer;
 
 /// Sequences of one batch cell at most: every sequence gets a state slot and a solo run, so
@@ -105,6 +106,8 @@ pub(super) struct Resident {
     overlappable_seconds_per_step: Vec<(usize, Option<f64>)>,
     solo: Vec<Vec<u32>>,
     ids_match: bool,
+    /// Per batch size: that median run's steps per operation class.
+    attribution: Vec<(usize, Window)>,
 }
 
 /// Solo runs of every prompt, then each batch size's resident compute per step, `repeats`
@@ -117,6 +120,7 @@ pub(super) fn measure_resident(
     let solo = solo_ids(&args.model, kernels, args.threads, &work.prompts, work.solo_tokens(), work.prefill_chunk)
         .context("solo runs of the batch cells' prompts")?;
     let mut samples: Vec<ResidentSample> = Vec::new();
+    let mut windows = Vec::new();
     let mut ids_match = true;
     for _ in 0..args.repeats.max(1) {
         for &b in &work.sizes {
@@ -124,12 +128,20 @@ pub(super) fn measure_resident(
                 .with_context(|| format!("resident batch of {b}"))?;
             ids_match &= ids_match_solo(&m.ids, &solo);
             samples.push((b, m.seconds_per_step, m.overlappable_seconds_per_step));
+            windows.push(m.attribution);
         }
     }
     let median = median_runs(&samples, &work.sizes);
+    let attribution = median
+        .iter()
+        .filter_map(|m| {
+            let i = samples.iter().position(|s| (s.0, s.1) == (m.0, m.1))?;
+            Some((m.0, windows.get(i)?.clone()?))
+        })
+        .collect();
     let seconds_per_step = median.iter().map(|m| (m.0, m.1)).collect();
     let overlappable_seconds_per_step = median.iter().map(|m| (m.0, m.2)).collect();
-    Ok(Resident { seconds_per_step, overlappable_seconds_per_step, solo, ids_match })
+    Ok(Resident { seconds_per_step, overlappable_seconds_per_step, solo, ids_match, attribution })
 }
 
 /// A resident batch run: (batch size, s/step, overlappable s/step).
@@ -214,6 +226,9 @@ pub(super) struct BatchRatio {
 pub(super) struct BatchReport {
     /// Per batch size: the resident compute per step.
     resident_seconds_per_step: Vec<(usize, f64)>,
+    /// Per batch size: the median resident run's steps per operation class, against the triad
+    /// and the FMA peak (their sum of the classes' roofline times is the step's compute roof).
+    resident_attribution: Vec<(usize, AttributionTable)>,
     cells: Vec<BatchCell>,
     ratios: Vec<BatchRatio>,
     /// Every batch cell's and resident batch's sequences equal their solo runs.
@@ -230,6 +245,7 @@ pub(super) fn report(
     work: &BatchWork,
     cfg: &Config,
     tax: Option<&ReadTax>,
+    (triad, fma_peak): (f64, Option<f64>),
 ) -> BatchReport {
     let mut cells = Vec::new();
     for &(budget, device_rate) in device_rates {
@@ -247,7 +263,14 @@ pub(super) fn report(
     }
     let ratios = ratios(&cells);
     let ids_match_solo = resident.ids_match && cells.iter().all(|c| c.ids_match_solo);
-    BatchReport { resident_seconds_per_step: resident.seconds_per_step, cells, ratios, ids_match_solo }
+    let resident_attribution = resident.attribution.iter().map(|(b, w)| (*b, w.table(Some(triad), fma_peak))).collect();
+    BatchReport {
+        resident_seconds_per_step: resident.seconds_per_step,
+        resident_attribution,
+        cells,
+        ratios,
+        ids_match_solo,
+    }
 }
 
 /// A cell from its median sample; `compute` is the resident compute of a step of B rows and
@@ -422,10 +445,24 @@ pub(super) fn print(r: &BatchReport) {
         "bound_h: the bound with the read tax charged, max(bytes / dev GB/s, compute + s/GB x bytes); eff_h = bound_h / \
          s/step"
     );
+    print_attribution(r);
     println!(
         "ids of every batch cell (every repeat) and of the resident batches equal their solo runs: {}",
         if r.ids_match_solo { "yes" } else { "NO" }
     );
+}
+
+/// Each size's resident step per operation class.
+fn print_attribution(r: &BatchReport) {
+    for (b, table) in &r.resident_attribution {
+        println!(
+            "resident step of {b} sequences by operation class (GB/s, GFLOP/s: weight bytes and flops over the \
+             class's time; triad, FMA: of the triad and the FMA peak; roof s: the longer of the two limits):"
+        );
+        for line in table.lines() {
+            println!("  {line}");
+        }
+    }
 }
 
 #[cfg(test)]

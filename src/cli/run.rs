@@ -600,7 +600,7 @@ fn decode_attribution(
     let a = model.attribution.as_ref().filter(|_| started)?;
     // Every generated token but the last went through a forward pass of the decode.
     let tokens = generation.generated_ids.len().saturating_sub(1);
-    let table = Window::of(a, tokens, generation.decode_seconds).table(None);
+    let table = Window::of(a, tokens, generation.decode_seconds).table(None, None);
     if table.tokens > 0 {
         eprintln!(
             "k3ring: decode by operation class (GB/s: weight bytes over the class's time; idle: threads idle inside parallel products; other: waits for reads, copies, bookkeeping):"

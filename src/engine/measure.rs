@@ -497,6 +497,29 @@ pub fn triad_bandwidth(threads: usize) -> f64 {
     })
 }
 
+/// The FMA peak of `kernels`' ISA on `threads` threads, flops per second: every thread runs the
+/// kernels' FMA probe ([`kernels::Kernels::fma_chains`]), best of five passes of about 10 ms.
+/// `None` for the scalar kernels, which are not held against an FMA roof.
+pub fn fma_peak(kernels: kernels::Kernels, threads: usize) -> Option<f64> {
+    const ITERS: usize = 4_000_000;
+    if kernels.isa() == kernels::Isa::Scalar {
+        return None;
+    }
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build().ok()?;
+    // Flops are linear in the iterations.
+    let per_thread = kernels.fma_chains(1, 1.0, 0.0).1 * ITERS as u64;
+    let mut best = 0.0f64;
+    for _ in 0..5 {
+        let start = Instant::now();
+        pool.broadcast(|_| {
+            let (m, a) = (std::hint::black_box(0.999_999f32), std::hint::black_box(1e-7f32));
+            std::hint::black_box(kernels.fma_chains(ITERS, m, a))
+        });
+        best = best.max((per_thread * pool.current_num_threads() as u64) as f64 / start.elapsed().as_secs_f64());
+    }
+    Some(best)
+}
+
 /// Drops the page cache (needs root); says whether it did.
 pub fn drop_page_cache() -> bool {
     // sync first so dirty pages can be dropped too.

@@ -15,6 +15,7 @@ use super::load::{open_resident, open_streaming, StreamingRun};
 use super::measure::{stream_window, MeasureError};
 use super::{Engine, GenerateOptions, Sampling};
 use crate::config::FfnKind;
+use crate::model::attribution::{Attribution, Window};
 use crate::model::moe::SPANS_READS_CAN_OVERLAP;
 use crate::model::weights::WeightSource;
 use crate::model::LayerHook;
@@ -96,6 +97,9 @@ pub struct BatchMeasurement {
     /// [`super::measure::Measurement::speculation_trial_open`]).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub speculation_trial_open: bool,
+    /// Resident runs only: the measured steps per operation class.
+    #[serde(skip)]
+    pub attribution: Option<Window>,
 }
 
 /// Records each sequence's ids by ticket (tickets count from 0 in submission order).
@@ -196,6 +200,7 @@ pub fn measure_streaming_batch(
         plan: Some(plan),
         overlappable_seconds_per_step: None,
         speculation_trial_open: super::measure::trial_open(run, before),
+        attribution: None,
     })
 }
 
@@ -212,7 +217,12 @@ pub fn measure_resident_batch(
     // resolution of a step over gigabytes of weights.
     let tracer = Arc::new(Tracer::new(true));
     opened.engine.model.tracer = Some(Arc::clone(&tracer));
-    let (ids, seconds) = decode_batch(&opened.engine, spec, || tracer.reset_metrics())?;
+    let attribution = Arc::new(Attribution::new());
+    opened.engine.model.attribution = Some(Arc::clone(&attribution));
+    let (ids, seconds) = decode_batch(&opened.engine, spec, || {
+        tracer.reset_metrics();
+        attribution.reset();
+    })?;
     let steps = spec.steps.max(1) as f64;
     Ok(BatchMeasurement {
         batch: spec.batch(),
@@ -220,6 +230,7 @@ pub fn measure_resident_batch(
         seconds_per_step: seconds / steps,
         tokens_per_second: (spec.batch() * spec.steps) as f64 / seconds.max(1e-9),
         overlappable_seconds_per_step: tracer.span_seconds(&SPANS_READS_CAN_OVERLAP).map(|s| s / steps),
+        attribution: Some(Window::of_steps(&attribution, spec.steps, seconds)),
         ..BatchMeasurement::default()
     })
 }

@@ -7,8 +7,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use k3ring::engine::measure::{measure_resident, MeasureSpec};
+use k3ring::engine::measure_batch::{measure_resident_batch, BatchSpec};
 use k3ring::engine::GenerateOptions;
-use k3ring::model::attribution::{Attribution, OpClass};
+use k3ring::model::attribution::{Attribution, OpClass, Window};
 use k3ring::model::LogitRows;
 use kernels::{Isa, Kernels};
 
@@ -174,7 +175,7 @@ fn attribution_rows_sum_to_the_measured_seconds_per_token() {
     let m = measure_resident(&dir, Kernels::with_isa(Isa::best()).unwrap(), 2, &spec).unwrap();
     let window = m.attribution.as_ref().expect("a resident measurement carries its attribution");
     assert_eq!(window.tokens, spec.tokens);
-    let table = window.table(Some(10e9));
+    let table = window.table(Some(10e9), None);
     let sum: f64 = table.rows.iter().map(|r| r.seconds_per_token).sum();
     assert!(
         (sum - m.seconds_per_token).abs() <= 1e-9 * m.seconds_per_token,
@@ -218,4 +219,39 @@ fn a_traced_run_reports_the_attribution_of_its_decode() {
     let (_, untraced) = crate::trace_check::streamed_run(&["--mem-gb", "0.0014"]);
     assert!(untraced.get("attribution").is_none());
     assert_eq!(untraced["generated_ids"], report["generated_ids"]);
+}
+
+/// Each class's multiply-adds per token (or per step) of a measured window.
+fn macs_per(window: &Window) -> BTreeMap<&'static str, u64> {
+    let n = window.tokens as u64;
+    window.totals.iter().map(|(c, t)| (c.name(), t.macs / n)).filter(|(_, m)| *m > 0).collect()
+}
+
+#[test]
+fn a_batch_step_counts_the_multiply_adds_of_every_row() {
+    let dir = tiny_dir();
+    let kernels = Kernels::with_isa(Isa::best()).unwrap();
+    let spec = MeasureSpec { prompt: prompt(), warmup: 1, tokens: 3, prefill_chunk: 32 };
+    let solo = measure_resident(&dir, kernels, 2, &spec).unwrap();
+    let one = macs_per(solo.attribution.as_ref().unwrap());
+    // A token's products: each bf16 weight once, and each routed expert's (top-k per layer)
+    // MXFP4 weights once, 32 weights in 17 bytes (16 packed bytes and a scale).
+    let bytes = expected_bytes_per_token(&dir);
+    for (class, macs) in &one {
+        let weights = if *class == OpClass::ExpertProducts.name() { bytes[class] * 32 / 17 } else { bytes[class] / 2 };
+        assert_eq!(*macs, weights, "{class}: multiply-adds per token against its weights");
+    }
+    assert!(one.contains_key(OpClass::ExpertProducts.name()) && one.contains_key(OpClass::LmHead.name()), "{one:?}");
+    let prompts: Vec<Vec<u32>> = (0..3u32).map(|i| [prompt(), vec![100 + i]].concat()).collect();
+    let batch = BatchSpec { prompts, warmup: 1, steps: 2, prefill_chunk: 32 };
+    let m = measure_resident_batch(&dir, kernels, 2, &batch).unwrap();
+    let window = m.attribution.as_ref().expect("a resident batch carries its attribution");
+    assert_eq!((window.per, window.tokens), ("step", 2));
+    // A step of three rows does three tokens' multiply-adds in every class, however the rows
+    // share the experts.
+    let three: BTreeMap<&str, u64> = one.iter().map(|(c, m)| (*c, 3 * m)).collect();
+    assert_eq!(macs_per(window), three);
+    let table = window.table(Some(10e9), Some(100e9));
+    assert_eq!(table.per, "step");
+    assert!(table.roof_seconds_per_token.unwrap() >= table.floor_seconds_per_token.unwrap());
 }

@@ -540,6 +540,22 @@ fn bench_batch_cells_have_their_fields_and_match_solo_runs() {
     assert_eq!(ratios.len(), 1, "{batch}");
     assert_eq!(ratios[0]["batch"], 2);
     assert_eq!(batch["resident_seconds_per_step"].as_array().unwrap().len(), 2);
+    // Each size's resident step per operation class, held against the triad and the FMA peak
+    // (measured wherever the kernels are not scalar: every host CI runs on).
+    let peak = v["fma_peak_flops_per_second"].as_f64().expect("bench measures the FMA peak");
+    let tables = batch["resident_attribution"].as_array().unwrap();
+    assert_eq!(tables.iter().map(|t| t[0].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2], "{batch}");
+    for t in tables {
+        let (b, table) = (t[0].as_f64().unwrap(), &t[1]);
+        assert_eq!((table["per"].as_str(), table["fma_peak_flops_per_second"].as_f64()), (Some("step"), Some(peak)));
+        let lm_head = table["rows"].as_array().unwrap().iter().find(|r| r["class"] == "lm_head").unwrap();
+        // The head's bf16 weights, once per row of the step: 2 bytes and 2 flops per weight.
+        assert_eq!(lm_head["flops_per_token"].as_f64().unwrap(), b * lm_head["bytes_per_token"].as_f64().unwrap());
+        let roof = table["roof_seconds_per_token"].as_f64().unwrap();
+        assert!(roof >= table["floor_seconds_per_token"].as_f64().unwrap(), "{table}");
+        assert!(out.contains(&format!("resident step of {b} sequences by operation class")), "{out}");
+    }
+    assert!(out.contains("of the roof") && out.contains("FMA peak: "), "{out}");
 }
 
 #[test]

@@ -78,6 +78,12 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
         r.memory_bandwidth_before / 1e9,
         r.memory_bandwidth_after / 1e9
     );
+    if let Some(peak) = r.fma_peak_flops_per_second {
+        println!(
+            "FMA peak: {:.1} GFLOP/s (independent chains of the kernels' widest FMA on every compute thread)",
+            peak / 1e9
+        );
+    }
     if let Some(moved) = bandwidth_moved(r.memory_bandwidth_before, r.memory_bandwidth_after) {
         println!(
             "warning: the memory bandwidth moved by {:.0}% between before and after the resident cell: the host's speed \
