@@ -116,6 +116,18 @@ impl<'a> RowsOut<'a> {
         }
     }
 
+    /// Tokens `t0..t0 + n` of this piece's rows, borrowed: a pass of a few-token kernel over
+    /// part of a larger batch.
+    pub(crate) fn tokens_mut(&mut self, t0: usize, n: usize) -> RowsOut<'_> {
+        assert!(t0.checked_add(n).is_some_and(|end| end <= self.t), "tokens {t0}..+{n} out of {}", self.t);
+        // SAFETY: t0 <= t, so the offset t0 * rows_total is at most t * rows_total == y.len():
+        // within (or one past the end of) the slice `ptr` came from. The result owns entries
+        // (t0 + tok) * rows_total + r for tok < n and r in row_begin..row_end, a subset of
+        // this piece's, and borrows `self` mutably for as long as it lives.
+        let ptr = unsafe { self.ptr.add(t0 * self.rows_total) };
+        RowsOut { ptr, t: n, _borrow: PhantomData, ..*self }
+    }
+
     /// Writes output `(token, row)`, `row` counted from this piece's first row.
     #[inline]
     pub(crate) fn set(&mut self, token: usize, row: usize, value: f32) {
@@ -128,6 +140,22 @@ impl<'a> RowsOut<'a> {
         // RowsOut owns (split_at hands out disjoint ranges), so the write races with nothing.
         unsafe { self.ptr.add(index).write(value) }
     }
+}
+
+/// The passes of `t` tokens through the few-token kernels, as (first token, tokens): four at a
+/// time, and five left as three and two (a one-token pass would stream the weights once more for
+/// a single token).
+pub(crate) fn token_passes(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut t0 = 0;
+    std::iter::from_fn(move || {
+        let n = match t - t0 {
+            0 => return None,
+            5 => 3,
+            left => left.min(4),
+        };
+        t0 += n;
+        Some((t0 - n, n))
+    })
 }
 
 // RowsOut must never be Clone or Copy: two copies would alias the same rows. `split_at` copies
@@ -161,6 +189,40 @@ mod tests {
         }
         let want: Vec<f32> = (0..3).flat_map(|tok| (0..5).map(move |r| (tok * 10 + r) as f32)).collect();
         assert_eq!(y, want);
+    }
+
+    #[test]
+    fn a_token_window_writes_its_tokens_of_the_pieces_rows() {
+        let mut y = vec![0.0f32; 4 * 5];
+        let (_a, mut b) = RowsOut::new(&mut y, 4, 5).split_at(3);
+        let mut w = b.tokens_mut(1, 2);
+        assert_eq!((w.tokens(), w.row_begin(), w.rows()), (2, 3, 2));
+        w.set(0, 0, 1.0);
+        w.set(1, 1, 2.0);
+        let mut want = vec![0.0f32; 20];
+        (want[5 + 3], want[10 + 4]) = (1.0, 2.0);
+        assert_eq!(y, want);
+    }
+
+    #[test]
+    #[should_panic(expected = "tokens 3..+2 out of 4")]
+    fn a_token_window_past_the_tokens_panics() {
+        let mut y = vec![0.0f32; 4];
+        let _ = RowsOut::new(&mut y, 4, 1).tokens_mut(3, 2);
+    }
+
+    #[test]
+    fn passes_cover_the_tokens_in_order_four_at_a_time_and_never_one_after_the_first() {
+        let passes = |t| token_passes(t).collect::<Vec<_>>();
+        assert_eq!(passes(5), [(0, 3), (3, 2)]);
+        assert_eq!(passes(9), [(0, 4), (4, 3), (7, 2)]);
+        assert_eq!(passes(16), [(0, 4), (4, 4), (8, 4), (12, 4)]);
+        for t in 1..100 {
+            let p = passes(t);
+            assert_eq!(p.iter().map(|q| q.1).sum::<usize>(), t);
+            assert!(p.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0), "{t}: {p:?}");
+            assert!(p.iter().all(|q| (1..=4).contains(&q.1)) && (t == 1 || p.iter().all(|q| q.1 > 1)), "{t}: {p:?}");
+        }
     }
 
     #[test]

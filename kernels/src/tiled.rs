@@ -116,9 +116,12 @@ impl TileIsa for Avx512 {
         unsafe {
             match *src {
                 Source::Bf16 { w } => crate::bf16::avx512::decode_segment(bf16_row(w, row, cols), c0, cn, dst),
+                // The AVX-512 MXFP4 products never tile (more than four tokens run in passes of
+                // the few-token kernel, faster at every count measured); the AVX2 decode keeps
+                // this loop total for any source.
                 Source::Mxfp4 { packed, scales } => {
                     let (p, s) = mxfp4_row(packed, scales, row, cols);
-                    crate::mxfp4::avx512::decode_segment(p, s, c0, cn, dst);
+                    crate::mxfp4::avx2::decode_segment(p, s, c0, cn, dst);
                 }
             }
         }

@@ -1,66 +1,25 @@
 //! AVX-512 (F + BW + VL) MXFP4 kernel. Same bits as `scalar.rs`.
 //!
-//! A group of 32 elements (16 packed bytes) becomes two zmm registers of 16 canonical lanes
-//! ([`Decoder::decode32`]): each byte is duplicated (`vpunpcklbw` with itself), widened to one
-//! byte per 32-bit lane, shifted right by 0 or 4 so that lane `2j` holds the low nibble of byte
-//! `j` and lane `2j + 1` the high one (spec §4), and looked up with `vpermps`, which reads only
-//! the low 4 bits of each index, in the group's scale's row of [`super::SCALED`]: the 16
-//! decoded values `(sign * E2M1[mag]) * 2^(s - 127)`, built by the definition's own f32
-//! product (-0.0 for nibble 8 included). 4 operations per 16 weights. More than 4 tokens go
-//! through [`crate::tiled`] with that decode. 1 to 4 tokens stream 4 rows at once with a cheaper
-//! one, no widening shuffle, in a permuted lane order undone once per accumulator
-//! ([`rows_dot`], [`rows_dot_tokens`]), each decoded group serving every token from registers.
+//! 1 to 4 tokens stream 4 rows at once ([`rows_dot`], [`rows_dot_tokens`]): each group's 8-byte
+//! halves are broadcast to every qword, shifted so that each lane's nibble sits low, and
+//! looked up with `vpermps`, which reads only the low 4 bits of each index, in the group's
+//! scale's row of [`super::SCALED`] (the decoded values `(sign * E2M1[mag]) * 2^(s - 127)`,
+//! built by the definition's own f32 product, -0.0 for nibble 8 included). The lanes come out
+//! in a permuted order, undone once per accumulator; each decoded group serves every token
+//! from registers. More tokens run in passes of at most four over each block of rows.
 
 use std::arch::x86_64::{
-    __m128i, __m512, __m512i, _mm512_cvtepu8_epi32, _mm512_fmadd_ps, _mm512_load_ps, _mm512_permutexvar_ps,
-    _mm512_set1_epi64, _mm512_setr_epi32, _mm512_setr_epi64, _mm512_setzero_ps, _mm512_srlv_epi32, _mm512_srlv_epi64,
-    _mm_loadu_si128, _mm_prefetch, _mm_unpackhi_epi8, _mm_unpacklo_epi8, _MM_HINT_T0,
+    _mm512_fmadd_ps, _mm512_load_ps, _mm512_permutexvar_ps, _mm512_set1_epi64, _mm512_setr_epi32, _mm512_setr_epi64,
+    _mm512_setzero_ps, _mm512_srlv_epi64, _mm_prefetch, _MM_HINT_T0,
 };
 
 use super::{GROUP, SCALED};
-use crate::dot::avx512::{load16z, reduce16z, store16z};
+use crate::dot::avx512::{load16z, reduce16z};
 use crate::dot::scalar::LANES;
-use crate::out::RowsOut;
-use crate::tiled::{self, Source, Tile};
+use crate::out::{token_passes, RowsOut};
 
 /// Bytes of packed data per group of 32 elements.
 const GROUP_BYTES: usize = GROUP / 2;
-
-/// The loop-invariant register of the decode.
-#[derive(Clone, Copy)]
-struct Decoder {
-    /// 0 for even lanes (low nibble), 4 for odd lanes (high nibble).
-    shifts: __m512i,
-}
-
-impl Decoder {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    fn new() -> Decoder {
-        Decoder { shifts: _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4) }
-    }
-
-    /// Elements `2j`, `2j + 1` from byte `j` of the low 8 bytes of `doubled`'s source, where
-    /// `doubled` holds each of those bytes twice in a row.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    fn sixteen(self, doubled: __m128i, values: __m512) -> __m512 {
-        let index = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(doubled), self.shifts);
-        _mm512_permutexvar_ps(index, values)
-    }
-
-    /// Decodes one group (16 packed bytes, 32 elements, scale byte `scale`): elements 0-15
-    /// and 16-31.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    fn decode32(self, b: &[u8; GROUP_BYTES], scale: u8) -> [__m512; 2] {
-        // SAFETY: `b` holds 16 bytes; that load is unaligned. A `SCALED` row is 16 floats,
-        // 64-byte aligned by `Aligned64` (checked at compile time), as `_mm512_load_ps` requires.
-        let (v, values) =
-            unsafe { (_mm_loadu_si128(b.as_ptr().cast()), _mm512_load_ps(SCALED[usize::from(scale)].0.as_ptr())) };
-        [self.sixteen(_mm_unpacklo_epi8(v, v), values), self.sixteen(_mm_unpackhi_epi8(v, v), values)]
-    }
-}
 
 /// Hints the cache to fetch the line holding `p`; any address is fine (a prefetch never faults
 /// and reads nothing architecturally).
@@ -77,9 +36,14 @@ pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: us
         2 => few_tokens::<2>(packed, scales, cols, x, out),
         3 => few_tokens::<3>(packed, scales, cols, x, out),
         4 => few_tokens::<4>(packed, scales, cols, x, out),
+        // Passes over the block: its weights come from DRAM once and from L2 after, and each
+        // group is decoded in registers once per pass. The tile loop, which decodes each group
+        // once per 16 tokens into a stack tile, ran 5-75% slower at every count from 5 to 256
+        // tokens on a Zen 5 host (docs/BENCHMARKS.md, "MXFP4 beyond four tokens").
         _ => {
-            // SAFETY: this function's target features are AVX-512 F + BW + VL and AVX2 + FMA.
-            unsafe { tiled::multi_token::<tiled::Avx512>(&Source::Mxfp4 { packed, scales }, cols, x, t, out) };
+            for (t0, n) in token_passes(t) {
+                matmul(packed, scales, cols, &x[t0 * cols..(t0 + n) * cols], n, &mut out.tokens_mut(t0, n));
+            }
         }
     }
 }
@@ -117,11 +81,10 @@ fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks:
     rows_dot_tokens::<R, 1>(packed, scales, cols, &[x_chunks])[0]
 }
 
-/// `t` tokens, `2 <= t <= 4` (the rows a batch step routes to one expert): each group is decoded
-/// once into registers and multiplied with every token there, 4 rows at a time. The tiled path
-/// would store the decoded tile and reload it per token, which at so few tokens costs more than
-/// the FMAs. Every (row, token) keeps its own 16 canonical lanes from zero in increasing column
-/// order, so the bits are those of the single-token and tiled paths.
+/// `t` tokens, `2 <= t <= 4` (the rows a batch step routes to one expert, or one pass of more):
+/// each group is decoded once into registers and multiplied with every token there, 4 rows at a
+/// time. Every (row, token) keeps its own 16 canonical lanes from zero in increasing column
+/// order, so the bits are those of the single-token path and of any split into passes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn few_tokens<const T: usize>(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     const R: usize = 4;
@@ -201,19 +164,4 @@ fn rows_dot_tokens<const R: usize, const T: usize>(
         }
     }
     sums
-}
-
-/// Decodes columns `c0..c0 + cn` of one row into `dst`; `c0` and `cn` are multiples of 32 and
-/// `cn <= TILE_COLS`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-pub(crate) fn decode_segment(packed_row: &[u8], scale_row: &[u8], c0: usize, cn: usize, dst: &mut Tile) {
-    let decoder = Decoder::new();
-    let (g0, gn) = (c0 / GROUP, cn / GROUP);
-    let (groups, _) = packed_row[g0 * GROUP_BYTES..(g0 + gn) * GROUP_BYTES].as_chunks::<GROUP_BYTES>();
-    for (k, (group, &scale)) in groups.iter().zip(&scale_row[g0..g0 + gn]).enumerate() {
-        let [w0, w1] = decoder.decode32(group, scale);
-        store16z(&mut dst[2 * k], w0);
-        store16z(&mut dst[2 * k + 1], w1);
-    }
 }

@@ -109,7 +109,7 @@ fn matmul_mxfp4_batch_and_thread_invariance() {
     let pools = [pool(1), pool(2), pool(3)];
     for k in mxfp4_kernels() {
         for (rows, cols) in [(5usize, 32usize), (9, 288), (130, 64), (3, 544)] {
-            for t in [2usize, 3, 4, 5, 7, 16, 17, 22] {
+            for t in [2usize, 3, 4, 5, 6, 7, 9, 13, 16, 17, 22] {
                 let (packed, scales) = mxfp4_data(&mut rng, rows, cols, true);
                 let x = rng.adversarials(t * cols);
                 let batched = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x, t).unwrap();
