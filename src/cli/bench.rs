@@ -68,8 +68,9 @@ pub struct BenchArgs {
     /// Tokens measured per cell.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub tokens: usize,
-    /// Tokens decoded before measuring.
-    #[arg(long, value_name = "N", default_value_t = 2)]
+    /// Tokens decoded before measuring (default: until speculation's first trial has decided,
+    /// so that pipelined cells measure the setting each layer settles on).
+    #[arg(long, value_name = "N", default_value_t = crate::pipeline::trial::DECODE_PASSES_TO_FIRST_DECISION)]
     pub warmup: usize,
     /// Compute threads (0 = every core).
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::parse_threads)]

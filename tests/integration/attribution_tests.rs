@@ -253,5 +253,6 @@ fn a_batch_step_counts_the_multiply_adds_of_every_row() {
     assert_eq!(macs_per(window), three);
     let table = window.table(Some(10e9), Some(100e9));
     assert_eq!(table.per, "step");
-    assert!(table.roof_seconds_per_token.unwrap() >= table.floor_seconds_per_token.unwrap());
+    // Each class's roof is at least its bytes at the triad (the floor sums them in another order).
+    assert!(table.roof_seconds_per_token.unwrap() >= table.floor_seconds_per_token.unwrap() * (1.0 - 1e-12));
 }

@@ -551,8 +551,9 @@ fn bench_batch_cells_have_their_fields_and_match_solo_runs() {
         let lm_head = table["rows"].as_array().unwrap().iter().find(|r| r["class"] == "lm_head").unwrap();
         // The head's bf16 weights, once per row of the step: 2 bytes and 2 flops per weight.
         assert_eq!(lm_head["flops_per_token"].as_f64().unwrap(), b * lm_head["bytes_per_token"].as_f64().unwrap());
+        // Each class's roof is at least its bytes at the triad (summed in another order).
         let roof = table["roof_seconds_per_token"].as_f64().unwrap();
-        assert!(roof >= table["floor_seconds_per_token"].as_f64().unwrap(), "{table}");
+        assert!(roof >= table["floor_seconds_per_token"].as_f64().unwrap() * (1.0 - 1e-12), "{table}");
         assert!(out.contains(&format!("resident step of {b} sequences by operation class")), "{out}");
     }
     assert!(out.contains("of the roof") && out.contains("FMA peak: "), "{out}");

@@ -469,48 +469,54 @@ fn bench_reports_every_cell_with_identical_ids() {
 
 /// A pipelined or batch cell whose window opens before adaptive speculation's first trial
 /// decides is flagged (its passes alternate with and without guesses by design); with the
-/// warm-up passes the trial takes it is not, and cells that guess nothing adaptively never are.
+/// warm-up passes the trial takes (bench's default) it is not, and cells that guess nothing
+/// adaptively never are.
 #[test]
 fn bench_flags_cells_measured_during_the_first_speculation_trial() {
     let trunk = pack(&tiny_dir());
     let tmp = tempfile::tempdir().unwrap();
     let decide = k3ring::pipeline::trial::DECODE_PASSES_TO_FIRST_DECISION;
     let trial = 2 * k3ring::pipeline::trial::TRIAL_PASSES;
-    for (warmup, open) in [(trial - 1, true), (decide, false)] {
-        let json = tmp.path().join(format!("w{warmup}.json"));
-        let (code, out, err) = k3ring(&[
-            "bench",
-            "--model",
-            tiny_dir().to_str().unwrap(),
-            "--trunk",
-            trunk.path().to_str().unwrap(),
-            "--budgets",
-            "0.004",
-            "--modes",
-            "no-spec,pipelined,fixed-spec",
-            "--batch",
-            "2",
-            "--tokens",
-            "1",
-            "--warmup",
-            &warmup.to_string(),
-            "--device-reads",
-            "8",
-            "--no-read-tax",
-            "--json",
-            json.to_str().unwrap(),
-        ]);
+    // `None`: bench's default warm-up, which lets the first trial decide.
+    for (warmup, open) in [(Some(trial - 1), true), (Some(decide), false), (None, false)] {
+        let json = tmp.path().join(format!("w{warmup:?}.json"));
+        let warmup_flag = warmup.map(|w| ["--warmup".to_owned(), w.to_string()]);
+        let (code, out, err) = k3ring(
+            &[
+                "bench",
+                "--model",
+                tiny_dir().to_str().unwrap(),
+                "--trunk",
+                trunk.path().to_str().unwrap(),
+                "--budgets",
+                "0.004",
+                "--modes",
+                "no-spec,pipelined,fixed-spec",
+                "--batch",
+                "2",
+                "--tokens",
+                "1",
+                "--device-reads",
+                "8",
+                "--no-read-tax",
+                "--json",
+                json.to_str().unwrap(),
+            ]
+            .into_iter()
+            .chain(warmup_flag.iter().flatten().map(String::as_str))
+            .collect::<Vec<_>>(),
+        );
         assert_eq!(code, 0, "{err}");
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
         for c in v["cells"].as_array().unwrap() {
             let flagged = c.get("speculation_trial_open").and_then(serde_json::Value::as_bool).unwrap_or(false);
-            assert_eq!(flagged, open && c["mode"] == "pipelined", "--warmup {warmup}: {c}");
+            assert_eq!(flagged, open && c["mode"] == "pipelined", "--warmup {warmup:?}: {c}");
         }
         let batch = &v["batch"]["cells"][0];
-        assert_eq!(batch["speculation_trial_open"].as_bool().unwrap_or(false), open, "--warmup {warmup}: {batch}");
+        assert_eq!(batch["speculation_trial_open"].as_bool().unwrap_or(false), open, "--warmup {warmup:?}: {batch}");
         assert_eq!(out.contains("whose steps alternate with and without guesses: batch 2 at 0.004 GB"), open, "{out}");
         let note = format!("speculation's first trial, whose passes alternate with and without guesses: pipelined at 0.004 GB; --warmup {decide} or more");
-        assert_eq!(out.contains(&note), open, "--warmup {warmup}: {out}");
+        assert_eq!(out.contains(&note), open, "--warmup {warmup:?}: {out}");
     }
 }
 
