@@ -246,32 +246,25 @@ fn a_resident_run_keeps_the_flags_it_honours() {
     assert_eq!(out, "placement: NUMA node 0 | compute 1 threads on CPUs 0 | I/O on CPU 1\n");
 }
 
-/// `bench` on the tiny model at a 4 MB budget, 2 tokens after 1, with `args` added: exit code,
-/// stdout, stderr and the `--json` report (`Null` when it failed).
-fn bench_tiny(args: &[&str]) -> (i32, String, String, serde_json::Value) {
+/// `bench` on the tiny model at a 4 MB budget, 2 tokens after 1 unless `args` name `--tokens`
+/// or `--warmup`, with `args` added: exit code, stdout, stderr and the `--json` report (`Null`
+/// when it failed).
+pub(crate) fn bench_tiny(args: &[&str]) -> (i32, String, String, serde_json::Value) {
+    bench_on_tiny(&[("--tokens", "2"), ("--warmup", "1")], args)
+}
+
+/// [`bench_tiny`] with the flags `defaults` in place of its 2 tokens after 1 (each left out
+/// where `args` name it; none: bench's own defaults).
+pub(crate) fn bench_on_tiny(defaults: &[(&str, &str)], args: &[&str]) -> (i32, String, String, serde_json::Value) {
     let model = tiny_dir();
     let trunk = pack(&model);
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("b.json");
     let (m, t, j) = (model.to_str().unwrap(), trunk.path().to_str().unwrap(), json.to_str().unwrap());
-    let common = [
-        "bench",
-        "--model",
-        m,
-        "--trunk",
-        t,
-        "--budgets",
-        "0.004",
-        "--tokens",
-        "2",
-        "--warmup",
-        "1",
-        "--device-reads",
-        "8",
-        "--json",
-        j,
-    ];
-    let (code, out, err) = k3ring(&[&common[..], args].concat());
+    let common = ["bench", "--model", m, "--trunk", t, "--budgets", "0.004", "--device-reads", "8", "--json", j];
+    let defaults = defaults.iter().filter(|(flag, _)| !args.contains(flag));
+    let defaults: Vec<&str> = defaults.flat_map(|(flag, value)| [*flag, *value]).collect();
+    let (code, out, err) = k3ring(&[&common[..], &defaults, args].concat());
     let v = std::fs::read(&json).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
     (code, out, err, v)
 }

@@ -473,41 +473,15 @@ fn bench_reports_every_cell_with_identical_ids() {
 /// adaptively never are.
 #[test]
 fn bench_flags_cells_measured_during_the_first_speculation_trial() {
-    let trunk = pack(&tiny_dir());
-    let tmp = tempfile::tempdir().unwrap();
-    let decide = k3ring::pipeline::trial::DECODE_PASSES_TO_FIRST_DECISION;
-    let trial = 2 * k3ring::pipeline::trial::TRIAL_PASSES;
+    let decide = k3ring::pipeline::trial::DECODE_PASSES_TO_FIRST_DECISION.to_string();
+    let early = (2 * k3ring::pipeline::trial::TRIAL_PASSES - 1).to_string();
     // `None`: bench's default warm-up, which lets the first trial decide.
-    for (warmup, open) in [(Some(trial - 1), true), (Some(decide), false), (None, false)] {
-        let json = tmp.path().join(format!("w{warmup:?}.json"));
-        let warmup_flag = warmup.map(|w| ["--warmup".to_owned(), w.to_string()]);
-        let (code, out, err) = k3ring(
-            &[
-                "bench",
-                "--model",
-                tiny_dir().to_str().unwrap(),
-                "--trunk",
-                trunk.path().to_str().unwrap(),
-                "--budgets",
-                "0.004",
-                "--modes",
-                "no-spec,pipelined,fixed-spec",
-                "--batch",
-                "2",
-                "--tokens",
-                "1",
-                "--device-reads",
-                "8",
-                "--no-read-tax",
-                "--json",
-                json.to_str().unwrap(),
-            ]
-            .into_iter()
-            .chain(warmup_flag.iter().flatten().map(String::as_str))
-            .collect::<Vec<_>>(),
-        );
+    for (warmup, open) in [(Some(&early), true), (Some(&decide), false), (None, false)] {
+        let cells = ["--modes", "no-spec,pipelined,fixed-spec", "--batch", "2", "--tokens", "1", "--no-read-tax"];
+        let warmup_flag = warmup.map(|w| ["--warmup", w.as_str()]);
+        let args: Vec<&str> = cells.into_iter().chain(warmup_flag.into_iter().flatten()).collect();
+        let (code, out, err, v) = crate::cli_tests::bench_on_tiny(&[], &args);
         assert_eq!(code, 0, "{err}");
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
         for c in v["cells"].as_array().unwrap() {
             let flagged = c.get("speculation_trial_open").and_then(serde_json::Value::as_bool).unwrap_or(false);
             assert_eq!(flagged, open && c["mode"] == "pipelined", "--warmup {warmup:?}: {c}");
