@@ -9,23 +9,24 @@
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 
-/// A unique borrow of the entries `y[tok * rows_total + r]` for every token `tok < t` and every
-/// row `r` in `row_begin..row_end`.
+/// A unique borrow of the entries `ptr[tok * rows_total + r]` for every token `tok < t` and
+/// every row `r` in `row_begin..row_end`, where `ptr` is token 0 of this view: the start of `y`,
+/// or of a later token for a window of [`RowsOut::tokens_mut`].
 pub(crate) struct RowsOut<'a> {
-    /// Start of the whole `y` slice.
+    /// Token 0 of this view; `ptr..ptr + t * rows_total` lies inside the `y` borrowed for `'a`.
     ptr: NonNull<f32>,
     /// Rows of the whole output; the stride between two tokens.
     rows_total: usize,
-    /// Token count; `y.len() == t * rows_total`.
+    /// Tokens of this view (all of `y`'s, `y.len() == t * rows_total`, unless a window).
     t: usize,
     row_begin: usize,
     row_end: usize,
     _borrow: PhantomData<&'a mut [f32]>,
 }
 
-// SAFETY: a RowsOut is a unique borrow of its own rows (split_at only ever produces disjoint row
-// ranges and consumes the original), so sending it to another thread is as sound as sending the
-// `&mut [f32]` it was made from.
+// SAFETY: a RowsOut is a unique borrow of its own entries (split_at only ever produces disjoint
+// row ranges and consumes the original; tokens_mut borrows its parent mutably while it lives), so
+// sending it to another thread is as sound as sending the `&mut [f32]` it was made from.
 unsafe impl Send for RowsOut<'_> {}
 
 impl<'a> RowsOut<'a> {
@@ -135,9 +136,10 @@ impl<'a> RowsOut<'a> {
         assert!(row < self.rows(), "row {row} out of {}", self.rows());
         let index = token * self.rows_total + self.row_begin + row;
         // SAFETY: token < t and row_begin + row < row_end <= rows_total, so
-        // index < t * rows_total == y.len(): in bounds of the slice `ptr` came from, which this
-        // value borrows mutably for 'a. The entry's row lies in row_begin..row_end, which no other
-        // RowsOut owns (split_at hands out disjoint ranges), so the write races with nothing.
+        // index < t * rows_total: inside `ptr..ptr + t * rows_total`, which lies in the slice
+        // borrowed mutably for 'a. The entry's row lies in row_begin..row_end, which no other
+        // RowsOut owns (split_at hands out disjoint ranges; a token window borrows its parent),
+        // so the write races with nothing.
         unsafe { self.ptr.add(index).write(value) }
     }
 }

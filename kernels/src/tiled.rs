@@ -1,5 +1,6 @@
-//! Multi-token matmul driver shared by the bf16 and MXFP4 kernels (`t > 1`) on AVX2 and
-//! AVX-512; each ISA supplies only the decode and the tile FMAs ([`TileIsa`]).
+//! Multi-token matmul driver (more than four tokens) of the bf16 kernels on AVX2 and AVX-512
+//! and of the MXFP4 kernel on AVX2; each ISA supplies only the decode and the tile FMAs
+//! ([`TileIsa`]). The AVX-512 MXFP4 kernel runs passes of its few-token kernel instead.
 //!
 //! Each weight is decoded once per block of up to [`TOKENS`] tokens: a tile of [`ROWS`] rows x
 //! [`TILE_COLS`] columns is decoded to f32 on the stack, then every token of the block runs its
@@ -307,5 +308,33 @@ fn tile_fma_avx512_tokens<const K: usize>(
         for i in 0..ROWS {
             store16z(&mut acc[k][i], a[k][i]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Isa, KernelError, Kernels};
+
+    /// The AVX-512 MXFP4 product runs passes and never tiles, but the tile loop stays total for
+    /// any source: on an AVX-512 host its MXFP4 arm must still give the scalar bits.
+    #[test]
+    fn the_avx512_tile_loop_gives_the_scalar_bits_for_mxfp4_too() -> Result<(), KernelError> {
+        if !Isa::Avx512.is_available() {
+            return Ok(());
+        }
+        let (rows, cols, t) = (70, 544, 6);
+        let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 37 % 251) as u8).collect();
+        let scales: Vec<u8> = (0..rows * cols / GROUP).map(|i| 120 + (i % 10) as u8).collect();
+        let x: Vec<f32> = (0..t * cols).map(|i| ((i * 13 % 97) as f32 - 48.0) / 7.0).collect();
+        let mut want = vec![0.0f32; t * rows];
+        Kernels::with_isa(Isa::Scalar)?.matmul_mxfp4(&packed, &scales, rows, cols, &x, t, &mut want)?;
+        let mut got = vec![0.0f32; t * rows];
+        let source = Source::Mxfp4 { packed: &packed, scales: &scales };
+        // SAFETY: AVX-512 was found available above.
+        unsafe { multi_token::<Avx512>(&source, cols, &x, t, &mut RowsOut::new(&mut got, t, rows)) };
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want));
+        Ok(())
     }
 }

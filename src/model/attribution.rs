@@ -221,7 +221,9 @@ impl Window {
     /// The table against `triad` (bytes/s) and the FMA peak (flops/s) when measured.
     pub fn table(&self, triad: Option<f64>, fma_peak: Option<f64>) -> AttributionTable {
         let mut t = AttributionTable::new(&self.totals, self.tokens, self.seconds, triad);
-        t.per = self.per;
+        if !self.per.is_empty() {
+            t.per = self.per;
+        }
         t.with_fma_peak(fma_peak)
     }
 }
@@ -421,7 +423,9 @@ pub struct AttributionTable {
     /// The FMA peak (flops/s, every compute thread) the flops are against.
     pub fma_peak_flops_per_second: Option<f64>,
     /// The roofline bound: the classes' roofline times summed (`None` without both limits).
-    /// Where products run many tokens it exceeds the memory floor.
+    /// Where products run many tokens it exceeds the memory floor. Only the bf16 and MXFP4
+    /// weight products count flops (the router's gate product, MLA attention and the KDA
+    /// recurrence are held to their bytes), so it is a lower bound.
     pub roof_seconds_per_token: Option<f64>,
 }
 

@@ -253,6 +253,9 @@ fn a_batch_step_counts_the_multiply_adds_of_every_row() {
     assert_eq!(macs_per(window), three);
     let table = window.table(Some(10e9), Some(100e9));
     assert_eq!(table.per, "step");
-    // Each class's roof is at least its bytes at the triad (the floor sums them in another order).
-    assert!(table.roof_seconds_per_token.unwrap() >= table.floor_seconds_per_token.unwrap() * (1.0 - 1e-12));
+    // The experts' roof: three rows' flops at 100 GFLOP/s against their bytes at 10 GB/s.
+    let experts = table.rows.iter().find(|r| r.class == "expert_products").unwrap();
+    let want = (experts.bytes_per_token / 10e9).max(experts.flops_per_token / 100e9);
+    assert_eq!(experts.roof_seconds_per_token, Some(want));
+    assert_eq!(experts.flops_per_token, 2.0 * three[OpClass::ExpertProducts.name()] as f64);
 }

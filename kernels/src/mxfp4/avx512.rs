@@ -146,7 +146,8 @@ fn rows_dot_tokens<const R: usize, const T: usize>(
             let b = &rows[i][g];
             let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
             let hi = u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
-            // SAFETY: a `SCALED` row is 16 floats, 64-byte aligned (see `decode32`).
+            // SAFETY: a `SCALED` row is 16 floats in an `Aligned64`, 64-byte aligned (checked at
+            // compile time in mxfp4/mod.rs), as `_mm512_load_ps` requires.
             let values = unsafe { _mm512_load_ps(SCALED[usize::from(srows[i][g])].0.as_ptr()) };
             let w0 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(lo as i64), shifts), values);
             let w1 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(hi as i64), shifts), values);

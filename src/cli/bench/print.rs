@@ -101,7 +101,8 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
     }
     if let Some(table) = &r.resident_attribution {
         println!(
-            "resident decode by operation class (GB/s: weight bytes over the class's time; triad: of the triad above):"
+            "resident decode by operation class (GB/s, GFLOP/s: weight bytes and flops over the class's time; triad, \
+             FMA: of the triad and the FMA peak above; roof s: the longer of the two limits):"
         );
         for line in table.lines() {
             println!("  {line}");
