@@ -132,13 +132,8 @@ pub(super) fn measure_resident(
         }
     }
     let median = median_runs(&samples, &work.sizes);
-    let attribution = median
-        .iter()
-        .filter_map(|m| {
-            let i = samples.iter().position(|s| (s.0, s.1) == (m.0, m.1))?;
-            Some((m.0, windows.get(i)?.clone()?))
-        })
-        .collect();
+    let attribution =
+        work.sizes.iter().filter_map(|&b| Some((b, windows.get(median_index(&samples, b)?)?.clone()?))).collect();
     let seconds_per_step = median.iter().map(|m| (m.0, m.1)).collect();
     let overlappable_seconds_per_step = median.iter().map(|m| (m.0, m.2)).collect();
     Ok(Resident { seconds_per_step, overlappable_seconds_per_step, solo, ids_match, attribution })
@@ -150,14 +145,14 @@ type ResidentSample = (usize, f64, Option<f64>);
 /// Per size, the median run by s/step, with its own overlappable part (not the median of
 /// those, which could come from another run).
 fn median_runs(samples: &[ResidentSample], sizes: &[usize]) -> Vec<ResidentSample> {
-    sizes
-        .iter()
-        .map(|&b| {
-            let mut runs: Vec<&ResidentSample> = samples.iter().filter(|s| s.0 == b).collect();
-            runs.sort_by(|x, y| x.1.total_cmp(&y.1));
-            runs.get(runs.len() / 2).map_or((b, 0.0, None), |r| **r)
-        })
-        .collect()
+    sizes.iter().map(|&b| median_index(samples, b).map_or((b, 0.0, None), |i| samples[i])).collect()
+}
+
+/// The index in `samples` of size `b`'s median run by s/step.
+fn median_index(samples: &[ResidentSample], b: usize) -> Option<usize> {
+    let mut runs: Vec<usize> = (0..samples.len()).filter(|&i| samples[i].0 == b).collect();
+    runs.sort_by(|&x, &y| samples[x].1.total_cmp(&samples[y].1));
+    runs.get(runs.len() / 2).copied()
 }
 
 /// One batch cell streaming at `budget`.
