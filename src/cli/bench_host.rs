@@ -186,11 +186,14 @@ pub struct HostFloors {
     pub floor_no_prediction_host_seconds_per_token: Option<f64>,
     pub efficiency_no_prediction_host: Option<f64>,
     /// Where the measured time goes: resident compute, compute lost to reads (the tax on this
-    /// cell's bytes), compute waiting for reads (stalls), and the rest (scheduling, and what
-    /// none of those explain; negative when the parts overlap).
+    /// cell's bytes), compute waiting for reads (stalls), expert checksums hashed on the compute
+    /// path (the engine's own work, which the floors leave out; hashing inside stalls counts
+    /// as waited), and the rest (scheduling, and what none of those explain; negative when the
+    /// parts overlap).
     pub compute_seconds_per_token: f64,
     pub tax_seconds_per_token: f64,
     pub waited_seconds_per_token: f64,
+    pub checks_seconds_per_token: f64,
     pub rest_seconds_per_token: f64,
     /// Seconds per token with no read in flight: in a device-bound cell, the time reads were not
     /// started (nothing asked for yet, or held back by the routing dependency).
@@ -223,7 +226,8 @@ pub fn host_floors(m: &Measurement, resident: &Measurement, device_rate: f64, ta
         compute_seconds_per_token: compute,
         tax_seconds_per_token: charged,
         waited_seconds_per_token: m.stall_seconds_per_token,
-        rest_seconds_per_token: spt - compute - charged - m.stall_seconds_per_token,
+        checks_seconds_per_token: m.expert_verify_seconds_per_token,
+        rest_seconds_per_token: spt - compute - charged - m.stall_seconds_per_token - m.expert_verify_seconds_per_token,
         device_idle_seconds_per_token: spt * (1.0 - m.io_busy_fraction),
         device_slowed_seconds_per_token: device_slowed(compute + charged, tax.read_rate, device_rate),
     }
@@ -335,7 +339,7 @@ pub fn print_host(host: &Host, tax: Option<&ReadTax>) {
 /// One line per cell: its host floors and where its time goes.
 pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a HostFloors)>) {
     println!(
-        "{:>7} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} | {:>8} {:>10}",
+        "{:>7} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>8} | {:>8} {:>10}",
         "budget",
         "mode",
         "s/token",
@@ -346,13 +350,14 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
         "compute",
         "tax",
         "waited",
+        "checks",
         "rest",
         "dev idle",
         "dev slowed"
     );
     for (budget, mode, spt, h) in cells {
         println!(
-            "{:>6}G {:>10} {:>9.3} {:>8.3} {:>7.2} {} {} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} | {:>8.3} {:>10.3}",
+            "{:>6}G {:>10} {:>9.3} {:>8.3} {:>7.2} {} {} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} | {:>8.3} {:>10.3}",
             budget,
             mode,
             spt,
@@ -363,6 +368,7 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
             h.compute_seconds_per_token,
             h.tax_seconds_per_token,
             h.waited_seconds_per_token,
+            h.checks_seconds_per_token,
             h.rest_seconds_per_token,
             h.device_idle_seconds_per_token,
             h.device_slowed_seconds_per_token
@@ -371,7 +377,8 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
     println!(
         "floor_h: the floor with the read tax charged, max(bytes / device, compute + s/GB x bytes); floor*_h: the same \
          without routing prediction. s/token = compute + tax (compute lost to reads) + waited (compute waiting for \
-         reads) + rest (scheduling, and overlap of the parts); dev idle: no read in flight (in a device-bound cell, \
+         reads; expert checks hashed meanwhile count here) + checks (expert checksums hashed on the compute path) + \
+         rest (scheduling, and overlap of the parts); dev idle: no read in flight (in a device-bound cell, \
          reads not started); dev slowed: (compute + tax) x (1 - the read-tax stream's rate beside compute / the \
          device's), what the device loses while the cores compute (in a device-bound cell, time the floors do not \
          charge)"

@@ -50,9 +50,12 @@ pub struct Measurement {
     /// Routed experts already requested when routing was known, over all routed experts.
     pub recall: f64,
     pub spec_wasted_bytes_per_token: f64,
-    /// Time spent checking experts against their checksums, per token, and the bytes checked.
+    /// Time spent checking experts against their checksums on the compute path, per token, and
+    /// the bytes checked (on either path).
     pub expert_verify_seconds_per_token: f64,
     pub expert_verified_bytes_per_token: f64,
+    /// Time spent hashing experts while compute waited for a read (inside the stalls).
+    pub expert_verify_waiting_seconds_per_token: f64,
     /// Resident runs: the compute per token that a layer's expert reads could overlap without
     /// routing prediction (shared and routed experts, after each router; see
     /// [`crate::model::moe::SPANS_READS_CAN_OVERLAP`]). `None` for streaming runs.
@@ -321,6 +324,9 @@ pub fn measure_streaming_drafted(
         spec_wasted_bytes_per_token: (after.spec_wasted_bytes - before.spec_wasted_bytes) as f64 / n,
         expert_verify_seconds_per_token: (after.expert_verify_seconds - before.expert_verify_seconds) / n,
         expert_verified_bytes_per_token: (after.expert_verified_bytes - before.expert_verified_bytes) as f64 / n,
+        expert_verify_waiting_seconds_per_token: (after.expert_verify_waiting_seconds
+            - before.expert_verify_waiting_seconds)
+            / n,
         overlappable_seconds_per_token: None,
         plan: Some(plan),
         attribution: None,

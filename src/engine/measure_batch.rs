@@ -88,6 +88,9 @@ pub struct BatchMeasurement {
     /// Seconds per step the compute threads spent checking experts against their checksums
     /// (`--no-verify-experts`: 0); the bounds leave it out, like the resident compute.
     pub expert_verify_seconds_per_step: f64,
+    /// Seconds per step spent hashing experts while compute waited for a read (inside the
+    /// stalls, not on the compute path).
+    pub expert_verify_waiting_seconds_per_step: f64,
     pub plan: Option<Plan>,
     /// Resident runs only: seconds per step of the compute that a layer's expert reads can
     /// overlap without prediction (the shared experts and the routed experts' own compute,
@@ -197,6 +200,9 @@ pub fn measure_streaming_batch(
         expert_reads_per_layer_step: (after.expert_reads - before.expert_reads) as f64 / steps / moe_layers,
         read_rate_busy: window.read_rate_busy(),
         expert_verify_seconds_per_step: (after.expert_verify_seconds - before.expert_verify_seconds) / steps,
+        expert_verify_waiting_seconds_per_step: (after.expert_verify_waiting_seconds
+            - before.expert_verify_waiting_seconds)
+            / steps,
         plan: Some(plan),
         overlappable_seconds_per_step: None,
         speculation_trial_open: super::measure::trial_open(run, before),

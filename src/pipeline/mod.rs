@@ -154,6 +154,12 @@ impl Pipeline {
         self.store.expert_bytes_by_layer()
     }
 
+    /// The store, for tests that drive it directly.
+    #[cfg(test)]
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
+    }
+
     /// Counters so far: the store's and the I/O stage's.
     pub fn stats(&self) -> StreamStats {
         let mut s = self.store.stats().with_io(self.io.stats());

@@ -281,9 +281,11 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
     let cell = &v["cells"][0];
     assert!(cell["expert_bytes_per_token"].as_f64().unwrap() > 0.0, "{cell}");
     assert_eq!(cell["expert_verify_seconds_per_token"].as_f64(), Some(0.0), "{cell}");
+    assert_eq!(cell["expert_verify_waiting_seconds_per_token"].as_f64(), Some(0.0), "{cell}");
     let batch = &v["batch"]["cells"][0];
     assert!(batch["expert_bytes_per_step"].as_f64().unwrap() > 0.0, "{batch}");
     assert_eq!(batch["expert_verify_seconds_per_step"].as_f64(), Some(0.0), "{batch}");
+    assert_eq!(batch["expert_verify_waiting_seconds_per_step"].as_f64(), Some(0.0), "{batch}");
     assert_eq!(v["batch"]["ids_match_solo"], true, "{v}");
     // The read-tax probe ran (it is on by default): see the test below for the flag.
     assert_read_tax_measured(&v, &out, 1);
@@ -392,9 +394,11 @@ fn assert_read_tax_measured(v: &serde_json::Value, out: &str, pairs: usize) {
         // The split's parts come from their sources; the rest is what they leave.
         assert_eq!(get("compute_seconds_per_token"), resident, "{c}");
         assert_eq!(get("waited_seconds_per_token"), get("stall_seconds_per_token"), "{c}");
+        assert_eq!(get("checks_seconds_per_token"), get("expert_verify_seconds_per_token"), "{c}");
         let parts = get("compute_seconds_per_token")
             + get("tax_seconds_per_token")
             + get("waited_seconds_per_token")
+            + get("checks_seconds_per_token")
             + get("rest_seconds_per_token");
         assert!((parts - get("seconds_per_token")).abs() <= 1e-9, "{c}");
         assert!(get("floor_no_prediction_host_seconds_per_token") >= floor_h - 1e-12, "{c}");
@@ -487,9 +491,11 @@ fn bench_batch_cells_have_their_fields_and_match_solo_runs() {
         assert_eq!(c["ids_match_solo"], true, "{c}");
         let b = c["batch"].as_f64().unwrap();
         let per_step = |k: &str| c[k].as_f64().unwrap();
-        // Experts read from the shards are checked by default, and the check is timed.
+        // Experts read from the shards are checked by default, and the check is timed (on the
+        // compute path, or inside waits for reads).
         assert!(per_step("expert_bytes_per_step") > 0.0, "{c}");
-        assert!(per_step("expert_verify_seconds_per_step") > 0.0, "{c}");
+        let checks = per_step("expert_verify_seconds_per_step") + per_step("expert_verify_waiting_seconds_per_step");
+        assert!(checks > 0.0, "{c}");
         assert_eq!(per_step("trunk_bytes_per_token") * b, per_step("trunk_bytes_per_step"), "{c}");
         assert_eq!(per_step("expert_bytes_per_token") * b, per_step("expert_bytes_per_step"), "{c}");
         // Each MoE layer asks once per step for its rows' union: k experts for one row, at

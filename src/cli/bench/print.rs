@@ -5,8 +5,9 @@ use super::{bench_batch, bench_host, Cell, Report};
 use crate::cli::bench::BenchArgs;
 use crate::config::Config;
 
-/// The cost of checking experts against their checksums (on by default): the check's time over
-/// s/token, the median and the worst over the cells, and the rate at which it hashed.
+/// The cost of checking experts against their checksums (on by default): the check's time on
+/// the compute path over s/token, the median and the worst over the cells; the share hashed
+/// inside waits for reads (which costs compute nothing); and the rate at which it hashed.
 fn verify_cost_line(cells: &[Cell]) -> String {
     let mut ratios: Vec<f64> = cells
         .iter()
@@ -17,13 +18,18 @@ fn verify_cost_line(cells: &[Cell]) -> String {
     let (Some(median), Some(worst)) = (ratios.get(ratios.len() / 2), ratios.last()) else {
         return "expert checksums: no cell measured".to_owned();
     };
-    let seconds: f64 = cells.iter().map(|c| c.m.expert_verify_seconds_per_token).sum();
+    let on_path: f64 = cells.iter().map(|c| c.m.expert_verify_seconds_per_token).sum();
+    let waiting: f64 = cells.iter().map(|c| c.m.expert_verify_waiting_seconds_per_token).sum();
+    let all: f64 = cells.iter().map(|c| c.m.seconds_per_token).sum();
     let bytes: f64 = cells.iter().map(|c| c.m.expert_verified_bytes_per_token).sum();
+    let seconds = on_path + waiting;
     let rate = if seconds > 0.0 { format!("{:.1} GB/s", bytes / seconds / 1e9) } else { "-".to_owned() };
     format!(
-        "expert checksums (on by default): {:.2}% of s/token (median over the cells; worst {:.2}%), hashed at {rate}",
+        "expert checksums (on by default): {:.2}% of s/token on the compute path (median over the cells; worst \
+         {:.2}%), and {:.2}% hashed while compute waited for reads (over all cells); hashed at {rate}",
         100.0 * median,
-        100.0 * worst
+        100.0 * worst,
+        if all > 0.0 { 100.0 * waiting / all } else { 0.0 }
     )
 }
 

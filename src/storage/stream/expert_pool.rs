@@ -21,11 +21,11 @@ use super::reads::{OpMeta, Priority, SendOp, Ticket};
 use super::{lock, Store};
 use crate::checkpoint::ExpertImage;
 use crate::model::weights::{ExpertBytes, ExpertView, SourceError};
-use crate::storage::pack::experts::expert_checksum;
+use crate::storage::pack::experts::PartialChecksum;
 use crate::storage::stream::arena::FileRange;
 
 /// Where each of an expert's six tensors sits in its slot: (offset, len), in EXPERT_PARTS order.
-type PartPlaces = [(usize, usize); 6];
+pub(super) type PartPlaces = [(usize, usize); 6];
 
 /// A guessed expert: its key and the caller's estimate of the chance that its layer's routing
 /// will choose it.
@@ -70,11 +70,11 @@ pub struct Routed {
 }
 
 pub(super) struct ExpertSlot {
-    slot: Slot,
-    key: Option<ExpertKey>,
-    /// Guards alive over the slot's bytes.
-    users: usize,
-    parts: PartPlaces,
+    pub(super) slot: Slot,
+    pub(super) key: Option<ExpertKey>,
+    /// Guards alive over the slot's bytes (and a check made while waiting for a read).
+    pub(super) users: usize,
+    pub(super) parts: PartPlaces,
     /// Read on a prediction and not used yet.
     speculative: bool,
     /// A guess whose layer has not been routed since it was made, with its chance of use.
@@ -84,18 +84,18 @@ pub(super) struct ExpertSlot {
     window_bytes: u64,
     /// The bytes read have matched the expert's checksum (or checking is off): only then are
     /// they handed out.
-    verified: bool,
+    pub(super) verified: bool,
 }
 
 pub(super) struct ExpertPool {
-    slots: Vec<ExpertSlot>,
-    resident: HashMap<ExpertKey, usize>,
+    pub(super) slots: Vec<ExpertSlot>,
+    pub(super) resident: HashMap<ExpertKey, usize>,
     policy: Box<dyn CachePolicy>,
     /// Experts of the current layer not read yet (no slot was free), in disk order.
     pending: VecDeque<ExpertKey>,
     /// Experts of the current layer not used yet: never evicted by a guess, and by a demand
     /// read only when nothing else is left.
-    protected: HashSet<ExpertKey>,
+    pub(super) protected: HashSet<ExpertKey>,
 }
 
 impl ExpertPool {
@@ -336,22 +336,36 @@ impl Store {
         drop(pool);
         if !verified {
             // Outside the pool lock: the guard count taken above keeps the slot from being
-            // evicted or re-read while its bytes are hashed.
-            if let Err(e) = self.verify_expert(key, filled, &parts) {
-                let mut pool = lock(&self.pool);
+            // evicted or re-read while its bytes are hashed. A check that waits for reads began
+            // is finished here, and its own hold on the slot released.
+            let begun = self.take_waiting_check(slot);
+            let held_by_check = begun.is_some();
+            let checked = self.verify_expert(key, filled, &parts, begun.map(|c| c.sum).unwrap_or_default());
+            let mut pool = lock(&self.pool);
+            if held_by_check {
+                pool.slots[slot].users -= 1;
+            }
+            if let Err(e) = checked {
                 self.drop_damaged(&mut pool, slot, key);
                 return Err(e);
             }
-            lock(&self.pool).slots[slot].verified = true;
+            pool.slots[slot].verified = true;
         }
         Ok(ExpertGuard { store: self, slot, filled, parts })
     }
 
-    /// Checks an expert's bytes in its slot against its checksum in the pack's manifest.
-    fn verify_expert(&self, key: ExpertKey, filled: Filled, parts: &PartPlaces) -> Result<(), SourceError> {
+    /// Checks an expert's bytes in its slot against its checksum in the pack's manifest,
+    /// finishing `begun` (the blocks a wait for a read already hashed).
+    fn verify_expert(
+        &self,
+        key: ExpertKey,
+        filled: Filled,
+        parts: &PartPlaces,
+        begun: PartialChecksum,
+    ) -> Result<(), SourceError> {
         let start = std::time::Instant::now();
         let b = self.arena.bytes(filled);
-        let got = expert_checksum(&parts.map(|(at, len)| &b[at..at + len]));
+        let got = begun.finish(&parts.map(|(at, len)| &b[at..at + len]));
         let seconds = start.elapsed().as_secs_f64();
         let want = self.expert_sums.get(key.0).and_then(|l| l.get(key.1)).copied();
         {
@@ -402,7 +416,7 @@ impl Store {
 
     /// Takes an expert whose bytes failed their checksum out of the pool (its guard count
     /// released), so that nothing uses them.
-    fn drop_damaged(&self, pool: &mut ExpertPool, slot: usize, key: ExpertKey) {
+    pub(super) fn drop_damaged(&self, pool: &mut ExpertPool, slot: usize, key: ExpertKey) {
         let s = &mut pool.slots[slot];
         s.users -= 1;
         if s.users > 0 {

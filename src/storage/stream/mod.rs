@@ -7,6 +7,7 @@
 //! - [`arena`]: the arena and its slots (`Empty -> InFlight -> Filled`); the only unsafe code.
 //! - [`trunk_ring`]: pinned units and the ring of streamed units with its read-ahead.
 //! - [`expert_pool`]: the expert slots, the cache policy's choices, requests and guards.
+//! - [`waiting_checks`]: checking landed experts while the scheduler waits for a read.
 //! - [`embed`]: embedding rows.
 //! - [`reads`]: what the store needs from the I/O stage, which the pipeline provides.
 //! - [`stats`]: the counters of the run report.
@@ -34,6 +35,7 @@ pub mod policy;
 pub mod reads;
 pub mod stats;
 pub mod trunk_ring;
+mod waiting_checks;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -292,6 +294,8 @@ pub struct Store {
     small: Option<Filled>,
     ring: Mutex<TrunkRing>,
     pool: Mutex<ExpertPool>,
+    /// The expert check that waits for reads have left part-way, if any.
+    waiting_check: Mutex<Option<waiting_checks::WaitingCheck>>,
     /// The embedding row buffer.
     embed: Mutex<Slot>,
     stats: Mutex<StreamStats>,
@@ -426,6 +430,7 @@ impl Store {
             small: None,
             ring: Mutex::new(ring),
             pool: Mutex::new(pool),
+            waiting_check: Mutex::new(None),
             embed: Mutex::new(embed),
             stats: Mutex::new(stats),
         };
@@ -483,7 +488,8 @@ impl Store {
         &self.tracer
     }
 
-    /// Waits for a batch, recording the stall as a scheduler "wait" span when it blocks.
+    /// Waits for a batch, recording the stall as a scheduler "wait" span when it blocks, and
+    /// checking landed experts meanwhile ([`waiting_checks`]).
     pub fn wait_io(&self, t: Ticket, layer: Option<usize>) -> Result<(), Arc<IoError>> {
         if self.reads.is_done(t) {
             return self.reads.wait(t);
@@ -492,6 +498,7 @@ impl Store {
         args.layer = layer.map(|l| l as u32);
         let start = self.tracer.now_us();
         let stall = self.tracer.span_args(SpanKind::Wait, args);
+        self.check_while_waiting(t);
         let r = self.reads.wait(t);
         drop(stall);
         if let Some(l) = layer {

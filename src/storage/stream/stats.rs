@@ -31,10 +31,17 @@ pub struct StreamStats {
     pub expert_misses: u64,
     pub expert_evictions: u64,
     /// Experts checked against their checksum after their read, their bytes, and the time the
-    /// checks took (on the thread that first used each).
+    /// checks took on the compute path (the first use of each, which waited for it).
     pub experts_verified: u64,
     pub expert_verified_bytes: u64,
     pub expert_verify_seconds: f64,
+    /// Of those, the experts whose check ended while compute waited for a read; the time spent
+    /// hashing in such waits (not on the compute path: checks left part-way there are finished
+    /// by the first use); and the checks that failed there (the expert left the pool, to be
+    /// read and checked again if used).
+    pub experts_verified_waiting: u64,
+    pub expert_verify_waiting_seconds: f64,
+    pub expert_checks_failed_waiting: u64,
     /// Experts read on a prediction, and their bytes.
     pub spec_reads: u64,
     pub spec_bytes: u64,
