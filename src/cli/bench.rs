@@ -16,29 +16,23 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+mod cells;
 mod draft_cells;
 mod print;
 
 use super::bench_batch::{self, BatchReport, BatchWork};
 use super::bench_host::{self, host_floors, ExpertReads, Host, HostFloors};
-use super::budget::name_budget_flag;
 use super::svg::{line_chart, Series};
 use crate::checkpoint::CheckpointIndex;
 use crate::config::Config;
-use crate::engine::measure::{
-    drop_page_cache, fma_peak, measure_resident, measure_streaming_drafted, triad_bandwidth, warm_page_cache,
-    MeasureSpec, Measurement,
-};
-use crate::engine::measure_batch::BatchMeasurement;
+use crate::engine::measure::{fma_peak, measure_resident, triad_bandwidth, warm_page_cache, MeasureSpec, Measurement};
 use crate::engine::read_tax::ReadTax;
-use crate::engine::StreamingRun;
 use crate::error::UsageError;
 use crate::model::attribution::AttributionTable;
-use crate::pipeline::{IoKind, IoOptions, Mode, PipelineOptions, Speculation};
-use crate::storage::plan::GB;
+use crate::pipeline::IoKind;
 use crate::storage::stream::policy::{DEFAULT_POLICY, POLICY_NAMES};
-use crate::storage::stream::StoreOptions;
 use crate::tokenizer::Tokenizer;
+use cells::{cell_io, measure_cells, CellPlan, CellResult, DeviceRate, RoundResident};
 use clap::builder::PossibleValuesParser;
 use draft_cells::DraftCells;
 use print::print_report;
@@ -115,6 +109,11 @@ pub struct BenchArgs {
     /// directory, one flag per directory in the pack's order (as `run --device-io`).
     #[arg(long = "device-io", value_name = "BACKEND", value_parser = super::parse_io)]
     pub device_io: Vec<String>,
+    /// Measure the resident compute once, before the cells, instead of beside each repeat of
+    /// each budget's cells (faster; every cell's floors then use that one run, whatever the
+    /// host's speed when the cell ran).
+    #[arg(long)]
+    pub resident_once: bool,
     /// Skip the read-tax probe (resident decode with and without a stream of reads beside it);
     /// the host floors are then not computed.
     #[arg(long)]
@@ -151,6 +150,11 @@ struct Cell {
     device_read_rate_during: f64,
     floor_seconds_per_token: f64,
     efficiency: f64,
+    /// The resident compute the floors use: the resident run beside the repeat of this cell's
+    /// median sample, or the one before the cells with `--resident-once`.
+    floor_resident_seconds_per_token: f64,
+    /// Of that run, the part expert reads can overlap without routing prediction.
+    floor_resident_overlappable_seconds_per_token: Option<f64>,
     /// The floor without routing prediction (`None` when the resident run measured no spans): a
     /// layer's expert reads start at its router and must end before its weighted sum, so they
     /// overlap only the shared and routed experts' compute. A bound for the cells that do not
@@ -187,6 +191,9 @@ struct Report {
     /// The FMA peak of the kernels' ISA on the compute threads (`None` for scalar kernels).
     fma_peak_flops_per_second: Option<f64>,
     resident_seconds_per_token: f64,
+    /// The resident runs beside each repeat of each budget's cells (empty with
+    /// `--resident-once`), whose floors use them.
+    resident_by_repeat: Vec<RoundResident>,
     /// The part of the resident compute that expert reads can overlap without routing
     /// prediction: the shared and routed experts, after each router.
     resident_overlappable_seconds_per_token: Option<f64>,
@@ -319,22 +326,21 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         bench_host::device_rate(&probed, io, cfg.expert_bytes() as usize, qd_probe, args.device_reads, seed)
             .context("measuring the device between cells")
     };
-    let plan = CellPlan { modes: &modes, drafts: &drafts, batch: batch.as_ref() };
+    let plan = CellPlan { shards: &files, modes: &modes, drafts: &drafts, batch: batch.as_ref() };
     let measured = measure_cells(args, io, kernels, &spec, &plan, &bar, &mut probe_during)?;
     bar.set_message("device again");
     let device_after = probe_device(1)?;
     bar.finish_and_clear();
     let device: Vec<(u32, f64)> = device_before.iter().zip(&device_after).map(|(a, b)| (a.0, a.1.max(b.1))).collect();
     let cells: Vec<Cell> = measured.cells.into_iter().map(|raw| cell(raw, &resident, tax.as_ref())).collect();
-    let batch_report = match (&batch, resident_batch) {
-        (Some(work), Some(r)) => {
-            let rates: Vec<(f64, f64)> = measured.device_rate_sources.iter().map(|d| (d.budget_gb, d.used)).collect();
-            Some(bench_batch::report(&measured.batch_samples, &rates, r, work, &cfg, tax.as_ref(), (membw, fma_peak)))
-        }
-        _ => None,
-    };
+    let batch_report = batch.as_ref().zip(resident_batch).map(|(work, r)| {
+        let rates: Vec<(f64, f64)> = measured.device_rate_sources.iter().map(|d| (d.budget_gb, d.used)).collect();
+        bench_batch::report(&measured.batch_samples, &rates, r, work, &cfg, tax.as_ref(), (membw, fma_peak))
+    });
     let report = Report {
-        ids_identical: residents_agree && cells.iter().all(|c| same_ids(&c.m, &resident)),
+        ids_identical: residents_agree
+            && measured.round_residents.iter().all(|r| r.m.ids == resident.ids)
+            && cells.iter().all(|c| same_ids(&c.m, &resident)),
         speedups: ratios(args, &cells, "serial"),
         speculation_gains: ratios(args, &cells, "no-spec"),
         drafting: draft_gains(&cells),
@@ -348,6 +354,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         memory_bandwidth_before: membw_before,
         memory_bandwidth_after: membw_after,
         resident_seconds_per_token: resident.seconds_per_token,
+        resident_by_repeat: measured.round_residents,
         resident_overlappable_seconds_per_token: resident.overlappable_seconds_per_token,
         resident_moe_layers: resident.moe_layers,
         fma_peak_flops_per_second: fma_peak,
@@ -503,8 +510,11 @@ fn write_outputs(
     Ok(())
 }
 
-/// One cell's floors and ratios from its median sample and the resident measurement.
-fn cell((budget_gb, mode, m, rate): CellResult, resident: &Measurement, tax: Option<&ReadTax>) -> Cell {
+/// One cell's floors and ratios from its median sample and the resident run beside it (else
+/// `resident`, the one before the cells).
+fn cell(raw: CellResult, resident: &Measurement, tax: Option<&ReadTax>) -> Cell {
+    let CellResult { budget_gb, mode, m, rate, resident: beside } = raw;
+    let resident = beside.as_ref().unwrap_or(resident);
     let device_rate = rate.used;
     let bytes = m.trunk_bytes_per_token + m.expert_bytes_per_token;
     let floor = (bytes / device_rate).max(resident.seconds_per_token);
@@ -521,175 +531,9 @@ fn cell((budget_gb, mode, m, rate): CellResult, resident: &Measurement, tax: Opt
         read_rate_vs_device: m.read_rate_busy / rate.probed,
         device_read_rate_during: device_rate,
         floor_seconds_per_token: floor,
+        floor_resident_seconds_per_token: resident.seconds_per_token,
+        floor_resident_overlappable_seconds_per_token: resident.overlappable_seconds_per_token,
         host: tax.map(|t| host_floors(&m, resident, device_rate, t)),
         m,
     }
-}
-
-/// Budget (GB), mode, and what was measured.
-type CellSample = (f64, String, Measurement);
-
-/// A cell's median sample and its budget's device rate (bytes/s, [`DeviceRate::used`]).
-type CellResult = (f64, String, Measurement, DeviceRate);
-
-/// What [`measure_cells`] measured.
-struct Measured {
-    cells: Vec<CellResult>,
-    /// Every batch cell's every repeat, by budget (the ids check looks at each).
-    batch_samples: Vec<(f64, BatchMeasurement)>,
-    /// Per budget: the device rate its floors and bounds use, and where it came from.
-    device_rate_sources: Vec<DeviceRate>,
-    /// The page cache could be dropped before every run.
-    dropped: bool,
-}
-
-/// One budget's device rate. The probe (random reads of one expert's size at the engine's
-/// queue depth, before each repeat and after the last) is short and this VM's disk moves by 2x
-/// within minutes; a cell's own reads (bytes over the time some read was in flight, sequential
-/// trunk pieces among them) have run at up to 1.9x the probes around them. A floor built on a
-/// rate the engine beat would flatter its efficiency, so the rate used is the better of the
-/// two. The busy rate leans high, if anything (a read in flight when a cell's window opens
-/// counts all its bytes and only its time inside the window), which can only lower the
-/// efficiencies, never raise them.
-#[derive(Clone, Copy, Serialize)]
-struct DeviceRate {
-    budget_gb: f64,
-    /// The best probe around this budget's cells.
-    probed: f64,
-    /// The best busy read rate of this budget's cells (every mode, batch cell and repeat).
-    engine_busy: f64,
-    /// `max(probed, engine_busy)`: what the floors and bounds of this budget divide by.
-    used: f64,
-}
-
-/// Every (budget, mode) cell, `repeats` times with the modes alternating, reduced to the
-/// median sample per cell (slow phases of the VM's disk then hit every mode alike); the batch
-/// cells (`--batch`) run after the modes in each repeat, and are reduced by the caller.
-/// `probe_device` (bytes/s at the engine's queue depth) runs before each repeat of a budget and
-/// after its last; that budget's device rate is the better of those probes and of its cells'
-/// busy read rates ([`DeviceRate`]).
-/// The cells of each budget: the modes (plain, then drafted) and the batch sizes.
-struct CellPlan<'a> {
-    modes: &'a [String],
-    drafts: &'a DraftCells,
-    batch: Option<&'a BatchWork>,
-}
-
-fn measure_cells(
-    args: &BenchArgs,
-    io: IoKind,
-    kernels: kernels::Kernels,
-    spec: &MeasureSpec,
-    plan: &CellPlan<'_>,
-    bar: &ProgressBar,
-    probe_device: &mut dyn FnMut() -> anyhow::Result<f64>,
-) -> anyhow::Result<Measured> {
-    let mut samples: Vec<CellSample> = Vec::new();
-    let mut batch_samples = Vec::new();
-    let mut device_rate_sources = Vec::new();
-    let mut dropped = true;
-    // A modeled device reads from the page cache: dropping it would send its reads to the disk.
-    let drop_caches = !args.no_drop_caches && io.modeled().is_none();
-    let repeats = args.repeats.max(1);
-    for &budget in &args.budgets {
-        let mut best = 0.0f64;
-        for rep in 0..repeats {
-            bar.set_message(format!("{budget} GB: device ({}/{repeats})", rep + 1));
-            best = best.max(probe_device()?);
-            for mode in plan.modes {
-                bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
-                dropped &= drop_caches && drop_page_cache();
-                let draft = plan.drafts.options(mode);
-                let mut run = cell_run(args, io, spec, budget, mode);
-                if let Some(d) = &draft {
-                    run.drafting =
-                        crate::engine::DraftPlan { rows: d.len + 1, sequences: 1, step_rows: 0, optional: false };
-                    run.context += d.len + 1;
-                }
-                let m = measure_streaming_drafted(&args.model, &args.trunk, &run, kernels, spec, draft.as_ref())
-                    .with_context(|| format!("budget {budget} GB, mode {mode}"))
-                    .map_err(|e| name_budget_flag(e, &format!("--budgets {budget}")))?;
-                samples.push((budget, mode.clone(), m));
-                bar.inc(1);
-            }
-            for (work, &b) in plan.batch.iter().flat_map(|w| w.sizes.iter().map(move |b| (*w, b))) {
-                bar.set_message(format!("{budget} GB batch {b} ({}/{repeats})", rep + 1));
-                dropped &= drop_caches && drop_page_cache();
-                let run = cell_run(args, io, spec, budget, bench_batch::BATCH_MODE);
-                let m = bench_batch::measure_cell(args, kernels, work, run, b)
-                    .with_context(|| format!("budget {budget} GB, batch {b}"))
-                    .map_err(|e| name_budget_flag(e, &format!("--budgets {budget}")))?;
-                batch_samples.push((budget, m));
-                bar.inc(1);
-            }
-        }
-        bar.set_message(format!("{budget} GB: device after"));
-        best = best.max(probe_device()?);
-        let engine_busy = samples
-            .iter()
-            .filter(|s| s.0 == budget)
-            .map(|s| s.2.read_rate_busy)
-            .chain(batch_samples.iter().filter(|s| s.0 == budget).map(|s| s.1.read_rate_busy))
-            .fold(0.0f64, f64::max);
-        let used = best.max(engine_busy);
-        device_rate_sources.push(DeviceRate { budget_gb: budget, probed: best, engine_busy, used });
-    }
-    let mut cells = Vec::new();
-    for &rate in &device_rate_sources {
-        let budget = rate.budget_gb;
-        for mode in plan.modes {
-            let mut runs: Vec<Measurement> =
-                samples.iter().filter(|s| s.0 == budget && &s.1 == mode).map(|s| s.2.clone()).collect();
-            runs.sort_by(|a, b| a.seconds_per_token.total_cmp(&b.seconds_per_token));
-            if let Some(m) = runs.get(runs.len() / 2).cloned() {
-                cells.push((budget, mode.clone(), m, rate));
-            }
-        }
-    }
-    Ok(Measured { cells, batch_samples, device_rate_sources, dropped })
-}
-
-/// The streaming run of one cell: serial is the C engine's order (no read-ahead, no overlap of
-/// a layer's reads with its compute); no-spec pipelines without prediction; pipelined is the
-/// default (adaptive prediction); fixed-spec reads every prediction.
-fn cell_run(args: &BenchArgs, io: IoKind, spec: &MeasureSpec, budget: f64, mode: &str) -> StreamingRun {
-    let serial = mode == "serial";
-    let speculation = match mode {
-        "pipelined" => Speculation::default(),
-        // The drafted cells run the default pipeline.
-        m if m.starts_with("draft-") => Speculation::default(),
-        "fixed-spec" => Speculation { adaptive: false, ..Speculation::default() },
-        _ => Speculation::OFF,
-    };
-    StreamingRun {
-        drafting: Default::default(),
-        budget_bytes: (budget * GB) as u64,
-        sequences: 1,
-        context: spec.prompt.len() + spec.warmup + spec.tokens + 1,
-        chunk: spec.prefill_chunk,
-        threads: args.threads,
-        store: StoreOptions {
-            readahead: 1,
-            verify_experts: !args.no_verify_experts,
-            policy: args.policy.clone(),
-            ..StoreOptions::default()
-        },
-        pipeline: PipelineOptions {
-            io: cell_io(args, io),
-            mode: if serial { Mode::Serial } else { Mode::Pipelined },
-            speculation,
-        },
-        prefetch_window: None,
-        placement: None,
-        trace_detail: false,
-        trunk_share: None,
-        available_memory: None,
-    }
-}
-
-/// The backend and queue depth of every cell (and of the read-tax stream).
-fn cell_io(args: &BenchArgs, io: IoKind) -> IoOptions {
-    // Checked at the start of the run (`check_device_io`).
-    let device_kinds = super::device_kinds(io, &args.device_io).unwrap_or_default();
-    IoOptions { kind: io, queue_depth: args.queue_depth, device_kinds, ..IoOptions::default() }
 }

@@ -269,6 +269,27 @@ pub(crate) fn bench_on_tiny(defaults: &[(&str, &str)], args: &[&str]) -> (i32, S
     (code, out, err, v)
 }
 
+/// `bench --resident-once` measures the resident compute once, before the cells, and every
+/// cell's floors use it; by default each repeat has its own, beside its cells.
+#[test]
+fn bench_resident_once_measures_no_resident_run_beside_the_cells() {
+    let (code, out, err, v) = bench_tiny(&["--modes", "no-spec", "--resident-once", "--no-read-tax"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("resident compute beside the cells: not measured (--resident-once)"), "{out}");
+    assert_eq!(v["resident_by_repeat"].as_array().map(Vec::len), Some(0), "{v}");
+    let resident = v["resident_seconds_per_token"].as_f64().unwrap();
+    for c in v["cells"].as_array().unwrap() {
+        assert_eq!(c["floor_resident_seconds_per_token"].as_f64(), Some(resident), "{c}");
+    }
+    let (code, _, err, v) = bench_tiny(&["--modes", "no-spec", "--repeats", "2", "--no-read-tax"]);
+    assert_eq!(code, 0, "{err}");
+    let beside: Vec<f64> =
+        v["resident_by_repeat"].as_array().unwrap().iter().map(|r| r["seconds_per_token"].as_f64().unwrap()).collect();
+    assert_eq!(beside.len(), 2, "{v}");
+    assert!(beside.contains(&v["cells"][0]["floor_resident_seconds_per_token"].as_f64().unwrap()), "{v}");
+    assert_eq!(v["ids_identical"], true, "{v}");
+}
+
 /// `bench --no-verify-experts` reads experts without checking them, as `run` does with the
 /// flag, so that the check's cost shows; its cells still match the resident ids.
 #[test]
@@ -381,9 +402,9 @@ fn assert_read_tax_measured(v: &serde_json::Value, out: &str, pairs: usize) {
     let per_gb = tax["seconds_per_gb"].as_f64().unwrap();
     assert!(tax["tau_min"].as_f64().unwrap() <= tax["tau"].as_f64().unwrap(), "{tax}");
     assert!(tax["tau"].as_f64().unwrap() <= tax["tau_max"].as_f64().unwrap(), "{tax}");
-    let resident = v["resident_seconds_per_token"].as_f64().unwrap();
     for c in v["cells"].as_array().unwrap() {
         let get = |k: &str| c[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {c}"));
+        let resident = get("floor_resident_seconds_per_token");
         let bytes = get("trunk_bytes_per_token") + get("expert_bytes_per_token");
         let charged = per_gb.max(0.0) * bytes / 1e9;
         let floor_h = (bytes / get("device_read_rate_during")).max(resident + charged);

@@ -361,6 +361,22 @@ fn tune_sweeps_reports_and_recommends_with_identical_ids() {
     assert_eq!(plot.matches("<polyline").count(), 2, "one line per split");
 }
 
+/// The resident compute a bench cell's floors use: the run beside one of its budget's
+/// `repeats` repeats.
+fn floor_resident(v: &serde_json::Value, c: &serde_json::Value, repeats: usize) -> f64 {
+    let resident = c["floor_resident_seconds_per_token"].as_f64().unwrap();
+    let beside: Vec<f64> = v["resident_by_repeat"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["budget_gb"] == c["budget_gb"])
+        .map(|r| r["seconds_per_token"].as_f64().unwrap())
+        .collect();
+    assert_eq!(beside.len(), repeats, "one resident run per repeat: {v}");
+    assert!(beside.contains(&resident), "{c}");
+    resident
+}
+
 #[test]
 fn bench_reports_every_cell_with_identical_ids() {
     let trunk = pack(&tiny_dir());
@@ -411,11 +427,11 @@ fn bench_reports_every_cell_with_identical_ids() {
         let rate = c["device_read_rate_during"].as_f64().unwrap();
         assert!(rate > 0.0, "{c}");
         let floor = c["floor_seconds_per_token"].as_f64().unwrap();
-        let resident = v["resident_seconds_per_token"].as_f64().unwrap();
+        let resident = floor_resident(&v, c, 3);
         assert!((floor - (bytes / rate).max(resident)).abs() <= 1e-12 * floor.max(1.0), "{c}");
         // Without prediction, expert reads overlap only the experts' compute (a bound for the
         // cells that do not predict; given for every cell, so the predicting ones compare).
-        let overlappable = v["resident_overlappable_seconds_per_token"].as_f64().unwrap();
+        let overlappable = c["floor_resident_overlappable_seconds_per_token"].as_f64().unwrap();
         assert!(overlappable > 0.0 && overlappable < resident, "{v}");
         // Each layer's reads overlap only that layer's share of it: per measured step and
         // layer, max(share, the layer's expert bytes / rate).
@@ -465,6 +481,7 @@ fn bench_reports_every_cell_with_identical_ids() {
     assert_eq!(triad("memory_bandwidth"), triad("memory_bandwidth_before").max(triad("memory_bandwidth_after")));
     assert!(out.contains("pipelined is") && out.contains("x no-spec"), "{out}");
     assert!(v.get("batch").is_none() && !out.contains("batch cells"), "no batch cells without --batch");
+    assert!(out.contains("resident compute beside each repeat of the cells (s/token; "), "{out}");
 }
 
 /// A pipelined or batch cell whose window opens before adaptive speculation's first trial

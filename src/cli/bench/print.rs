@@ -33,6 +33,36 @@ fn verify_cost_line(cells: &[Cell]) -> String {
     )
 }
 
+/// The resident runs beside each repeat, by budget, and how far they spread.
+fn print_residents_by_repeat(r: &Report) {
+    if r.resident_by_repeat.is_empty() {
+        println!("resident compute beside the cells: not measured (--resident-once): every floor uses the run above");
+        return;
+    }
+    let mut budgets: Vec<f64> = r.resident_by_repeat.iter().map(|x| x.budget_gb).collect();
+    budgets.dedup();
+    let per_budget: Vec<String> = budgets
+        .iter()
+        .map(|b| {
+            let runs: Vec<String> = r
+                .resident_by_repeat
+                .iter()
+                .filter(|x| x.budget_gb == *b)
+                .map(|x| format!("{:.3}", x.seconds_per_token))
+                .collect();
+            format!("{b} GB {}", runs.join(", "))
+        })
+        .collect();
+    let all = r.resident_by_repeat.iter().map(|x| x.seconds_per_token);
+    let (lo, hi) = all.fold((f64::INFINITY, 0.0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    println!(
+        "resident compute beside each repeat of the cells (s/token; each cell's floors use the run of its median \
+         sample's repeat): {}; spread {:.0}%",
+        per_budget.join("; "),
+        if lo > 0.0 { 100.0 * (hi / lo - 1.0) } else { 0.0 }
+    );
+}
+
 pub(super) fn print_report(r: &Report, cfg: &Config, args: &BenchArgs) {
     bench_host::print_host(&r.host, r.read_tax.as_ref());
     print_conditions(r, cfg, args);
@@ -105,6 +135,7 @@ fn print_conditions(r: &Report, cfg: &Config, args: &BenchArgs) {
         ),
         None => println!("resident compute: {:.3} s/token", r.resident_seconds_per_token),
     }
+    print_residents_by_repeat(r);
     if let Some(table) = &r.resident_attribution {
         println!(
             "resident decode by operation class (GB/s, GFLOP/s: weight bytes and flops over the class's time; triad, \
