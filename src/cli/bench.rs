@@ -276,8 +276,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         if args.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { args.threads };
     let mut drafts = DraftCells::new(args.draft_len, args.draft_ngram, &args.draft_accept, args.draft_adaptive)?;
     let modes: Vec<String> = args.modes.iter().cloned().chain(drafts.modes()).collect();
-    let cells_total = args.budgets.len() * (modes.len() + args.batch.len()) * args.repeats.max(1);
-    let bar = progress_bar(cells_total + 4 + usize::from(batch.is_some()));
+    let bar = progress_bar(args, modes.len(), batch.is_some());
     let io = bench_io(&args.io, &args.device_io)?;
     let host = Host::detect(kernels, io);
 
@@ -409,7 +408,12 @@ fn bench_io(io: &str, device_io: &[String]) -> Result<IoKind, UsageError> {
     Ok(kind)
 }
 
-fn progress_bar(steps: usize) -> ProgressBar {
+/// The bar over every cell of every repeat (`modes` of them per budget and repeat, the batch
+/// sizes and the resident run beside them), the four measurements before them, and the resident
+/// batch steps if `batch`.
+fn progress_bar(args: &BenchArgs, modes: usize, batch: bool) -> ProgressBar {
+    let per_repeat = modes + args.batch.len() + usize::from(!args.resident_once);
+    let steps = args.budgets.len() * per_repeat * args.repeats.max(1) + 4 + usize::from(batch);
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} {msg}")

@@ -114,22 +114,21 @@ pub(super) fn measure_cells(
     for &budget in &args.budgets {
         let mut best = 0.0f64;
         for rep in 0..repeats {
-            bar.set_message(format!("{budget} GB: device ({}/{repeats})", rep + 1));
-            best = best.max(probe_device()?);
             if !args.resident_once {
                 bar.set_message(format!("{budget} GB: resident compute ({}/{repeats})", rep + 1));
                 if drop_caches {
                     // The resident run maps the shards: read them in, or it would time the disk.
                     warm_page_cache(plan.shards).context("reading the model into the page cache")?;
                 }
-                let m = measure_resident(&args.model, kernels, args.threads, spec)?;
-                round_residents.push(RoundResident {
-                    budget_gb: budget,
-                    repeat: rep,
-                    seconds_per_token: m.seconds_per_token,
-                    m,
-                });
+                let m = measure_resident(&args.model, kernels, args.threads, spec)
+                    .with_context(|| format!("budget {budget} GB, the resident run beside repeat {}", rep + 1))?;
+                let seconds_per_token = m.seconds_per_token;
+                round_residents.push(RoundResident { budget_gb: budget, repeat: rep, seconds_per_token, m });
+                bar.inc(1);
             }
+            // The probe comes after the resident run, right before the cells it is for.
+            bar.set_message(format!("{budget} GB: device ({}/{repeats})", rep + 1));
+            best = best.max(probe_device()?);
             for mode in plan.modes {
                 bar.set_message(format!("{budget} GB {mode} ({}/{repeats})", rep + 1));
                 dropped &= drop_caches && drop_page_cache();
@@ -168,10 +167,22 @@ pub(super) fn measure_cells(
         let used = best.max(engine_busy);
         device_rate_sources.push(DeviceRate { budget_gb: budget, probed: best, engine_busy, used });
     }
+    let cells = median_cells(&samples, &round_residents, &device_rate_sources, plan.modes);
+    Ok(Measured { cells, batch_samples, device_rate_sources, round_residents, dropped })
+}
+
+/// Per budget and mode, the median sample (by s/token) with the resident run of its own
+/// repeat of that budget, if any.
+fn median_cells(
+    samples: &[CellSample],
+    round_residents: &[RoundResident],
+    rates: &[DeviceRate],
+    modes: &[String],
+) -> Vec<CellResult> {
     let mut cells = Vec::new();
-    for &rate in &device_rate_sources {
+    for &rate in rates {
         let budget = rate.budget_gb;
-        for mode in plan.modes {
+        for mode in modes {
             let mut runs: Vec<&CellSample> = samples.iter().filter(|s| s.0 == budget && &s.1 == mode).collect();
             runs.sort_by(|a, b| a.3.seconds_per_token.total_cmp(&b.3.seconds_per_token));
             if let Some(&(_, _, rep, ref m)) = runs.get(runs.len() / 2).copied() {
@@ -181,7 +192,7 @@ pub(super) fn measure_cells(
             }
         }
     }
-    Ok(Measured { cells, batch_samples, device_rate_sources, round_residents, dropped })
+    cells
 }
 
 /// The streaming run of one cell: serial is the C engine's order (no read-ahead, no overlap of
@@ -227,4 +238,60 @@ pub(super) fn cell_io(args: &BenchArgs, io: IoKind) -> IoOptions {
     // Checked at the start of the run (`check_device_io`).
     let device_kinds = crate::cli::device_kinds(io, &args.device_io).unwrap_or_default();
     IoOptions { kind: io, queue_depth: args.queue_depth, device_kinds, ..IoOptions::default() }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn run(seconds_per_token: f64) -> Measurement {
+        Measurement { seconds_per_token, ..Measurement::default() }
+    }
+
+    #[test]
+    fn a_cell_is_its_median_sample_beside_the_resident_run_of_that_samples_repeat() {
+        let modes = vec!["no-spec".to_owned(), "pipelined".to_owned()];
+        let rate = |budget_gb| DeviceRate { budget_gb, probed: 1.0, engine_busy: 1.0, used: 1.0 };
+        // Two budgets, three repeats; the resident runs differ per budget and repeat.
+        let mut samples = Vec::new();
+        let mut residents = Vec::new();
+        for (budget, base) in [(6.0, 1.0), (9.0, 2.0)] {
+            for rep in 0..3 {
+                let r = run(base / 8.0 + rep as f64 / 64.0);
+                residents.push(RoundResident {
+                    budget_gb: budget,
+                    repeat: rep,
+                    seconds_per_token: r.seconds_per_token,
+                    m: r,
+                });
+            }
+            // no-spec: the median (second fastest) ran in repeat 2; pipelined: in repeat 0.
+            for (rep, spt) in [(0, 3.0), (1, 1.0), (2, 2.0)] {
+                samples.push((budget, "no-spec".to_owned(), rep, run(base + spt)));
+            }
+            for (rep, spt) in [(0, 2.5), (1, 9.0), (2, 0.5)] {
+                samples.push((budget, "pipelined".to_owned(), rep, run(base + spt)));
+            }
+        }
+        let cells = median_cells(&samples, &residents, &[rate(6.0), rate(9.0)], &modes);
+        let got: Vec<(f64, &str, f64, f64)> = cells
+            .iter()
+            .map(|c| {
+                (c.budget_gb, c.mode.as_str(), c.m.seconds_per_token, c.resident.as_ref().unwrap().seconds_per_token)
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (6.0, "no-spec", 3.0, 0.15625),
+                (6.0, "pipelined", 3.5, 0.125),
+                (9.0, "no-spec", 4.0, 0.28125),
+                (9.0, "pipelined", 4.5, 0.25),
+            ]
+        );
+        // Without resident runs beside the repeats (--resident-once), none is attached.
+        let cells = median_cells(&samples, &[], &[rate(6.0)], &modes);
+        assert!(cells.iter().all(|c| c.resident.is_none()) && cells.len() == 2);
+    }
 }

@@ -7,7 +7,8 @@ use crate::config::Config;
 
 /// The cost of checking experts against their checksums (on by default): the check's time on
 /// the compute path over s/token, the median and the worst over the cells; the share hashed
-/// inside waits for reads (which costs compute nothing); and the rate at which it hashed.
+/// inside waits for reads (time the cores would otherwise idle, but for a step past a read's
+/// end); and the rate at which it hashed.
 fn verify_cost_line(cells: &[Cell]) -> String {
     let mut ratios: Vec<f64> = cells
         .iter()

@@ -21,7 +21,6 @@ use super::reads::{OpMeta, Priority, SendOp, Ticket};
 use super::{lock, Store};
 use crate::checkpoint::ExpertImage;
 use crate::model::weights::{ExpertBytes, ExpertView, SourceError};
-use crate::storage::pack::experts::PartialChecksum;
 use crate::storage::stream::arena::FileRange;
 
 /// Where each of an expert's six tensors sits in its slot: (offset, len), in EXPERT_PARTS order.
@@ -76,11 +75,11 @@ pub(super) struct ExpertSlot {
     pub(super) users: usize,
     pub(super) parts: PartPlaces,
     /// Read on a prediction and not used yet.
-    speculative: bool,
+    pub(super) speculative: bool,
     /// A guess whose layer has not been routed since it was made, with its chance of use.
     pending_guess: Option<f32>,
     /// Tensor bytes of the expert held, and of its read windows.
-    bytes: u64,
+    pub(super) bytes: u64,
     window_bytes: u64,
     /// The bytes read have matched the expert's checksum (or checking is off): only then are
     /// they handed out.
@@ -90,12 +89,15 @@ pub(super) struct ExpertSlot {
 pub(super) struct ExpertPool {
     pub(super) slots: Vec<ExpertSlot>,
     pub(super) resident: HashMap<ExpertKey, usize>,
-    policy: Box<dyn CachePolicy>,
+    pub(super) policy: Box<dyn CachePolicy>,
     /// Experts of the current layer not read yet (no slot was free), in disk order.
     pending: VecDeque<ExpertKey>,
     /// Experts of the current layer not used yet: never evicted by a guess, and by a demand
     /// read only when nothing else is left.
     pub(super) protected: HashSet<ExpertKey>,
+    /// Experts whose last read failed its checksum: read again once; a second failure in a row
+    /// stops the run.
+    pub(super) damaged: HashSet<ExpertKey>,
 }
 
 impl ExpertPool {
@@ -120,6 +122,7 @@ impl ExpertPool {
             policy,
             pending: VecDeque::with_capacity(n),
             protected: HashSet::with_capacity(n),
+            damaged: HashSet::new(),
         }
     }
 
@@ -146,6 +149,13 @@ pub struct ExpertGuard<'a> {
     slot: usize,
     filled: Filled,
     parts: PartPlaces,
+}
+
+/// What one attempt to make an expert resident gave.
+enum Fetch<'a> {
+    Ready(ExpertGuard<'a>),
+    /// Its bytes failed their checksum (the expert has left the pool).
+    Damaged(SourceError),
 }
 
 impl ExpertView for ExpertGuard<'_> {
@@ -293,8 +303,24 @@ impl Store {
         read
     }
 
-    /// Makes one routed expert resident and returns its bytes.
+    /// Makes one routed expert resident and returns its bytes, checked against its checksum.
+    /// Bytes that fail it are read once more ([`Store::note_damaged_read`]): a damaged transfer
+    /// heals, damaged bytes on the device fail the run (exit 3) naming the file. Two failed
+    /// reads in a row (the first may be a wait's check) stop it.
     pub fn expert(&self, layer: usize, expert: usize) -> Result<ExpertGuard<'_>, SourceError> {
+        match self.fetch_expert(layer, expert)? {
+            Fetch::Ready(guard) => Ok(guard),
+            Fetch::Damaged(e) if !self.note_damaged_read((layer, expert)) => Err(e),
+            Fetch::Damaged(_) => match self.fetch_expert(layer, expert)? {
+                Fetch::Ready(guard) => Ok(guard),
+                Fetch::Damaged(e) => Err(e),
+            },
+        }
+    }
+
+    /// One attempt of [`Store::expert`]: its bytes, or the checksum mismatch that took them out
+    /// of the pool.
+    fn fetch_expert(&self, layer: usize, expert: usize) -> Result<Fetch<'_>, SourceError> {
         let key = (layer, expert);
         let (slot, ticket) = {
             let mut pool = self.make_resident(key)?;
@@ -347,90 +373,12 @@ impl Store {
             }
             if let Err(e) = checked {
                 self.drop_damaged(&mut pool, slot, key);
-                return Err(e);
+                return Ok(Fetch::Damaged(e));
             }
             pool.slots[slot].verified = true;
+            pool.damaged.remove(&key);
         }
-        Ok(ExpertGuard { store: self, slot, filled, parts })
-    }
-
-    /// Checks an expert's bytes in its slot against its checksum in the pack's manifest,
-    /// finishing `begun` (the blocks a wait for a read already hashed).
-    fn verify_expert(
-        &self,
-        key: ExpertKey,
-        filled: Filled,
-        parts: &PartPlaces,
-        begun: PartialChecksum,
-    ) -> Result<(), SourceError> {
-        let start = std::time::Instant::now();
-        let b = self.arena.bytes(filled);
-        let got = begun.finish(&parts.map(|(at, len)| &b[at..at + len]));
-        let seconds = start.elapsed().as_secs_f64();
-        let want = self.expert_sums.get(key.0).and_then(|l| l.get(key.1)).copied();
-        {
-            let mut stats = lock(&self.stats);
-            stats.experts_verified += 1;
-            stats.expert_verified_bytes += parts.iter().map(|p| p.1 as u64).sum::<u64>();
-            stats.expert_verify_seconds += seconds;
-        }
-        if want == Some(got) {
-            return Ok(());
-        }
-        let want = want.map_or_else(|| "none".to_owned(), |w| format!("{w:016x}"));
-        if let Some(pieces) = self.placed.get(key) {
-            let places: Vec<String> = pieces
-                .iter()
-                .map(|p| {
-                    let file = self.placed.path(p).map_or_else(String::new, |f| f.display().to_string());
-                    format!("{file} at offset {}", p.offset)
-                })
-                .collect();
-            return Err(SourceError::Corrupt {
-                what: format!("layer {} expert {} in {}", key.0, key.1, places.join(", ")),
-                message: format!(
-                    "fails its checksum (manifest {want}, read {got:016x}): the expert file changed since \
-                     `k3ring pack` or the read returned damaged bytes; if it persists, run `{}` to rewrite it",
-                    self.placed.rewrite_command()
-                ),
-            });
-        }
-        let r = self.index.experts.get(key.0, key.1);
-        let mut files: Vec<String> = r
-            .map(|r| {
-                r.parts
-                    .iter()
-                    .map(|&id| self.index.shards[self.index.tensors[id].shard].path.display().to_string())
-                    .collect()
-            })
-            .unwrap_or_default();
-        files.dedup();
-        Err(SourceError::Corrupt {
-            what: format!("layer {} expert {} in {}", key.0, key.1, files.join(", ")),
-            message: format!(
-                "fails its checksum (manifest {want}, read {got:016x}): the shard changed since `k3ring pack` or the \
-                 read returned damaged bytes; `k3ring pack --verify` checks every expert"
-            ),
-        })
-    }
-
-    /// Takes an expert whose bytes failed their checksum out of the pool (its guard count
-    /// released), so that nothing uses them.
-    pub(super) fn drop_damaged(&self, pool: &mut ExpertPool, slot: usize, key: ExpertKey) {
-        let s = &mut pool.slots[slot];
-        s.users -= 1;
-        if s.users > 0 {
-            // Another caller holds the slot: it stays unverified, so its next use checks again.
-            return;
-        }
-        if s.slot.ticket().is_none() {
-            s.slot.clear();
-        }
-        s.key = None;
-        s.verified = false;
-        if pool.resident.remove(&key).is_some() {
-            pool.policy.on_evict(key);
-        }
+        Ok(Fetch::Ready(ExpertGuard { store: self, slot, filled, parts }))
     }
 
     /// Whether `key` is resident or being read.
@@ -548,7 +496,11 @@ impl Store {
     /// Starts demand reads for as many pending experts as there are evictable slots, in one
     /// batch. Only `take_protected` may evict an expert the layer has yet to use (for the first
     /// read of the batch).
-    fn issue_pending(&self, pool: &mut ExpertPool, take_protected: bool) -> Result<Vec<Ticket>, SourceError> {
+    pub(super) fn issue_pending(
+        &self,
+        pool: &mut ExpertPool,
+        take_protected: bool,
+    ) -> Result<Vec<Ticket>, SourceError> {
         let mut groups: Vec<(Ticket, Vec<SendOp>)> = Vec::new();
         // Each expert gets its own ticket, reserved as its slot is chosen, so a slot taken for
         // one expert of this batch never looks evictable to the next. Whatever happens below,
@@ -596,6 +548,11 @@ impl Store {
             self.issue_pending(&mut pool, true)?;
             if pool.resident.contains_key(&key) {
                 return Ok(pool);
+            }
+            // A check made while waiting holds the slot it hashes: let it go, so that slot
+            // can be evicted (its expert is checked again when used).
+            if self.release_waiting_check(&mut pool) {
+                continue;
             }
             // Every slot is held or still being read: wait for a read to land. If none is in
             // flight any more, one landed since the victim search: search again.

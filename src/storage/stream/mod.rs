@@ -7,7 +7,7 @@
 //! - [`arena`]: the arena and its slots (`Empty -> InFlight -> Filled`); the only unsafe code.
 //! - [`trunk_ring`]: pinned units and the ring of streamed units with its read-ahead.
 //! - [`expert_pool`]: the expert slots, the cache policy's choices, requests and guards.
-//! - [`waiting_checks`]: checking landed experts while the scheduler waits for a read.
+//! - [`expert_checks`]: experts' checksums, checked on first use or while the scheduler waits.
 //! - [`embed`]: embedding rows.
 //! - [`reads`]: what the store needs from the I/O stage, which the pipeline provides.
 //! - [`stats`]: the counters of the run report.
@@ -21,13 +21,15 @@
 //!
 //! Errors: a failed read fails the run naming file and offset, with the read layer's exit code
 //! (4 for an I/O failure, 3 for a file shorter than its index, 1 for a read built wrongly); a
-//! unit or an expert whose checksum does not match fails it with exit 3 (experts are checked
-//! after their read lands and before any guard hands their bytes out). No read failure ever drops
-//! an expert from a sum.
+//! unit whose checksum does not match fails it with exit 3; an expert's bytes that do not match
+//! are read once more, and fail it with exit 3 if they still do not (experts are checked after
+//! their read lands and before any guard hands their bytes out). No read failure ever drops an
+//! expert from a sum.
 
 pub mod arena;
 pub mod cache_sim;
 pub mod embed;
+mod expert_checks;
 pub mod expert_pool;
 pub mod layout;
 pub mod pieces;
@@ -35,7 +37,6 @@ pub mod policy;
 pub mod reads;
 pub mod stats;
 pub mod trunk_ring;
-mod waiting_checks;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -295,7 +296,7 @@ pub struct Store {
     ring: Mutex<TrunkRing>,
     pool: Mutex<ExpertPool>,
     /// The expert check that waits for reads have left part-way, if any.
-    waiting_check: Mutex<Option<waiting_checks::WaitingCheck>>,
+    waiting_check: Mutex<Option<expert_checks::WaitingCheck>>,
     /// The embedding row buffer.
     embed: Mutex<Slot>,
     stats: Mutex<StreamStats>,
@@ -489,7 +490,7 @@ impl Store {
     }
 
     /// Waits for a batch, recording the stall as a scheduler "wait" span when it blocks, and
-    /// checking landed experts meanwhile ([`waiting_checks`]).
+    /// checking landed experts meanwhile ([`expert_checks`]).
     pub fn wait_io(&self, t: Ticket, layer: Option<usize>) -> Result<(), Arc<IoError>> {
         if self.reads.is_done(t) {
             return self.reads.wait(t);

@@ -35,13 +35,14 @@ pub struct StreamStats {
     pub experts_verified: u64,
     pub expert_verified_bytes: u64,
     pub expert_verify_seconds: f64,
-    /// Of those, the experts whose check ended while compute waited for a read; the time spent
-    /// hashing in such waits (not on the compute path: checks left part-way there are finished
-    /// by the first use); and the checks that failed there (the expert left the pool, to be
-    /// read and checked again if used).
+    /// Of those, the experts whose check ended while compute waited for a read, and the time
+    /// spent hashing in such waits (not on the compute path: checks left part-way there are
+    /// finished by the first use).
     pub experts_verified_waiting: u64,
     pub expert_verify_waiting_seconds: f64,
-    pub expert_checks_failed_waiting: u64,
+    /// Expert reads whose bytes failed their checksum (in a wait or on first use) and were read
+    /// again; a second failure in a row stops the run.
+    pub expert_reads_damaged: u64,
     /// Experts read on a prediction, and their bytes.
     pub spec_reads: u64,
     pub spec_bytes: u64,

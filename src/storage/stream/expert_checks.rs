@@ -1,23 +1,28 @@
-//! Expert checks while compute waits: when the scheduler must wait for a read, it hashes
-//! experts whose reads have landed but whose checksums are not checked yet, a step of one block
-//! per compute thread at a time, until the read it waits for is done. A check left part-way is
-//! kept and finished by the next wait or by the expert's first use ([`Store::take_waiting_check`]),
-//! so the hashing that first use would have done on the compute path is done in time the cores
-//! would otherwise idle.
+//! Expert checksum checks. Every expert read is checked before a guard hands its bytes out
+//! (unless `--no-verify-experts`): on its first use ([`Store::verify_expert`]), or earlier,
+//! while the scheduler waits for some read: it then hashes experts whose reads have landed but
+//! are not checked yet (the current layer's first), a step of one block per compute thread at a
+//! time, until the read it waits for is done. A check left part-way is kept and finished by the
+//! next wait or by the expert's first use ([`Store::take_waiting_check`]). Hashing in a wait
+//! costs the cores what the wait leaves idle, plus at most one step past the read's end.
 //!
-//! Nothing unchecked is ever handed out: a guard still requires the expert's `verified` flag,
-//! which only a finished, matching check sets. An expert that fails a check made while waiting
-//! leaves the pool (read again, and checked again, if a layer needs it; a second failure then
-//! fails the run on the compute path, naming the file).
+//! Nothing unchecked is ever handed out: a guard requires the expert's `verified` flag, which
+//! only a finished, matching check sets. Bytes that fail their check, in a wait or on first use,
+//! leave the pool and are read once more ([`Store::note_damaged_read`]; a warning says so):
+//! a damaged transfer heals, and a second failure in a row fails the run (exit 3) naming the
+//! file.
 //!
 //! Threads: the scheduler thread. The check in progress holds a guard count on its slot, so the
-//! slot is neither evicted nor read into until the check ends.
+//! slot is neither evicted nor read into until the check ends or
+//! [`Store::release_waiting_check`] lets it go. Locks: `waiting_check`, then `pool`, then
+//! `stats` (`release_waiting_check`, called under `pool`, only tries its lock).
 
 use super::arena::Filled;
-use super::expert_pool::PartPlaces;
+use super::expert_pool::{ExpertPool, PartPlaces};
 use super::policy::ExpertKey;
 use super::reads::Ticket;
 use super::{lock, Store};
+use crate::model::weights::SourceError;
 use crate::storage::pack::experts::PartialChecksum;
 
 /// A check in progress.
@@ -117,22 +122,126 @@ impl Store {
             stats.experts_verified_waiting += 1;
             stats.expert_verified_bytes += bytes;
         }
+        if want != Some(got) {
+            self.note_damaged_read(check.key);
+        }
         let mut pool = lock(&self.pool);
         if want == Some(got) {
+            pool.damaged.remove(&check.key);
             let s = &mut pool.slots[check.slot];
             s.users -= 1;
             if s.key == Some(check.key) {
                 s.verified = true;
             }
+        } else {
+            self.drop_damaged(&mut pool, check.slot, check.key);
+        }
+        // The slot may now be evictable: start reads still waiting for one (as a guard's drop).
+        let _ = self.issue_pending(&mut pool, false);
+    }
+
+    /// Records that an expert's bytes failed their checksum; returns whether they may be read
+    /// again (its previous read did not fail too), and says so.
+    pub(super) fn note_damaged_read(&self, key: ExpertKey) -> bool {
+        if !lock(&self.pool).damaged.insert(key) {
+            return false;
+        }
+        tracing::warn!("layer {} expert {}: the bytes read failed their checksum; reading them again", key.0, key.1);
+        lock(&self.stats).expert_reads_damaged += 1;
+        true
+    }
+
+    /// Ends the check in progress without finishing it, releasing its hold on its slot (called
+    /// under the pool lock, when a read needs a slot and none is evictable). Returns whether
+    /// there was one.
+    pub(super) fn release_waiting_check(&self, pool: &mut ExpertPool) -> bool {
+        // The pool lock is held: only try the check's lock, taken before the pool's elsewhere.
+        let Ok(mut current) = self.waiting_check.try_lock() else { return false };
+        let Some(check) = current.take() else { return false };
+        pool.slots[check.slot].users -= 1;
+        true
+    }
+
+    /// Checks an expert's bytes in its slot against its checksum in the pack's manifest,
+    /// finishing `begun` (the blocks a wait for a read already hashed).
+    pub(super) fn verify_expert(
+        &self,
+        key: ExpertKey,
+        filled: Filled,
+        parts: &PartPlaces,
+        begun: PartialChecksum,
+    ) -> Result<(), SourceError> {
+        let start = std::time::Instant::now();
+        let b = self.arena.bytes(filled);
+        let got = begun.finish(&parts.map(|(at, len)| &b[at..at + len]));
+        let seconds = start.elapsed().as_secs_f64();
+        let want = self.expert_sums.get(key.0).and_then(|l| l.get(key.1)).copied();
+        {
+            let mut stats = lock(&self.stats);
+            stats.experts_verified += 1;
+            stats.expert_verified_bytes += parts.iter().map(|p| p.1 as u64).sum::<u64>();
+            stats.expert_verify_seconds += seconds;
+        }
+        if want == Some(got) {
+            return Ok(());
+        }
+        let want = want.map_or_else(|| "none".to_owned(), |w| format!("{w:016x}"));
+        if let Some(pieces) = self.placed.get(key) {
+            let places: Vec<String> = pieces
+                .iter()
+                .map(|p| {
+                    let file = self.placed.path(p).map_or_else(String::new, |f| f.display().to_string());
+                    format!("{file} at offset {}", p.offset)
+                })
+                .collect();
+            return Err(SourceError::Corrupt {
+                what: format!("layer {} expert {} in {}", key.0, key.1, places.join(", ")),
+                message: format!(
+                    "fails its checksum (manifest {want}, read {got:016x}): the expert file changed since \
+                     `k3ring pack` or the read returned damaged bytes; if it persists, run `{}` to rewrite it",
+                    self.placed.rewrite_command()
+                ),
+            });
+        }
+        let r = self.index.experts.get(key.0, key.1);
+        let mut files: Vec<String> = r
+            .map(|r| {
+                r.parts
+                    .iter()
+                    .map(|&id| self.index.shards[self.index.tensors[id].shard].path.display().to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        files.dedup();
+        Err(SourceError::Corrupt {
+            what: format!("layer {} expert {} in {}", key.0, key.1, files.join(", ")),
+            message: format!(
+                "fails its checksum (manifest {want}, read {got:016x}): the shard changed since `k3ring pack` or the \
+                 read returned damaged bytes; `k3ring pack --verify` checks every expert"
+            ),
+        })
+    }
+
+    /// Takes an expert whose bytes failed their checksum out of the pool (its guard count
+    /// released), so that nothing uses them.
+    pub(super) fn drop_damaged(&self, pool: &mut ExpertPool, slot: usize, key: ExpertKey) {
+        let s = &mut pool.slots[slot];
+        s.users -= 1;
+        if s.users > 0 {
+            // Another caller holds the slot: it stays unverified, so its next use checks again.
             return;
         }
-        tracing::warn!(
-            "layer {} expert {} failed its checksum after its read; it will be read again if used",
-            check.key.0,
-            check.key.1
-        );
-        lock(&self.stats).expert_checks_failed_waiting += 1;
-        self.drop_damaged(&mut pool, check.slot, check.key);
+        if s.slot.ticket().is_none() {
+            s.slot.clear();
+        }
+        s.key = None;
+        s.verified = false;
+        if std::mem::replace(&mut s.speculative, false) {
+            lock(&self.stats).spec_wasted_bytes += s.bytes;
+        }
+        if pool.resident.remove(&key).is_some() {
+            pool.policy.on_evict(key);
+        }
     }
 
     /// The check in progress of `slot`'s expert, if any, taken over by its first use (which
@@ -284,13 +393,53 @@ mod tests {
             store.check_step(1);
         }
         let stats = store.stats();
-        assert_eq!(stats.expert_checks_failed_waiting, 1);
+        assert_eq!(stats.expert_reads_damaged, 1);
         assert_eq!(stats.experts_verified_waiting, 1, "the check ended while waiting");
         assert!(!store.expert_requested(key), "a damaged expert leaves the pool");
         assert!(super::super::lock(&store.pool).slots.iter().all(|s| s.users == 0), "its hold released");
-        // Its use reads it again, checks it on the compute path and fails loudly, naming it.
+        // Its use reads it again and checks it on the compute path: damaged twice in a row, it
+        // fails loudly, naming it.
         let err = store.expert(key.0, key.1).err().expect("damaged bytes handed out").to_string();
         assert!(err.contains(&format!("layer {layer} expert 0 in ")) && err.contains("fails its checksum"), "{err}");
-        assert_eq!(store.stats().expert_reads, stats.expert_reads + 1, "read again");
+        let after = store.stats();
+        assert_eq!(after.expert_reads, stats.expert_reads + 1, "read again once");
+        assert_eq!(after.expert_reads_damaged, 1, "the second failure is not read again");
+        assert!(super::super::lock(&store.pool).slots.iter().all(|s| s.users == 0 && s.key.is_none_or(|k| k != key)));
+    }
+
+    #[test]
+    fn a_wait_checks_what_has_landed_until_its_read_is_done_or_nothing_is_left() {
+        let (_tmp, model) = tiny_copy();
+        let layer = first_moe_layer(&model);
+        let opened = open(&model);
+        let store = opened.engine.src.store();
+        let keys = read_guesses(store, layer, 3);
+        // A read that is done: nothing is checked.
+        let done = store.reads.reserve();
+        store.reads.submit(Priority::Demand, vec![(done, Vec::new())]);
+        while !store.reads.is_done(done) {
+            std::thread::yield_now();
+        }
+        store.check_while_waiting(done);
+        assert_eq!(store.stats().experts_verified, 0);
+        // A read that never ends (reserved, not submitted yet): the wait checks every landed
+        // expert, then returns rather than spin.
+        let never = store.reads.reserve();
+        let verified = |store: &Store| {
+            let pool = super::super::lock(&store.pool);
+            keys.iter().filter(|k| pool.resident.get(k).is_some_and(|&s| pool.slots[s].verified)).count()
+        };
+        for _ in 0..100_000 {
+            store.check_while_waiting(never);
+            if verified(store) == keys.len() {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        assert_eq!(verified(store), keys.len());
+        assert_eq!(store.stats().experts_verified_waiting, 3);
+        store.reads.submit(Priority::Demand, vec![(never, Vec::new())]);
+        assert!(super::super::lock(&store.waiting_check).is_none());
+        assert!(super::super::lock(&store.pool).slots.iter().all(|s| s.users == 0));
     }
 }
