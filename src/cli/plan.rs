@@ -21,7 +21,6 @@ use crate::engine::sizing::ConfigSizing;
 use crate::engine::{BatchOptions, DraftPlan, StreamingRun};
 use crate::pipeline::PipelineOptions;
 use crate::storage::plan::{fmt_gb, Plan, GB};
-use crate::storage::stream::StoreOptions;
 
 /// Drive rates of the table when not given: a PCIe 3 drive, a PCIe 4 drive, two and four of them.
 const DEFAULT_RATES: [f64; 4] = [3.0, 7.0, 14.0, 28.0];
@@ -133,21 +132,7 @@ fn sizing_run(args: &PlanArgs, budget: u64, drafting: bool) -> StreamingRun {
     };
     // Without drafting the step has no guess rows, as `batch` and `serve` then make it.
     let (chunk, draft) = if drafting { (chunk, draft) } else { (chunk - draft.step_rows, DraftPlan::default()) };
-    StreamingRun {
-        budget_bytes: budget,
-        context: args.context,
-        sequences: args.max_batch,
-        chunk,
-        threads: 1,
-        store: StoreOptions::default(),
-        pipeline: PipelineOptions::default(),
-        prefetch_window: None,
-        placement: None,
-        trace_detail: false,
-        trunk_share: None,
-        available_memory: None,
-        drafting: draft,
-    }
+    StreamingRun { sequences: args.max_batch, drafting: draft, ..StreamingRun::new(budget, args.context, chunk, 1) }
 }
 
 fn plan_at(sizing: &ConfigSizing<'_>, args: &PlanArgs, budget: u64) -> Result<Plan, crate::engine::OpenError> {

@@ -118,6 +118,28 @@ pub struct StreamingRun {
     pub drafting: DraftPlan,
 }
 
+impl StreamingRun {
+    /// One sequence of `context` positions in `budget_bytes`, prompts in chunks of `chunk`, on
+    /// `threads` compute threads (0: every core), with every other choice at its default.
+    pub fn new(budget_bytes: u64, context: usize, chunk: usize, threads: usize) -> StreamingRun {
+        StreamingRun {
+            budget_bytes,
+            context,
+            sequences: 1,
+            chunk,
+            threads,
+            store: StoreOptions::default(),
+            pipeline: PipelineOptions::default(),
+            prefetch_window: None,
+            placement: None,
+            trace_detail: false,
+            trunk_share: None,
+            available_memory: None,
+            drafting: DraftPlan::default(),
+        }
+    }
+}
+
 /// The journals of draft-and-verify decoding, which take rows back ([`crate::model::rewind`]):
 /// one per sequence that may draft in a step.
 #[derive(Clone, Copy, Debug, Default)]

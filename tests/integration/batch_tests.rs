@@ -11,8 +11,6 @@ use k3ring::engine::{
 };
 use k3ring::model::weights::WeightSource;
 use k3ring::model::LayerHook;
-use k3ring::pipeline::PipelineOptions;
-use k3ring::storage::stream::StoreOptions;
 use kernels::{Isa, Kernels};
 
 use crate::common::*;
@@ -210,21 +208,7 @@ fn batched_sequences_equal_their_solo_runs_on_a_synth_model() {
 }
 
 pub(crate) fn streaming_run(budget: u64, sequences: usize) -> StreamingRun {
-    StreamingRun {
-        budget_bytes: budget,
-        sequences,
-        context: 64,
-        chunk: 16 + 8,
-        threads: 2,
-        store: StoreOptions::default(),
-        pipeline: PipelineOptions::default(),
-        prefetch_window: None,
-        placement: None,
-        trace_detail: false,
-        trunk_share: None,
-        available_memory: None,
-        drafting: Default::default(),
-    }
+    StreamingRun { sequences, ..StreamingRun::new(budget, 64, 16 + 8, 2) }
 }
 
 pub(crate) fn open_streamed(

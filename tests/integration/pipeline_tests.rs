@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use k3ring::engine::{open_streaming, GenerateOptions, Generation, StreamingRun};
-use k3ring::pipeline::{Mode, PipelineOptions, Placement, Speculation};
+use k3ring::pipeline::{Mode, Placement, Speculation};
 use k3ring::storage::stream::{StoreOptions, StreamStats};
 use kernels::{Isa, Kernels};
 
@@ -18,21 +18,10 @@ const BUDGET: u64 = 1_400_000;
 
 fn base_run() -> StreamingRun {
     StreamingRun {
-        budget_bytes: BUDGET,
-        sequences: 1,
-        context: prompt().len() + GEN,
-        chunk: 6,
-        threads: 2,
         // Units read whole (a piece as large as the largest unit): the planner would split
         // them at this budget, and a split unit is never predicted.
         store: StoreOptions { piece_bytes: Some(u64::MAX), ..StoreOptions::default() },
-        pipeline: PipelineOptions::default(),
-        prefetch_window: None,
-        placement: None,
-        trace_detail: false,
-        trunk_share: None,
-        available_memory: None,
-        drafting: Default::default(),
+        ..StreamingRun::new(BUDGET, prompt().len() + GEN, 6, 2)
     }
 }
 

@@ -263,8 +263,7 @@ mod tests {
 
     use super::super::{AdmitAll, Guess, Priority, Store};
     use crate::engine::{open_streaming, Opened, StreamingRun};
-    use crate::pipeline::{Pipeline, PipelineOptions};
-    use crate::storage::stream::StoreOptions;
+    use crate::pipeline::Pipeline;
 
     fn tiny_copy() -> (tempfile::TempDir, PathBuf) {
         let tmp = tempfile::tempdir().unwrap();
@@ -283,21 +282,7 @@ mod tests {
     }
 
     fn open(model: &Path) -> Opened<Pipeline> {
-        let run = StreamingRun {
-            budget_bytes: 64_000_000,
-            context: 16,
-            sequences: 1,
-            chunk: 8,
-            threads: 2,
-            store: StoreOptions::default(),
-            pipeline: PipelineOptions::default(),
-            prefetch_window: None,
-            placement: None,
-            trace_detail: false,
-            trunk_share: None,
-            available_memory: None,
-            drafting: Default::default(),
-        };
+        let run = StreamingRun::new(64_000_000, 16, 8, 2);
         let trunk = model.parent().unwrap().join("trunk");
         let kernels = kernels::Kernels::with_isa(kernels::Isa::Scalar).unwrap();
         open_streaming(model, &trunk, &run, kernels, |_| {}).unwrap().0
