@@ -34,15 +34,13 @@ pub(super) struct WaitingCheck {
     pub sum: PartialChecksum,
 }
 
-impl WaitingCheck {
-    /// The expert's six tensors in the arena.
-    pub fn part_bytes<'a>(&self, store: &'a Store) -> [&'a [u8]; 6] {
-        let b = store.arena.bytes(self.filled);
-        self.parts.map(|(at, len)| &b[at..at + len])
-    }
-}
-
 impl Store {
+    /// An expert's six tensors in its filled slot.
+    pub(super) fn part_bytes(&self, filled: Filled, parts: &PartPlaces) -> [&[u8]; 6] {
+        let b = self.arena.bytes(filled);
+        parts.map(|(at, len)| &b[at..at + len])
+    }
+
     /// Hashes landed, unchecked experts until `ticket` is done or nothing is left to check.
     pub(super) fn check_while_waiting(&self, ticket: Ticket) {
         if !self.verify_experts {
@@ -65,7 +63,7 @@ impl Store {
         }
         let Some(check) = current.as_mut() else { return false };
         let start = std::time::Instant::now();
-        let done = check.sum.advance(&check.part_bytes(self), blocks);
+        let done = check.sum.advance(&self.part_bytes(check.filled, &check.parts), blocks);
         lock(&self.stats).expert_verify_waiting_seconds += start.elapsed().as_secs_f64();
         if done {
             if let Some(check) = current.take() {
@@ -112,21 +110,19 @@ impl Store {
     /// Ends a finished check: a match marks the expert checked; a mismatch takes it out of the
     /// pool. Either way the check's hold on the slot is released.
     fn settle_waiting_check(&self, check: WaitingCheck) {
-        let parts = check.part_bytes(self);
-        let got = check.sum.finish(&parts);
-        let want = self.expert_sums.get(check.key.0).and_then(|l| l.get(check.key.1)).copied();
-        let bytes: u64 = check.parts.iter().map(|p| p.1 as u64).sum();
+        let got = check.sum.finish(&self.part_bytes(check.filled, &check.parts));
+        let matched = self.match_checksum(check.key, got).is_ok();
         {
             let mut stats = lock(&self.stats);
             stats.experts_verified += 1;
             stats.experts_verified_waiting += 1;
-            stats.expert_verified_bytes += bytes;
+            stats.expert_verified_bytes += check.parts.iter().map(|p| p.1 as u64).sum::<u64>();
         }
-        if want != Some(got) {
+        if !matched {
             self.note_damaged_read(check.key);
         }
         let mut pool = lock(&self.pool);
-        if want == Some(got) {
+        if matched {
             pool.damaged.remove(&check.key);
             let s = &mut pool.slots[check.slot];
             s.users -= 1;
@@ -172,16 +168,21 @@ impl Store {
         begun: PartialChecksum,
     ) -> Result<(), SourceError> {
         let start = std::time::Instant::now();
-        let b = self.arena.bytes(filled);
-        let got = begun.finish(&parts.map(|(at, len)| &b[at..at + len]));
+        let got = begun.finish(&self.part_bytes(filled, parts));
         let seconds = start.elapsed().as_secs_f64();
-        let want = self.expert_sums.get(key.0).and_then(|l| l.get(key.1)).copied();
         {
             let mut stats = lock(&self.stats);
             stats.experts_verified += 1;
             stats.expert_verified_bytes += parts.iter().map(|p| p.1 as u64).sum::<u64>();
             stats.expert_verify_seconds += seconds;
         }
+        self.match_checksum(key, got)
+    }
+
+    /// Compares an expert's hash `got` with its checksum in the pack's manifest; a mismatch
+    /// names where its bytes were read from.
+    fn match_checksum(&self, key: ExpertKey, got: u64) -> Result<(), SourceError> {
+        let want = self.expert_sums.get(key.0).and_then(|l| l.get(key.1)).copied();
         if want == Some(got) {
             return Ok(());
         }

@@ -160,9 +160,7 @@ enum Fetch<'a> {
 
 impl ExpertView for ExpertGuard<'_> {
     fn parts(&self) -> ExpertBytes<'_> {
-        let b = self.store.arena.bytes(self.filled);
-        let p = |k: usize| &b[self.parts[k].0..self.parts[k].0 + self.parts[k].1];
-        ExpertBytes::from_parts([p(0), p(1), p(2), p(3), p(4), p(5)])
+        ExpertBytes::from_parts(self.store.part_bytes(self.filled, &self.parts))
     }
 }
 
