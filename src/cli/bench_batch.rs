@@ -204,6 +204,10 @@ pub(super) struct BatchCell {
     efficiency_host: Option<f64>,
     bound_no_prediction_host_seconds_per_step: Option<f64>,
     efficiency_no_prediction_host: Option<f64>,
+    /// The host bound when the device also reads at the read-tax stream's rate beside compute
+    /// ([`super::bench_host::shared_floor`]).
+    bound_shared_host_seconds_per_step: Option<f64>,
+    efficiency_shared_host: Option<f64>,
     /// Every sequence's ids, in every repeat of this cell, equal its solo run's.
     ids_match_solo: bool,
 }
@@ -283,7 +287,8 @@ fn cell(
     let Bounds { bound, by, no_prediction } = bounds(&m, device_rate, (compute, overlappable));
     let host = tax.map(|t| {
         let bytes = (m.trunk_bytes_per_step, super::bench_host::ExpertReads::Total(m.expert_bytes_per_step));
-        super::bench_host::charged_floors(bytes, (compute, overlappable), device_rate, t)
+        let charged = super::bench_host::charged_floors(bytes, (compute, overlappable), device_rate, t);
+        (charged, super::bench_host::shared_floors(bytes, (compute, overlappable), device_rate, t).0)
     });
     let per_step = |v: f64| v / m.seconds_per_step;
     BatchCell {
@@ -301,10 +306,12 @@ fn cell(
         efficiency: bound / m.seconds_per_step,
         bound_no_prediction_seconds_per_step: no_prediction,
         efficiency_no_prediction: no_prediction.map(|f| f / m.seconds_per_step),
-        bound_host_seconds_per_step: host.map(|h| h.0),
-        efficiency_host: host.map(|h| per_step(h.0)),
-        bound_no_prediction_host_seconds_per_step: host.and_then(|h| h.1),
-        efficiency_no_prediction_host: host.and_then(|h| h.1).map(per_step),
+        bound_host_seconds_per_step: host.map(|h| h.0 .0),
+        efficiency_host: host.map(|h| per_step(h.0 .0)),
+        bound_no_prediction_host_seconds_per_step: host.and_then(|h| h.0 .1),
+        efficiency_no_prediction_host: host.and_then(|h| h.0 .1).map(per_step),
+        bound_shared_host_seconds_per_step: host.map(|h| h.1),
+        efficiency_shared_host: host.map(|h| per_step(h.1)),
         ids_match_solo: ids_match,
         m,
     }
@@ -353,7 +360,7 @@ pub(super) fn print(r: &BatchReport) {
         "batch cells ({BATCH_MODE}; B sequences, distinct prompts, greedy; a step is one token of every sequence):"
     );
     println!(
-        "{:>7} {:>8} {:>5} {:>8} {:>7} {:>7} {:>10} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>8} {:>6} {:>4}",
+        "{:>7} {:>8} {:>5} {:>8} {:>7} {:>7} {:>10} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7} {:>8} {:>7} {:>8} {:>6} {:>6} {:>4}",
         "budget",
         "trunk",
         "batch",
@@ -375,11 +382,12 @@ pub(super) fn print(r: &BatchReport) {
         "effic*",
         "bound_h",
         "eff_h",
+        "eff_hs",
         "ids"
     );
     for c in &r.cells {
         println!(
-            "{:>6}G {:>8} {:>5} {:>8.3} {:>7.3} {:>7.2} {:>9.2}G {:>8.3}G {:>7.3}G {:>9.1} {:>8.1} {:>9.1} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>7.2} {} {} {} {} {:>4}",
+            "{:>6}G {:>8} {:>5} {:>8.3} {:>7.3} {:>7.2} {:>9.2}G {:>8.3}G {:>7.3}G {:>9.1} {:>8.1} {:>9.1} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>7.2} {} {} {} {} {} {:>4}",
             c.budget_gb,
             if c.trunk_pinned { "pinned" } else { "streamed" },
             c.m.batch,
@@ -401,6 +409,7 @@ pub(super) fn print(r: &BatchReport) {
             or_dash(c.efficiency_no_prediction, 7, 2),
             or_dash(c.bound_host_seconds_per_step, 8, 3),
             or_dash(c.efficiency_host, 6, 2),
+            or_dash(c.efficiency_shared_host, 6, 2),
             if c.ids_match_solo { "ok" } else { "DIFF" }
         );
     }
@@ -438,7 +447,8 @@ pub(super) fn print(r: &BatchReport) {
     );
     println!(
         "bound_h: the bound with the read tax charged, max(bytes / dev GB/s, compute + s/GB x bytes); eff_h = bound_h / \
-         s/step"
+         s/step; eff_hs: against the same bound when the device also reads at the read-tax stream's rate beside \
+         compute (bound_shared_host_seconds_per_step in --json)"
     );
     print_attribution(r);
     println!(

@@ -195,6 +195,13 @@ pub struct HostFloors {
     pub waited_seconds_per_token: f64,
     pub checks_seconds_per_token: f64,
     pub rest_seconds_per_token: f64,
+    /// [`shared_floor`]: `floor_host` when the device also reads slower beside compute (at the
+    /// read-tax stream's rate), as a modeled device's copy does on the cores compute runs on.
+    pub floor_shared_host_seconds_per_token: f64,
+    pub efficiency_shared_host: f64,
+    /// `max(floor_shared_host, the no-prediction term of floor_no_prediction_host)`.
+    pub floor_no_prediction_shared_host_seconds_per_token: Option<f64>,
+    pub efficiency_no_prediction_shared_host: Option<f64>,
     /// Seconds per token with no read in flight: in a device-bound cell, the time reads were not
     /// started (nothing asked for yet, or held back by the routing dependency).
     pub device_idle_seconds_per_token: f64,
@@ -211,18 +218,20 @@ pub fn host_floors(m: &Measurement, resident: &Measurement, device_rate: f64, ta
     let (trunk, experts) = (m.trunk_bytes_per_token, m.expert_bytes_per_token);
     let compute = resident.seconds_per_token;
     let charged = tax.charge(trunk + experts);
-    let (floor, no_prediction) = charged_floors(
-        (trunk, ExpertReads::of(m, resident)),
-        (compute, resident.overlappable_seconds_per_token),
-        device_rate,
-        tax,
-    );
+    let reads = (trunk, ExpertReads::of(m, resident));
+    let overlap = (compute, resident.overlappable_seconds_per_token);
+    let (floor, no_prediction) = charged_floors(reads, overlap, device_rate, tax);
+    let (shared, shared_no_prediction) = shared_floors(reads, overlap, device_rate, tax);
     let spt = m.seconds_per_token;
     HostFloors {
         floor_host_seconds_per_token: floor,
         efficiency_host: floor / spt,
         floor_no_prediction_host_seconds_per_token: no_prediction,
         efficiency_no_prediction_host: no_prediction.map(|f| f / spt),
+        floor_shared_host_seconds_per_token: shared,
+        efficiency_shared_host: shared / spt,
+        floor_no_prediction_shared_host_seconds_per_token: shared_no_prediction,
+        efficiency_no_prediction_shared_host: shared_no_prediction.map(|f| f / spt),
         compute_seconds_per_token: compute,
         tax_seconds_per_token: charged,
         waited_seconds_per_token: m.stall_seconds_per_token,
@@ -309,9 +318,52 @@ pub fn charged_floors(
 ) -> (f64, Option<f64>) {
     let bytes = trunk + experts.bytes();
     let floor = (bytes / device_rate).max(compute + tax.charge(bytes));
-    let no_prediction =
-        overlappable.map(|o| floor.max(compute - o + tax.charge(trunk) + experts.routed_seconds(o, device_rate)));
-    (floor, no_prediction)
+    (floor, overlappable.map(|o| floor.max(no_prediction_term((trunk, experts), (compute, o), device_rate, tax))))
+}
+
+/// The part of the floor without prediction that the compute side sets: the compute expert
+/// reads cannot overlap, the tax on the trunk read beside it, and the routed seconds.
+fn no_prediction_term(
+    (trunk, experts): (f64, ExpertReads<'_>),
+    (compute, overlappable): (f64, f64),
+    device_rate: f64,
+    tax: &ReadTax,
+) -> f64 {
+    compute - overlappable + tax.charge(trunk) + experts.routed_seconds(overlappable, device_rate)
+}
+
+/// [`charged_floors`] with [`shared_floor`] in place of `max(bytes / rate, compute + tax x
+/// bytes)`.
+pub fn shared_floors(
+    (trunk, experts): (f64, ExpertReads<'_>),
+    (compute, overlappable): (f64, Option<f64>),
+    device_rate: f64,
+    tax: &ReadTax,
+) -> (f64, Option<f64>) {
+    let floor = shared_floor(trunk + experts.bytes(), compute, device_rate, tax);
+    (floor, overlappable.map(|o| floor.max(no_prediction_term((trunk, experts), (compute, o), device_rate, tax))))
+}
+
+/// The shortest token that reads `bytes` when the cores and the device share the host both
+/// ways: while compute runs (`compute` seconds, plus the tax on what is read meanwhile) the
+/// device delivers the read-tax stream's rate beside compute, `beside` (never above
+/// `device_rate`); with compute done (or waiting), `device_rate`. Reading `x` bytes beside
+/// compute takes `compute + tax x x + (bytes - x) / device_rate`, linear in `x`, so the least is
+/// at one end: as much as the device delivers beside compute, `x = beside x (compute + tax x
+/// x)`, or nothing (when a byte's tax outweighs its device time). With `beside = device_rate`
+/// this is `max(bytes / device_rate, compute + tax x bytes)` (the `floor_host` formula) unless
+/// a byte's tax outweighs its device time, where reading beside compute is not the fastest way
+/// and `compute + bytes / device_rate` is.
+pub fn shared_floor(bytes: f64, compute: f64, device_rate: f64, tax: &ReadTax) -> f64 {
+    if bytes <= 0.0 || device_rate <= 0.0 {
+        return compute;
+    }
+    let beside = if tax.read_rate > 0.0 { tax.read_rate.min(device_rate) } else { device_rate };
+    let per_byte = tax.charge(1.0);
+    let room = 1.0 - beside * per_byte;
+    let overlapped = if room > 0.0 { (beside * compute / room).min(bytes) } else { bytes };
+    let overlapping = compute + per_byte * overlapped + (bytes - overlapped) / device_rate;
+    overlapping.min(compute + bytes / device_rate)
 }
 
 /// The host line and the tax line of the report.
@@ -339,7 +391,7 @@ pub fn print_host(host: &Host, tax: Option<&ReadTax>) {
 /// One line per cell: its host floors and where its time goes.
 pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a HostFloors)>) {
     println!(
-        "{:>7} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>8} | {:>8} {:>10}",
+        "{:>7} {:>10} {:>9} {:>8} {:>7} {:>8} {:>7} {:>8} {:>7} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>8} | {:>8} {:>10}",
         "budget",
         "mode",
         "s/token",
@@ -347,6 +399,9 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
         "effic_h",
         "floor*_h",
         "eff*_h",
+        "floor_hs",
+        "eff_hs",
+        "eff*_hs",
         "compute",
         "tax",
         "waited",
@@ -357,7 +412,7 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
     );
     for (budget, mode, spt, h) in cells {
         println!(
-            "{:>6}G {:>10} {:>9.3} {:>8.3} {:>7.2} {} {} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} | {:>8.3} {:>10.3}",
+            "{:>6}G {:>10} {:>9.3} {:>8.3} {:>7.2} {} {} {:>8.3} {:>7.2} {} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3} | {:>8.3} {:>10.3}",
             budget,
             mode,
             spt,
@@ -365,6 +420,9 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
             h.efficiency_host,
             super::bench::or_dash(h.floor_no_prediction_host_seconds_per_token, 8, 3),
             super::bench::or_dash(h.efficiency_no_prediction_host, 7, 2),
+            h.floor_shared_host_seconds_per_token,
+            h.efficiency_shared_host,
+            super::bench::or_dash(h.efficiency_no_prediction_shared_host, 7, 2),
             h.compute_seconds_per_token,
             h.tax_seconds_per_token,
             h.waited_seconds_per_token,
@@ -376,7 +434,9 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
     }
     println!(
         "floor_h: the floor with the read tax charged, max(bytes / device, compute + s/GB x bytes); floor*_h: the same \
-         without routing prediction. s/token = compute + tax (compute lost to reads) + waited (compute waiting for \
+         without routing prediction; floor_hs, floor*_hs: the same when the device also reads at the read-tax \
+         stream's rate beside compute, and at its own rate only while compute is done or waits (the host \
+         shares itself both ways; equal to floor_h where the stream kept the device's rate). s/token = compute + tax (compute lost to reads) + waited (compute waiting for \
          reads; expert checks hashed meanwhile count here) + checks (expert checksums hashed on the compute path) + \
          rest (scheduling, and overlap of the parts); dev idle: no read in flight (in a device-bound cell, \
          reads not started); dev slowed: (compute + tax) x (1 - the read-tax stream's rate beside compute / the \
@@ -415,6 +475,55 @@ mod tests {
         // A stream that kept up (or beat the probe), and no measurement: nothing.
         assert_eq!(super::device_slowed(0.4, 4.2e9, 4e9), 0.0);
         assert_eq!(super::device_slowed(0.4, 0.0, 4e9), 0.0);
+    }
+
+    fn tax(seconds_per_gb: f64, read_rate: f64) -> crate::engine::read_tax::ReadTax {
+        crate::engine::read_tax::ReadTax {
+            backend: "sim".to_owned(),
+            tau: 0.0,
+            tau_min: 0.0,
+            tau_max: 0.0,
+            seconds_per_gb,
+            seconds_per_gb_min: seconds_per_gb,
+            seconds_per_gb_max: seconds_per_gb,
+            read_rate,
+            ids_identical: true,
+            samples: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_shared_floor_is_floor_host_when_the_device_keeps_its_rate_beside_compute() {
+        let floor_h = |bytes: f64, compute: f64, t: &crate::engine::read_tax::ReadTax| {
+            (bytes / 10e9).max(compute + t.charge(bytes))
+        };
+        // Device-bound (2 s of reads against 0.5 s of compute and tax) and compute-bound.
+        for (bytes, compute) in [(20e9, 0.4), (2e9, 0.4)] {
+            for beside in [10e9, 12e9, 0.0] {
+                let t = tax(0.05, beside);
+                let got = super::shared_floor(bytes, compute, 10e9, &t);
+                assert!((got - floor_h(bytes, compute, &t)).abs() < 1e-12, "{bytes} {compute} {beside}: {got}");
+            }
+        }
+        // Nothing to read: the compute.
+        assert_eq!(super::shared_floor(0.0, 0.4, 10e9, &tax(0.05, 5e9)), 0.4);
+    }
+
+    #[test]
+    fn a_device_slowed_beside_compute_reads_the_rest_at_its_own_rate_afterwards() {
+        // 1 s of compute, 0.05 s per GB of tax, the device at 5 GB/s beside compute and 10 alone:
+        // beside compute it reads x = 5 GB/s x (1 + 0.05 x x), x = 5 / 0.75 GB, over 1 + x / 20 s.
+        let t = tax(0.05, 5e9);
+        let x = 5.0 / 0.75;
+        let want = 1.0 + x / 20.0 + (20.0 - x) / 10.0;
+        assert!((super::shared_floor(20e9, 1.0, 10e9, &t) - want).abs() < 1e-9);
+        // Above floor_host (2 s) by what the slowed device could not read beside compute.
+        assert!(want > 2.0);
+        // Compute-bound: all 3 GB fit beside compute, so the tax alone is charged, as floor_host does.
+        assert!((super::shared_floor(3e9, 1.0, 10e9, &t) - 1.15).abs() < 1e-12);
+        // A byte's tax above its device time: reading after compute is faster than beside it.
+        let dear = tax(0.5, 5e9);
+        assert!((super::shared_floor(20e9, 1.0, 10e9, &dear) - 3.0).abs() < 1e-12);
     }
 
     #[test]

@@ -430,6 +430,11 @@ fn assert_read_tax_measured(v: &serde_json::Value, out: &str, pairs: usize) {
         let (beside, rate) = (tax["read_rate"].as_f64().unwrap(), get("device_read_rate_during"));
         let slowed = (resident + charged) * (1.0 - beside / rate).max(0.0);
         assert!((get("device_slowed_seconds_per_token") - slowed).abs() <= 1e-9 * slowed.max(1.0), "{c}");
+        let shared = shared_floor(bytes, resident, rate, beside, per_gb);
+        let got = get("floor_shared_host_seconds_per_token");
+        assert!((got - shared).abs() <= 1e-9 * shared.max(1.0), "{shared}: {c}");
+        assert!((get("efficiency_shared_host") - shared / get("seconds_per_token")).abs() <= 1e-9, "{c}");
+        assert!(get("floor_no_prediction_shared_host_seconds_per_token") >= shared - 1e-12, "{c}");
     }
     for c in v["batch"]["cells"].as_array().into_iter().flatten() {
         let get = |k: &str| c[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {c}"));
@@ -437,7 +442,21 @@ fn assert_read_tax_measured(v: &serde_json::Value, out: &str, pairs: usize) {
         let bound_h = (bytes / get("device_read_rate_during"))
             .max(get("resident_seconds_per_step") + per_gb.max(0.0) * bytes / 1e9);
         assert!((get("bound_host_seconds_per_step") - bound_h).abs() <= 1e-9 * bound_h.max(1.0), "{c}");
+        let (rate, beside) = (get("device_read_rate_during"), tax["read_rate"].as_f64().unwrap());
+        let shared = shared_floor(bytes, get("resident_seconds_per_step"), rate, beside, per_gb);
+        let got = get("bound_shared_host_seconds_per_step");
+        assert!((got - shared).abs() <= 1e-9 * shared.max(1.0), "{shared}: {c}");
     }
+}
+
+/// The host floor when the device reads at `beside` while compute runs and at `rate` after it:
+/// the fastest of reading as much as it can beside compute (each GB costing compute `per_gb`)
+/// and reading everything after compute.
+fn shared_floor(bytes: f64, compute: f64, rate: f64, beside: f64, per_gb: f64) -> f64 {
+    let beside = if beside > 0.0 { beside.min(rate) } else { rate };
+    let tax = per_gb.max(0.0) / 1e9;
+    let during = if beside * tax < 1.0 { (beside * compute / (1.0 - beside * tax)).min(bytes) } else { bytes };
+    (compute + tax * during + (bytes - during) / rate).min(compute + bytes / rate)
 }
 
 /// `--no-read-tax` skips the probe: no tax, no host floors, and the report says so; without the
