@@ -288,7 +288,8 @@ fn cell(
     let host = tax.map(|t| {
         let bytes = (m.trunk_bytes_per_step, super::bench_host::ExpertReads::Total(m.expert_bytes_per_step));
         let charged = super::bench_host::charged_floors(bytes, (compute, overlappable), device_rate, t);
-        (charged, super::bench_host::shared_floors(bytes, (compute, overlappable), device_rate, t).0)
+        let total = bytes.0 + bytes.1.bytes();
+        (charged, super::bench_host::shared_floor(total, compute, device_rate, t))
     });
     let per_step = |v: f64| v / m.seconds_per_step;
     BatchCell {

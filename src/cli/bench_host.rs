@@ -332,9 +332,9 @@ fn no_prediction_term(
     compute - overlappable + tax.charge(trunk) + experts.routed_seconds(overlappable, device_rate)
 }
 
-/// [`charged_floors`] with [`shared_floor`] in place of `max(bytes / rate, compute + tax x
+/// [`charged_floors`] with [`shared_floor`] in place of `max(bytes / rate, compute + tax *
 /// bytes)`.
-pub fn shared_floors(
+fn shared_floors(
     (trunk, experts): (f64, ExpertReads<'_>),
     (compute, overlappable): (f64, Option<f64>),
     device_rate: f64,
@@ -348,22 +348,27 @@ pub fn shared_floors(
 /// ways: while compute runs (`compute` seconds, plus the tax on what is read meanwhile) the
 /// device delivers the read-tax stream's rate beside compute, `beside` (never above
 /// `device_rate`); with compute done (or waiting), `device_rate`. Reading `x` bytes beside
-/// compute takes `compute + tax x x + (bytes - x) / device_rate`, linear in `x`, so the least is
-/// at one end: as much as the device delivers beside compute, `x = beside x (compute + tax x
-/// x)`, or nothing (when a byte's tax outweighs its device time). With `beside = device_rate`
-/// this is `max(bytes / device_rate, compute + tax x bytes)` (the `floor_host` formula) unless
-/// a byte's tax outweighs its device time, where reading beside compute is not the fastest way
-/// and `compute + bytes / device_rate` is.
+/// compute takes `compute + tax * x + (bytes - x) / device_rate`, linear in `x`, so the least
+/// is at one end: as much as the device delivers beside compute, `x = beside * (compute + tax *
+/// x)` capped at `bytes`, or nothing (when a byte's tax outweighs its device time). With
+/// `beside = device_rate` this is `max(bytes / device_rate, compute + tax * bytes)` (the
+/// `floor_host` formula) unless a byte's tax outweighs its device time, where reading beside
+/// compute is not the fastest way and `compute + bytes / device_rate` is: there, and wherever
+/// `tax * beside` is large enough that reading after compute wins, it is below `floor_host`,
+/// which is then no floor.
 pub fn shared_floor(bytes: f64, compute: f64, device_rate: f64, tax: &ReadTax) -> f64 {
-    if bytes <= 0.0 || device_rate <= 0.0 {
+    if bytes <= 0.0 {
         return compute;
+    }
+    if device_rate <= 0.0 {
+        return f64::INFINITY;
     }
     let beside = if tax.read_rate > 0.0 { tax.read_rate.min(device_rate) } else { device_rate };
     let per_byte = tax.charge(1.0);
     let room = 1.0 - beside * per_byte;
     let overlapped = if room > 0.0 { (beside * compute / room).min(bytes) } else { bytes };
-    let overlapping = compute + per_byte * overlapped + (bytes - overlapped) / device_rate;
-    overlapping.min(compute + bytes / device_rate)
+    let beside_then_after = compute + per_byte * overlapped + (bytes - overlapped) / device_rate;
+    beside_then_after.min(compute + bytes / device_rate)
 }
 
 /// The host line and the tax line of the report.
@@ -434,9 +439,10 @@ pub fn print_host_cells<'a>(cells: impl Iterator<Item = (f64, &'a str, f64, &'a 
     }
     println!(
         "floor_h: the floor with the read tax charged, max(bytes / device, compute + s/GB x bytes); floor*_h: the same \
-         without routing prediction; floor_hs, floor*_hs: the same when the device also reads at the read-tax \
-         stream's rate beside compute, and at its own rate only while compute is done or waits (the host \
-         shares itself both ways; equal to floor_h where the stream kept the device's rate). s/token = compute + tax (compute lost to reads) + waited (compute waiting for \
+         without routing prediction; floor_hs (eff_hs, and eff*_hs against floor*_hs, which --json holds): the same \
+         when the device also reads at the read-tax stream's rate beside compute, and at its own rate only while \
+         compute is done or waits (the host shares itself both ways; equal to floor_h where the stream kept the \
+         device's rate and a byte's tax is below its device time). s/token = compute + tax (compute lost to reads) + waited (compute waiting for \
          reads; expert checks hashed meanwhile count here) + checks (expert checksums hashed on the compute path) + \
          rest (scheduling, and overlap of the parts); dev idle: no read in flight (in a device-bound cell, \
          reads not started); dev slowed: (compute + tax) x (1 - the read-tax stream's rate beside compute / the \
@@ -497,7 +503,8 @@ mod tests {
         let floor_h = |bytes: f64, compute: f64, t: &crate::engine::read_tax::ReadTax| {
             (bytes / 10e9).max(compute + t.charge(bytes))
         };
-        // Device-bound (2 s of reads against 0.5 s of compute and tax) and compute-bound.
+        // Device-bound (2 s of reads against 1.4 s of compute and tax) and compute-bound (0.2 s
+        // of reads against 0.5 s).
         for (bytes, compute) in [(20e9, 0.4), (2e9, 0.4)] {
             for beside in [10e9, 12e9, 0.0] {
                 let t = tax(0.05, beside);
@@ -524,6 +531,10 @@ mod tests {
         // A byte's tax above its device time: reading after compute is faster than beside it.
         let dear = tax(0.5, 5e9);
         assert!((super::shared_floor(20e9, 1.0, 10e9, &dear) - 3.0).abs() < 1e-12);
+        // Below that, but the device slowed enough: all 20 GB beside compute take 1 + 3 s (x =
+        // 5 / 0.25 GB), after it 1 + 2 s; floor_host would say 4 s.
+        let slow = tax(0.15, 5e9);
+        assert!((super::shared_floor(20e9, 1.0, 10e9, &slow) - 3.0).abs() < 1e-12);
     }
 
     #[test]
