@@ -2,13 +2,13 @@
 //!
 //! bf16 -> f32 is `vpmovzxwd` (zero-extend 8 u16 to u32) then `vpslld 16`, from unaligned loads.
 //! `t == 1` streams 4 rows at once (8 independent FMA chains hide the FMA latency, and the 4
-//! rows share each load of x) and prefetches the next 4 rows' lines (+3-6% measured, the
-//! kernel is DRAM-bound); `t` of 2 to 4 widen each chunk once for every token; more tokens go
+//! rows share each load of x) and prefetches the next 4 rows' lines into L1 (+3-6% measured, the
+//! kernel is DRAM-bound) and the 4 after those into L2; `t` of 2 to 4 widen each chunk once for every token; more tokens go
 //! through [`crate::tiled`], which decodes each weight once per 16 tokens.
 
 use std::arch::x86_64::{
     __m128i, __m256, _mm256_broadcast_ss, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_fmadd_ps,
-    _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps, _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0,
+    _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps, _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
 };
 
 use crate::dot::avx2::{load16, reduce16, store16};
@@ -48,6 +48,19 @@ pub(crate) fn bf16x16(bytes: &[u8; 32]) -> (__m256, __m256) {
 #[target_feature(enable = "avx2,fma")]
 fn prefetch(p: *const u8) {
     _mm_prefetch::<_MM_HINT_T0>(p.cast());
+}
+
+/// Blocks of `R` rows ahead whose lines a second prefetch asks into L2, beside the next block's
+/// into L1, as the AVX-512 kernel does: this path (`--isa avx2`) on a Zen 4 host streamed
+/// 16-19 GB/s on one thread before and 22-25 after (docs/BENCHMARKS.md, "Prefetch into L2");
+/// not measured on a Zen 1 host.
+const L2_AHEAD: usize = 2;
+
+/// Like [`prefetch`], into L2 only.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn prefetch_l2(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T1>(p.cast());
 }
 
 /// A row tail of fewer than 16 bf16, zero-padded.
@@ -116,6 +129,7 @@ fn rows_dot_tokens<const R: usize, const T: usize>(
         if c % 2 == 0 {
             for i in 0..R {
                 prefetch(w.as_ptr().wrapping_add((R + i) * row_bytes + c * 32));
+                prefetch_l2(w.as_ptr().wrapping_add((L2_AHEAD * R + i) * row_bytes + c * 32));
             }
         }
         for i in 0..R {
@@ -180,6 +194,7 @@ fn rows_dot<const R: usize>(w: &[u8], cols: usize, x_chunks: &[[f32; LANES]], x_
             // (see the MXFP4 kernel; the hardware prefetcher alone leaves DRAM idle).
             for i in 0..R {
                 prefetch(w.as_ptr().wrapping_add((R + i) * row_bytes + c * 32));
+                prefetch_l2(w.as_ptr().wrapping_add((L2_AHEAD * R + i) * row_bytes + c * 32));
             }
         }
         let (xl, xh) = load16(xc);

@@ -2,13 +2,13 @@
 //!
 //! The 16 canonical lanes are one zmm register: 16 bf16 (32 bytes) become 16 f32 with
 //! `vpmovzxwd` + `vpslld 16`. `t == 1` streams 4 rows at once (4 independent FMA chains; the
-//! kernel is DRAM-bound) and prefetches the next 4 rows like the AVX2 kernel; `t` of 2 to 4
-//! widen each chunk once for every token; more tokens go through [`crate::tiled`] with
-//! [`tiled::Avx512`].
+//! kernel is DRAM-bound) and prefetches the next 4 rows into L1 and the 4 after those into L2,
+//! like the AVX2 kernel; `t` of 2 to 4 widen each chunk once for every token; more tokens go
+//! through [`crate::tiled`] with [`tiled::Avx512`].
 
 use std::arch::x86_64::{
     __m256i, __m512, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_fmadd_ps, _mm512_set1_ps,
-    _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_T0,
+    _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
 };
 
 use crate::dot::avx512::{load16z, reduce16z, store16z};
@@ -46,6 +46,19 @@ fn bf16_tail(tail: &[u8]) -> __m512 {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn prefetch(p: *const u8) {
     _mm_prefetch::<_MM_HINT_T0>(p.cast());
+}
+
+/// Blocks of `R` rows ahead whose lines a second prefetch asks into L2, beside the next block's
+/// into L1. With the next block alone one thread streamed 18-20 GB/s on a Zen 4 host (two:
+/// 29-37); with this too, 26-31 (two: 34-39); three or four blocks ahead were slower than two
+/// (docs/BENCHMARKS.md, "Prefetch into L2").
+const L2_AHEAD: usize = 2;
+
+/// Like [`prefetch`], into L2 only.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn prefetch_l2(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T1>(p.cast());
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
@@ -104,6 +117,7 @@ fn rows_dot_tokens<const R: usize, const T: usize>(
         if c % 2 == 0 {
             for i in 0..R {
                 prefetch(w.as_ptr().wrapping_add((R + i) * row_bytes + c * 32));
+                prefetch_l2(w.as_ptr().wrapping_add((L2_AHEAD * R + i) * row_bytes + c * 32));
             }
         }
         let mut xv = [_mm512_setzero_ps(); T];
@@ -166,6 +180,7 @@ fn rows_dot<const R: usize>(w: &[u8], cols: usize, x_chunks: &[[f32; LANES]], x_
             // One 64-byte line of each of the next R rows, at this offset.
             for i in 0..R {
                 prefetch(w.as_ptr().wrapping_add((R + i) * row_bytes + c * 32));
+                prefetch_l2(w.as_ptr().wrapping_add((L2_AHEAD * R + i) * row_bytes + c * 32));
             }
         }
         let xv = load16z(xc);
