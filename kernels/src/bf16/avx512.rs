@@ -213,8 +213,10 @@ pub(crate) fn decode_segment(row: &[u8], c0: usize, cn: usize, dst: &mut Tile) {
     // gave 0.35 of the FMA roof at 16 tokens on a Zen 5 host, two 0.36-0.39, four 0.36-0.37,
     // none 0.28-0.29).
     let next = row.as_ptr().wrapping_add(2 * (c0 + 2 * cn));
+    let far = row.as_ptr().wrapping_add(2 * (c0 + TILE_L2_AHEAD * cn));
     for line in (0..2 * cn).step_by(64) {
         prefetch(next.wrapping_add(line));
+        prefetch_l2(far.wrapping_add(line));
     }
     for (d, c) in dst.iter_mut().zip(chunks) {
         store16z(d, bf16x16(c));
@@ -223,6 +225,12 @@ pub(crate) fn decode_segment(row: &[u8], c0: usize, cn: usize, dst: &mut Tile) {
         store16z(&mut dst[chunks.len()], bf16_tail(tail));
     }
 }
+
+/// Segments ahead of the one decoded whose lines `decode_segment` also asks into L2: at 16
+/// tokens on a Zen 4 host the tiled product ran 54-68 GFLOP/s on one thread with the L1
+/// prefetch alone and 66-80 with this too (two threads 107-126 and 131-154; docs/BENCHMARKS.md,
+/// "Prefetch into L2"); six segments ahead did no better than four.
+const TILE_L2_AHEAD: usize = 4;
 
 /// Columns per register block of `matvec_t`: 8 zmm accumulators = 8 independent FMA chains.
 const MATVEC_T_BLOCK: usize = 128;
