@@ -2,9 +2,10 @@
 //!
 //! bf16 -> f32 is `vpmovzxwd` (zero-extend 8 u16 to u32) then `vpslld 16`, from unaligned loads.
 //! `t == 1` streams 4 rows at once (8 independent FMA chains hide the FMA latency, and the 4
-//! rows share each load of x) and prefetches the next 4 rows' lines into L1 (+3-6% measured, the
-//! kernel is DRAM-bound) and the 4 after those into L2; `t` of 2 to 4 widen each chunk once for every token; more tokens go
-//! through [`crate::tiled`], which decodes each weight once per 16 tokens.
+//! rows share each load of x) and prefetches the next 4 rows' lines into L1 (+3-6% measured,
+//! the kernel is DRAM-bound) and the 4 after those into L2; `t` of 2 to 4 widen each chunk once
+//! for every token; more tokens go through [`crate::tiled`], which decodes each weight once per
+//! 16 tokens.
 
 use std::arch::x86_64::{
     __m128i, __m256, _mm256_broadcast_ss, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_fmadd_ps,
