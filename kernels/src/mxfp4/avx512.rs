@@ -30,9 +30,10 @@ fn prefetch(p: *const u8) {
 }
 
 /// Blocks of `R` rows ahead whose lines a second prefetch asks into L2, beside the block after
-/// next's into L1: on a Zen 4 host one thread streamed 9.6-12.4 GB/s without it and 10.2-13.9
-/// with it (medians 11.4 and 12.2; in L2 14.5 either way), and the expert products of a
-/// resident decode 21.0-25.7 GB/s against 23.6-23.8 (docs/BENCHMARKS.md, "Prefetch into L2").
+/// next's into L1: on a Zen 4 host one thread streamed 9.6-12.4 GB/s without it and 10.3-13.9
+/// with it (medians 11.3 and 12.3; in L2 14.5 either way), and the expert products of a
+/// resident decode 26.3 GB/s against 23.6 (medians of six runs each; docs/BENCHMARKS.md,
+/// "Prefetch into L2"). Six and 24 blocks ahead did no better.
 const L2_AHEAD: usize = 12;
 
 /// Like [`prefetch`], into L2 only.
