@@ -3,12 +3,12 @@
 //! as GFLOP/s over the FMA peak (independent `vfmadd` chains on every thread).
 //!
 //! `cargo bench -p k3ring-kernels --bench roofline [-- --threads N --repeats N --isa NAME
-//! --only bf16|mxfp4 --tokens 1,2,... --hot --avx2-mxfp4 ymm|xmm]` (`--only` and `--tokens`
-//! restrict the kernel rows; the limits are always measured; `--hot` adds rows of an MXFP4
-//! 256x3584 and a bf16 128x2048 matrix that stay in L2, 100 products per timing: the kernels'
-//! rate when memory is not the limit, on one thread (the bf16 one has only two 64-row blocks, so
-//! its multi-thread rows mostly show fork and join); `--avx2-mxfp4` runs that AVX2 one-token
-//! MXFP4 kernel instead of this CPU's choice).
+//! --only bf16|mxfp4 --tokens 1,2,... --hot --avx2-mxfp4 ymm|xmm]` (`--only` restricts the
+//! kernel rows and `--tokens` sets their token counts, any of them; the limits are always
+//! measured; `--hot` adds rows of an MXFP4 256x3584 and a bf16 128x2048 matrix that stay in L2,
+//! 100 products per timing: the kernels' rate when memory is not the limit, on one thread (the
+//! bf16 one has only two 64-row blocks, so its multi-thread rows mostly show fork and join);
+//! `--avx2-mxfp4` runs that AVX2 one-token MXFP4 kernel instead of this CPU's choice).
 //!
 //! Every number is the median of `--repeats` timings (default 9); the triad and the FMA peak are
 //! measured before and after the kernels and the better of the two medians is the limit, so a
@@ -32,8 +32,8 @@ struct Options {
     isa: Isa,
     /// `Some("bf16")` or `Some("mxfp4")`: only that format's rows.
     only: Option<String>,
-    /// Token counts to measure (default 1, 2, 3, 4, 16; bf16 skips 3).
-    tokens: Vec<usize>,
+    /// `--tokens`: the token counts to measure; by default 1, 2, 3, 4 and 16 (bf16 skips 3).
+    tokens: Option<Vec<usize>>,
     /// Also measure an L2-resident MXFP4 and bf16 matrix.
     hot: bool,
     /// `--avx2-mxfp4 ymm|xmm`: the AVX2 one-token MXFP4 kernel instead of this CPU's choice.
@@ -41,15 +41,8 @@ struct Options {
 }
 
 fn options() -> Options {
-    let mut o = Options {
-        threads: 2,
-        repeats: 9,
-        isa: Isa::best(),
-        only: None,
-        tokens: vec![1, 2, 3, 4, 16],
-        hot: false,
-        avx2_mxfp4: None,
-    };
+    let mut o =
+        Options { threads: 2, repeats: 9, isa: Isa::best(), only: None, tokens: None, hot: false, avx2_mxfp4: None };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
@@ -70,9 +63,11 @@ fn options() -> Options {
                 o.only = Some(value.filter(|v| *v == "bf16" || *v == "mxfp4").expect("--only bf16|mxfp4").clone())
             }
             "--tokens" => {
-                o.tokens = value
-                    .and_then(|v| v.split(',').map(|t| t.parse().ok()).collect::<Option<Vec<usize>>>())
-                    .expect("--tokens 1,2,...")
+                o.tokens = Some(
+                    value
+                        .and_then(|v| v.split(',').map(|t| t.parse().ok().filter(|&t| t > 0)).collect())
+                        .expect("--tokens 1,2,..."),
+                )
             }
             "--hot" => {
                 o.hot = true;
@@ -170,7 +165,7 @@ fn bf16_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) -
     }
     for (rows, cols, calls) in shapes {
         let w = rng.bf16_bytes(rows * cols);
-        for t in [1usize, 2, 4, 16].into_iter().filter(|t| o.tokens.contains(t)) {
+        for t in o.tokens.clone().unwrap_or_else(|| vec![1, 2, 4, 16]) {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
             let mut y = vec![0.0f32; t * rows];
             for threads in [1, o.threads] {
@@ -204,7 +199,7 @@ fn mxfp4_rows(k: Kernels, pool: &rayon::ThreadPool, o: &Options, rng: &mut Lcg) 
         let experts = rng.mxfp4_copies(copies, rows, cols);
         let bytes = calls * (rows * cols / 2 + rows * cols / 32);
         // 2-4: the rows a batch step routes to one expert (issue 18).
-        for t in [1usize, 2, 3, 4, 16].into_iter().filter(|t| o.tokens.contains(t)) {
+        for t in o.tokens.clone().unwrap_or_else(|| vec![1, 2, 3, 4, 16]) {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
             let mut y = vec![0.0f32; t * rows];
             for threads in [1, o.threads] {

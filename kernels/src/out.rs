@@ -160,6 +160,16 @@ pub(crate) fn token_passes(t: usize) -> impl Iterator<Item = (usize, usize)> {
     })
 }
 
+/// `t` tokens as consecutive runs of at most `most` (`most >= 1`), as (first token, tokens):
+/// as few runs as that allows, their lengths differing by at most one, the longer first. The
+/// many-token bf16 kernel's token blocks and passes: an even split never leaves a short run
+/// that streams the weights again for one or two tokens.
+pub(crate) fn even_runs(t: usize, most: usize) -> impl Iterator<Item = (usize, usize)> {
+    let runs = t.div_ceil(most.max(1));
+    let (base, longer) = (t.checked_div(runs).unwrap_or(0), t.checked_rem(runs).unwrap_or(0));
+    (0..runs).map(move |i| (i * base + i.min(longer), base + usize::from(i < longer)))
+}
+
 // RowsOut must never be Clone or Copy: two copies would alias the same rows. `split_at` copies
 // its (Copy) fields with `..self`, which consumes the original.
 #[cfg(test)]
@@ -224,6 +234,25 @@ mod tests {
             assert_eq!(p.iter().map(|q| q.1).sum::<usize>(), t);
             assert!(p.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0), "{t}: {p:?}");
             assert!(p.iter().all(|q| (1..=4).contains(&q.1)) && (t == 1 || p.iter().all(|q| q.1 > 1)), "{t}: {p:?}");
+        }
+    }
+
+    #[test]
+    fn even_runs_cover_the_tokens_in_order_in_the_fewest_runs_of_near_equal_length() {
+        let runs = |t, most| even_runs(t, most).collect::<Vec<_>>();
+        assert_eq!(runs(16, 6), [(0, 6), (6, 5), (11, 5)]);
+        assert_eq!(runs(7, 6), [(0, 4), (4, 3)]);
+        assert_eq!(runs(17, 16), [(0, 9), (9, 8)]);
+        assert_eq!(runs(0, 6), []);
+        for most in 1..20 {
+            for t in 0..100 {
+                let r = runs(t, most);
+                assert_eq!(r.len(), t.div_ceil(most), "{t}/{most}: {r:?}");
+                assert_eq!(r.iter().map(|q| q.1).sum::<usize>(), t);
+                assert!(r.first().is_none_or(|q| q.0 == 0), "{t}/{most}: {r:?}");
+                assert!(r.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0 && w[0].1 >= w[1].1), "{t}/{most}: {r:?}");
+                assert!(r.iter().all(|q| q.1 <= most && q.1 + 1 >= r[0].1 && q.1 > 0), "{t}/{most}: {r:?}");
+            }
         }
     }
 

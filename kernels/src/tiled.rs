@@ -1,6 +1,7 @@
-//! Multi-token matmul driver (more than four tokens) of the bf16 kernels on AVX2 and AVX-512
-//! and of the MXFP4 kernel on AVX2; each ISA supplies only the decode and the tile FMAs
-//! ([`TileIsa`]). The AVX-512 MXFP4 kernel runs passes of its few-token kernel instead.
+//! Multi-token matmul driver (more than four tokens) of the AVX2 bf16 and MXFP4 kernels; the
+//! ISA supplies only the decode and the tile FMAs ([`TileIsa`]). The AVX-512 kernels run passes
+//! of their few-token kernels instead, faster at every count measured (docs/BENCHMARKS.md,
+//! "MXFP4 beyond four tokens" and "Many-token bf16 passes").
 //!
 //! Each weight is decoded once per block of up to [`TOKENS`] tokens: a tile of [`ROWS`] rows x
 //! [`TILE_COLS`] columns is decoded to f32 on the stack, then every token of the block runs its
@@ -10,10 +11,9 @@
 //! (4 KiB of decoded tiles, 16 KiB of staged x, 64 KiB of lanes) and no heap allocation; rayon's
 //! default 2 MiB worker stacks hold it easily.
 
-use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_setzero_ps, _mm512_fmadd_ps, _mm512_setzero_ps};
+use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_setzero_ps};
 
 use crate::dot::avx2::{load16, reduce16, store16};
-use crate::dot::avx512::{load16z, reduce16z, store16z};
 use crate::dot::scalar::{pad16, LANES};
 use crate::mxfp4::GROUP;
 use crate::out::RowsOut;
@@ -74,9 +74,6 @@ pub(crate) trait TileIsa {
 /// AVX2 + FMA: lanes as two ymm registers.
 pub(crate) struct Avx2;
 
-/// AVX-512 F + BW + VL: lanes as one zmm register.
-pub(crate) struct Avx512;
-
 impl TileIsa for Avx2 {
     #[inline(always)]
     unsafe fn decode(src: &Source<'_>, row: usize, cols: usize, c0: usize, cn: usize, dst: &mut Tile) {
@@ -107,51 +104,6 @@ impl TileIsa for Avx2 {
             let (lo, hi) = load16(lanes);
             reduce16(lo, hi)
         }
-    }
-}
-
-impl TileIsa for Avx512 {
-    #[inline(always)]
-    unsafe fn decode(src: &Source<'_>, row: usize, cols: usize, c0: usize, cn: usize, dst: &mut Tile) {
-        // SAFETY: the caller guarantees AVX-512 F + BW + VL and AVX2 + FMA.
-        unsafe {
-            match *src {
-                Source::Bf16 { w } => crate::bf16::avx512::decode_segment(bf16_row(w, row, cols), c0, cn, dst),
-                // The AVX-512 MXFP4 products never tile (more than four tokens run in passes of
-                // the few-token kernel, faster at every count measured); the AVX2 decode keeps
-                // this loop total for any source.
-                Source::Mxfp4 { packed, scales } => {
-                    let (p, s) = mxfp4_row(packed, scales, row, cols);
-                    crate::mxfp4::avx2::decode_segment(p, s, c0, cn, dst);
-                }
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn tile_fma(tiles: &[Tile; ROWS], x: &[Tile], chunks: usize, acc: &mut [TokenLanes]) {
-        let (x_quads, x_rest) = x.as_chunks::<4>();
-        let (acc_quads, acc_rest) = acc.as_chunks_mut::<4>();
-        for (xq, accq) in x_quads.iter().zip(acc_quads) {
-            // SAFETY: the caller guarantees AVX-512 F + BW + VL and AVX2 + FMA.
-            unsafe { tile_fma_avx512_tokens::<4>(tiles, xq, chunks, accq) }
-        }
-        let (x_pairs, x_last) = x_rest.as_chunks::<2>();
-        let (acc_pairs, acc_last) = acc_rest.as_chunks_mut::<2>();
-        for (xp, accp) in x_pairs.iter().zip(acc_pairs) {
-            // SAFETY: as above.
-            unsafe { tile_fma_avx512_tokens::<2>(tiles, xp, chunks, accp) }
-        }
-        for (xk, acck) in x_last.iter().zip(acc_last) {
-            // SAFETY: as above.
-            unsafe { tile_fma_avx512_tokens::<1>(tiles, std::array::from_ref(xk), chunks, std::array::from_mut(acck)) }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn reduce(lanes: &[f32; LANES]) -> f32 {
-        // SAFETY: the caller guarantees AVX-512 F + BW + VL and AVX2 + FMA.
-        unsafe { reduce16z(load16z(lanes)) }
     }
 }
 
@@ -271,70 +223,5 @@ fn tile_fma_avx2(tiles: &[Tile; ROWS], x: &Tile, chunks: usize, acc: &mut TokenL
     }
     for i in 0..ROWS {
         store16(&mut acc[i], lo[i], hi[i]);
-    }
-}
-
-/// [`TileIsa::tile_fma`] on AVX-512 for `K` tokens at once: `4 K` zmm accumulators, each tile
-/// chunk loaded once for all `K` tokens. With `K = 4` a chunk costs 8 loads for 16 FMAs; two
-/// tokens at a time (12 loads per 16 FMAs) kept the load ports as busy as the FMA units and
-/// ran the tile loop at half the FMA peak.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn tile_fma_avx512_tokens<const K: usize>(
-    tiles: &[Tile; ROWS],
-    x: &[Tile; K],
-    chunks: usize,
-    acc: &mut [TokenLanes; K],
-) {
-    let mut a = [[_mm512_setzero_ps(); ROWS]; K];
-    for k in 0..K {
-        for i in 0..ROWS {
-            a[k][i] = load16z(&acc[k][i]);
-        }
-    }
-    for c in 0..chunks {
-        let mut xv = [_mm512_setzero_ps(); K];
-        for k in 0..K {
-            xv[k] = load16z(&x[k][c]);
-        }
-        for i in 0..ROWS {
-            let w = load16z(&tiles[i][c]);
-            for k in 0..K {
-                a[k][i] = _mm512_fmadd_ps(w, xv[k], a[k][i]);
-            }
-        }
-    }
-    for k in 0..K {
-        for i in 0..ROWS {
-            store16z(&mut acc[k][i], a[k][i]);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{Isa, KernelError, Kernels};
-
-    /// The AVX-512 MXFP4 product runs passes and never tiles, but the tile loop stays total for
-    /// any source: on an AVX-512 host its MXFP4 arm must still give the scalar bits.
-    #[test]
-    fn the_avx512_tile_loop_gives_the_scalar_bits_for_mxfp4_too() -> Result<(), KernelError> {
-        if !Isa::Avx512.is_available() {
-            return Ok(());
-        }
-        let (rows, cols, t) = (70, 544, 6);
-        let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 37 % 251) as u8).collect();
-        let scales: Vec<u8> = (0..rows * cols / GROUP).map(|i| 120 + (i % 10) as u8).collect();
-        let x: Vec<f32> = (0..t * cols).map(|i| ((i * 13 % 97) as f32 - 48.0) / 7.0).collect();
-        let mut want = vec![0.0f32; t * rows];
-        Kernels::with_isa(Isa::Scalar)?.matmul_mxfp4(&packed, &scales, rows, cols, &x, t, &mut want)?;
-        let mut got = vec![0.0f32; t * rows];
-        let source = Source::Mxfp4 { packed: &packed, scales: &scales };
-        // SAFETY: AVX-512 was found available above.
-        unsafe { multi_token::<Avx512>(&source, cols, &x, t, &mut RowsOut::new(&mut got, t, rows)) };
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got), bits(&want));
-        Ok(())
     }
 }

@@ -3,18 +3,17 @@
 //! The 16 canonical lanes are one zmm register: 16 bf16 (32 bytes) become 16 f32 with
 //! `vpmovzxwd` + `vpslld 16`. `t == 1` streams 4 rows at once (4 independent FMA chains; the
 //! kernel is DRAM-bound) and prefetches the next 4 rows into L1 and the 4 after those into L2,
-//! like the AVX2 kernel; `t` of 2 to 4 widen each chunk once for every token; more tokens go
-//! through [`crate::tiled`] with [`tiled::Avx512`].
+//! like the AVX2 kernel; `t` of 2 to 4 widen each chunk once for every token; more tokens run
+//! passes of up to six tokens over every 4 rows (`many_tokens`).
 
 use std::arch::x86_64::{
-    __m256i, __m512, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_fmadd_ps, _mm512_set1_ps,
-    _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
+    __m256i, __m512, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
+    _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
 };
 
-use crate::dot::avx512::{load16z, reduce16z, store16z};
+use crate::dot::avx512::{load16z, reduce16z};
 use crate::dot::scalar::{pad16, LANES};
-use crate::out::RowsOut;
-use crate::tiled::{self, Source, Tile};
+use crate::out::{even_runs, RowsOut};
 
 /// Widens 16 bf16 in a 256-bit register to 16 f32.
 #[inline]
@@ -68,9 +67,96 @@ pub(crate) fn matmul(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsO
         2 => few_tokens::<2>(w, cols, x, out),
         3 => few_tokens::<3>(w, cols, x, out),
         4 => few_tokens::<4>(w, cols, x, out),
-        _ => {
-            // SAFETY: this function's target features are AVX-512 F + BW + VL and AVX2 + FMA.
-            unsafe { tiled::multi_token::<tiled::Avx512>(&Source::Bf16 { w }, cols, x, t, out) };
+        _ => many_tokens(w, cols, x, t, out),
+    }
+}
+
+/// Tokens sharing one stream of the weights in [`many_tokens`]: the x of a block (16 tokens
+/// of a 7168-column product: 448 KiB) stays in L2 while every row runs over it.
+const MANY_BLOCK: usize = 16;
+
+/// Tokens per pass of [`many_tokens`]: 4 rows x 6 tokens = 24 zmm accumulators, beside 6 of x
+/// and one of weights. Passes of four loaded a weight chunk (widened twice as often) for every
+/// 4 FMAs where six load it for every 6.
+const MANY_PASS: usize = 6;
+
+/// More than four tokens: blocks of up to [`MANY_BLOCK`] tokens, and in each block every 4 rows
+/// run passes of up to [`MANY_PASS`] tokens over the whole row, their weights widened in
+/// registers once per pass (from DRAM in the first pass, which alone prefetches the rows
+/// ahead, and from L1/L2 after). Same lanes, same order, same bits as [`few_tokens`]. At 16
+/// tokens on a Zen 4 host this ran 1.15-1.4x the tile loop (which widened each tile once
+/// into a stack buffer for 16 tokens and kept every token's lanes in memory between tiles;
+/// docs/BENCHMARKS.md, "Many-token bf16 passes").
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn many_tokens(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
+    const R: usize = 4;
+    let row_bytes = 2 * cols;
+    let rows = out.rows();
+    for (b0, bn) in even_runs(t, MANY_BLOCK) {
+        let mut r = 0;
+        while r < rows {
+            let n = if r + R <= rows { R } else { 1 };
+            let w_rows = &w[r * row_bytes..(r + n) * row_bytes];
+            for (i, (p0, pn)) in even_runs(bn, MANY_PASS).enumerate() {
+                let x = &x[(b0 + p0) * cols..(b0 + p0 + pn) * cols];
+                let pass = Pass { w: w_rows, cols, x, tokens: pn, ahead: i == 0 };
+                let (row, token) = (r, b0 + p0);
+                if n == R {
+                    pass.run::<R>(out, row, token);
+                } else {
+                    pass.run::<1>(out, row, token);
+                }
+            }
+            r += n;
+        }
+    }
+}
+
+/// One pass of [`many_tokens`]: rows `w` (exactly `R` of them) against the tokens of `x`.
+struct Pass<'a> {
+    w: &'a [u8],
+    cols: usize,
+    /// `[tokens, cols]`.
+    x: &'a [f32],
+    /// 1 to [`MANY_PASS`].
+    tokens: usize,
+    /// Whether to prefetch the rows after these (the first pass over them does).
+    ahead: bool,
+}
+
+impl Pass<'_> {
+    /// Runs the pass and writes its outputs: rows `row..row + R`, tokens `token..` of `out`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    fn run<const R: usize>(&self, out: &mut RowsOut<'_>, row: usize, token: usize) {
+        assert!((1..=MANY_PASS).contains(&self.tokens), "a pass of {} tokens", self.tokens);
+        match self.tokens {
+            1 => self.put(out, row, token, self.sums::<R, 1>()),
+            2 => self.put(out, row, token, self.sums::<R, 2>()),
+            3 => self.put(out, row, token, self.sums::<R, 3>()),
+            4 => self.put(out, row, token, self.sums::<R, 4>()),
+            5 => self.put(out, row, token, self.sums::<R, 5>()),
+            _ => self.put(out, row, token, self.sums::<R, MANY_PASS>()),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    fn sums<const R: usize, const T: usize>(&self) -> [[f32; R]; T] {
+        rows_dot_tokens::<R, T>(self.w, self.cols, self.x, self.ahead)
+    }
+
+    fn put<const R: usize, const T: usize>(
+        &self,
+        out: &mut RowsOut<'_>,
+        row: usize,
+        token: usize,
+        sums: [[f32; R]; T],
+    ) {
+        for (k, sums) in sums.into_iter().enumerate() {
+            for (i, s) in sums.into_iter().enumerate() {
+                out.set(token + k, row + i, s);
+            }
         }
     }
 }
@@ -84,58 +170,57 @@ pub(crate) fn matmul(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsO
 fn few_tokens<const T: usize>(w: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     const R: usize = 4;
     let row_bytes = 2 * cols;
-    let x_chunks: [&[[f32; LANES]]; T] = std::array::from_fn(|k| x[k * cols..][..cols].as_chunks::<LANES>().0);
-    let x_tails: [[f32; LANES]; T] = std::array::from_fn(|k| pad16(x[k * cols..][..cols].as_chunks::<LANES>().1));
     let rows_of = |r: usize, n: usize| &w[r * row_bytes..(r + n) * row_bytes];
     out.fill_tokens_by_blocks(
-        |r| rows_dot_tokens::<R, T>(rows_of(r, R), cols, &x_chunks, &x_tails),
-        |r| rows_dot_tokens::<1, T>(rows_of(r, 1), cols, &x_chunks, &x_tails),
+        |r| rows_dot_tokens::<R, T>(rows_of(r, R), cols, x, true),
+        |r| rows_dot_tokens::<1, T>(rows_of(r, 1), cols, x, true),
     );
 }
 
-/// Canonical dots of `R` consecutive rows (`w` holds exactly them) with each of `T` tokens:
-/// `[token][row]`.
+/// Canonical dots of `R` consecutive rows (`w` holds exactly them) with each of the `T` tokens
+/// of `x` (`[T, cols]`): `[token][row]`. With `ahead`, also prefetches the next rows (into L1)
+/// and the ones after (into L2).
+///
+/// The loop reads x and the rows through one pointer each at fixed strides: with a slice per
+/// token and per row (2T + 2R pointers and lengths), five and six tokens spilled accumulators
+/// to the stack and ran at 0.45 of the FMA peak on a Zen 4 host, below four tokens' 0.6-0.7.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn rows_dot_tokens<const R: usize, const T: usize>(
-    w: &[u8],
-    cols: usize,
-    x_chunks: &[&[[f32; LANES]]; T],
-    x_tails: &[[f32; LANES]; T],
-) -> [[f32; R]; T] {
+fn rows_dot_tokens<const R: usize, const T: usize>(w: &[u8], cols: usize, x: &[f32], ahead: bool) -> [[f32; R]; T] {
     let row_bytes = 2 * cols;
-    let mut chunks: [&[[u8; 32]]; R] = [&[]; R];
-    let mut tails: [&[u8]; R] = [&[]; R];
-    for i in 0..R {
-        let (c, tail) = w[i * row_bytes..][..row_bytes].as_chunks::<32>();
-        assert_eq!(c.len(), x_chunks[0].len(), "rows_dot_tokens: row and x disagree");
-        chunks[i] = c;
-        tails[i] = tail;
-    }
+    assert_eq!(w.len(), R * row_bytes, "rows_dot_tokens: {R} rows of {cols} bf16");
+    assert_eq!(x.len(), T * cols, "rows_dot_tokens: {T} tokens of {cols} floats");
+    let full = cols / LANES;
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); R]; T];
-    for c in 0..chunks[0].len() {
-        if c % 2 == 0 {
+    for c in 0..full {
+        if ahead && c % 2 == 0 {
             for i in 0..R {
-                prefetch(w.as_ptr().wrapping_add((R + i) * row_bytes + c * 32));
-                prefetch_l2(w.as_ptr().wrapping_add((L2_AHEAD * R + i) * row_bytes + c * 32));
+                prefetch(wp.wrapping_add((R + i) * row_bytes + c * 32));
+                prefetch_l2(wp.wrapping_add((L2_AHEAD * R + i) * row_bytes + c * 32));
             }
         }
         let mut xv = [_mm512_setzero_ps(); T];
-        for k in 0..T {
-            xv[k] = load16z(&x_chunks[k][c]);
+        for (k, v) in xv.iter_mut().enumerate() {
+            // SAFETY: k < T and (c + 1) * LANES <= cols, so the 16 floats from k * cols + c * LANES
+            // lie inside x (T * cols floats, checked above); the load is unaligned.
+            *v = unsafe { _mm512_loadu_ps(xp.add(k * cols + c * LANES)) };
         }
         for i in 0..R {
-            let wv = bf16x16(&chunks[i][c]);
-            for k in 0..T {
-                acc[k][i] = _mm512_fmadd_ps(wv, xv[k], acc[k][i]);
+            // SAFETY: i < R and (c + 1) * 32 <= row_bytes, so the 32 bytes from
+            // i * row_bytes + c * 32 lie inside w (R * row_bytes bytes, checked above).
+            let wv = widen16(unsafe { _mm256_loadu_si256(wp.add(i * row_bytes + c * 32).cast()) });
+            for (a, v) in acc.iter_mut().zip(&xv) {
+                a[i] = _mm512_fmadd_ps(wv, *v, a[i]);
             }
         }
     }
     if !cols.is_multiple_of(LANES) {
         for i in 0..R {
-            let wv = bf16_tail(tails[i]);
+            let wv = bf16_tail(&w[i * row_bytes + full * 32..(i + 1) * row_bytes]);
             for k in 0..T {
-                acc[k][i] = _mm512_fmadd_ps(wv, load16z(&x_tails[k]), acc[k][i]);
+                acc[k][i] =
+                    _mm512_fmadd_ps(wv, load16z(&pad16(&x[k * cols + full * LANES..(k + 1) * cols])), acc[k][i]);
             }
         }
     }
@@ -200,37 +285,6 @@ fn rows_dot<const R: usize>(w: &[u8], cols: usize, x_chunks: &[[f32; LANES]], x_
     }
     sums
 }
-
-/// Decodes columns `c0..c0 + cn` of one row (`row` = `2 * cols` bytes) into `dst`, the last
-/// partial chunk zero-padded. `cn <= TILE_COLS`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-pub(crate) fn decode_segment(row: &[u8], c0: usize, cn: usize, dst: &mut Tile) {
-    let (chunks, tail) = row[2 * c0..2 * (c0 + cn)].as_chunks::<32>();
-    // This row's next segments are decoded after every other row of the block has had its
-    // turn (32 rows, each a stream of its own: more than the hardware prefetchers follow);
-    // asking for the one after next now hides its latency behind the block's FMAs (one ahead
-    // gave 0.35 of the FMA roof at 16 tokens on a Zen 5 host, two 0.36-0.39, four 0.36-0.37,
-    // none 0.28-0.29).
-    let next = row.as_ptr().wrapping_add(2 * (c0 + 2 * cn));
-    let far = row.as_ptr().wrapping_add(2 * (c0 + TILE_L2_AHEAD * cn));
-    for line in (0..2 * cn).step_by(64) {
-        prefetch(next.wrapping_add(line));
-        prefetch_l2(far.wrapping_add(line));
-    }
-    for (d, c) in dst.iter_mut().zip(chunks) {
-        store16z(d, bf16x16(c));
-    }
-    if !tail.is_empty() {
-        store16z(&mut dst[chunks.len()], bf16_tail(tail));
-    }
-}
-
-/// Segments ahead of the one decoded whose lines `decode_segment` also asks into L2: at 16
-/// tokens on a Zen 4 host the tiled product ran 54-68 GFLOP/s on one thread with the L1
-/// prefetch alone and 66-80 with this too (two threads 107-126 and 131-154; docs/BENCHMARKS.md,
-/// "Prefetch into L2"); six segments ahead did no better than four.
-const TILE_L2_AHEAD: usize = 4;
 
 /// Columns per register block of `matvec_t`: 8 zmm accumulators = 8 independent FMA chains.
 const MATVEC_T_BLOCK: usize = 128;

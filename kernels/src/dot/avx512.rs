@@ -4,7 +4,6 @@
 
 use std::arch::x86_64::{
     __m512, _mm256_castpd_ps, _mm512_castps512_ps256, _mm512_castps_pd, _mm512_extractf64x4_pd, _mm512_loadu_ps,
-    _mm512_storeu_ps,
 };
 
 use super::avx2::reduce16;
@@ -16,14 +15,6 @@ use super::scalar::LANES;
 pub(crate) fn load16z(chunk: &[f32; LANES]) -> __m512 {
     // SAFETY: `chunk` holds 16 floats; the load is unaligned.
     unsafe { _mm512_loadu_ps(chunk.as_ptr()) }
-}
-
-/// Stores one register into 16 floats.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-pub(crate) fn store16z(chunk: &mut [f32; LANES], v: __m512) {
-    // SAFETY: `chunk` holds 16 floats; the store is unaligned.
-    unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), v) }
 }
 
 /// The canonical tree over the 16 lanes of `v`.

@@ -31,7 +31,7 @@ fn matmul_bf16_twins_unaligned() {
     let s = scalar();
     for k in all_kernels() {
         for (rows, cols) in bf16_shapes() {
-            for t in [1usize, 2, 3, 4, 17] {
+            for t in [1usize, 2, 3, 4, 16, 17] {
                 if rows * cols * t > 2_000_000 {
                     continue;
                 }
@@ -75,7 +75,7 @@ fn matmul_bf16_thread_invariance() {
     let mut rng = Rng::new(4);
     let pools = [pool(1), pool(2), pool(3)];
     for k in all_kernels() {
-        for (rows, cols, t) in [(200, 48, 1), (200, 48, 3), (129, 257, 1), (64, 17, 2), (3, 5, 1)] {
+        for (rows, cols, t) in [(200, 48, 1), (200, 48, 3), (129, 257, 1), (64, 17, 2), (3, 5, 1), (133, 70, 16)] {
             let w = rng.bf16_bytes(rows * cols, false);
             let x = rng.adversarials(t * cols);
             let serial = run_bf16(&k, false, &w, rows, cols, &x, t);
