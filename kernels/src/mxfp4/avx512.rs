@@ -9,12 +9,12 @@
 //! from registers. More tokens run in passes of at most four over each block of rows.
 
 use std::arch::x86_64::{
-    _mm512_fmadd_ps, _mm512_load_ps, _mm512_permutexvar_ps, _mm512_set1_epi64, _mm512_setr_epi32, _mm512_setr_epi64,
-    _mm512_setzero_ps, _mm512_srlv_epi64, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
+    _mm512_fmadd_ps, _mm512_load_ps, _mm512_loadu_ps, _mm512_permutexvar_ps, _mm512_set1_epi64, _mm512_setr_epi32,
+    _mm512_setr_epi64, _mm512_setzero_ps, _mm512_srlv_epi64, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
 };
 
 use super::{GROUP, SCALED};
-use crate::dot::avx512::{load16z, reduce16z};
+use crate::dot::avx512::reduce16z;
 use crate::dot::scalar::LANES;
 use crate::out::{token_passes, RowsOut};
 
@@ -66,12 +66,11 @@ pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: us
 fn single_token(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     const R: usize = 4;
     let (pb, groups) = (cols / 2, cols / GROUP);
-    let (x_chunks, _) = x.as_chunks::<LANES>();
     let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
     let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
     out.fill_token0_by_blocks(
-        |r| rows_dot::<R>(packed_of(r, R), scales_of(r, R), cols, x_chunks),
-        |r| rows_dot::<1>(packed_of(r, 1), scales_of(r, 1), cols, x_chunks),
+        |r| rows_dot::<R>(packed_of(r, R), scales_of(r, R), cols, x),
+        |r| rows_dot::<1>(packed_of(r, 1), scales_of(r, 1), cols, x),
     );
 }
 
@@ -91,8 +90,8 @@ const PERM: [usize; LANES] = {
 /// (the same decode, prefetch and un-permute; the compiler unrolls its token loops away).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks: &[[f32; LANES]]) -> [f32; R] {
-    rows_dot_tokens::<R, 1>(packed, scales, cols, &[x_chunks])[0]
+fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x: &[f32]) -> [f32; R] {
+    rows_dot_tokens::<R, 1>(packed, scales, cols, x)[0]
 }
 
 /// `t` tokens, `2 <= t <= 4` (the rows a batch step routes to one expert, or one pass of more):
@@ -103,16 +102,16 @@ fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks:
 fn few_tokens<const T: usize>(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     const R: usize = 4;
     let (pb, groups) = (cols / 2, cols / GROUP);
-    let x_chunks: [&[[f32; LANES]]; T] = std::array::from_fn(|k| x[k * cols..][..cols].as_chunks::<LANES>().0);
     let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
     let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
     out.fill_tokens_by_blocks(
-        |r| rows_dot_tokens::<R, T>(packed_of(r, R), scales_of(r, R), cols, &x_chunks),
-        |r| rows_dot_tokens::<1, T>(packed_of(r, 1), scales_of(r, 1), cols, &x_chunks),
+        |r| rows_dot_tokens::<R, T>(packed_of(r, R), scales_of(r, R), cols, x),
+        |r| rows_dot_tokens::<1, T>(packed_of(r, 1), scales_of(r, 1), cols, x),
     );
 }
 
-/// Canonical dots of `R` consecutive rows with each of `T` tokens: `[token][row]`.
+/// Canonical dots of `R` consecutive rows (`packed` and `scales` hold exactly them) with each
+/// of the `T` tokens of `x` (`[T, cols]`): `[token][row]`.
 ///
 /// Each 8 packed bytes (16 elements; element `e` is bits `4e..4e + 4` of the little-endian
 /// u64) are broadcast to every qword straight from memory (a load, no shuffle), and qword `m`
@@ -122,22 +121,25 @@ fn few_tokens<const T: usize>(packed: &[u8], scales: &[u8], cols: usize, x: &[f3
 /// of 5. Lane `p` receives the columns of canonical lane `PERM[p]` in increasing order, so
 /// un-permuting each accumulator once before the tree gives the canonical bits. Every token's
 /// x is put in the same order in registers, once per group for the `R` rows (no buffer: the
-/// product must not allocate, `tests/alloc`).
+/// product must not allocate, `tests/alloc`; putting x in that order once per call in a stack
+/// buffer was slower by 2-12% at 2 to 16 tokens on a Zen 4 host). The loop reads x, the rows
+/// and their scales through one pointer each at fixed strides, as the bf16 one does: with a
+/// slice per token and per row (2T + 4R pointers and lengths) one thread streamed 11.2 GB/s at
+/// one token and ran 0.54 of the FMA peak at two, against 13.8 and 0.64 (medians of five;
+/// docs/BENCHMARKS.md, "Many-token bf16 passes").
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn rows_dot_tokens<const R: usize, const T: usize>(
     packed: &[u8],
     scales: &[u8],
     cols: usize,
-    x_chunks: &[&[[f32; LANES]]; T],
+    x: &[f32],
 ) -> [[f32; R]; T] {
     let (pb, groups) = (cols / 2, cols / GROUP);
-    let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
-    let mut srows: [&[u8]; R] = [&[]; R];
-    for i in 0..R {
-        rows[i] = packed[i * pb..][..pb].as_chunks::<GROUP_BYTES>().0;
-        srows[i] = &scales[i * groups..][..groups];
-    }
+    assert_eq!(packed.len(), R * pb, "rows_dot_tokens: {R} packed rows of {cols} elements");
+    assert_eq!(scales.len(), R * groups, "rows_dot_tokens: {R} scale rows of {cols} elements");
+    assert_eq!(x.len(), T * cols, "rows_dot_tokens: {T} tokens of {cols} floats");
+    let (pp, sp, xp) = (packed.as_ptr(), scales.as_ptr(), x.as_ptr());
     let shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
     let to_perm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
     debug_assert!((0..LANES).all(|p| PERM[p] == [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15][p]));
@@ -148,27 +150,38 @@ fn rows_dot_tokens<const R: usize, const T: usize>(
         // R = 1, harmless). One block ahead or one line per row every 4 groups was slower, four
         // blocks ahead too (the lines leave L1 before use); see docs/BENCHMARKS.md.
         for k in 0..R.div_ceil(4) {
-            prefetch(packed.as_ptr().wrapping_add(2 * R * pb + (g * R.div_ceil(4) + k) * 64));
-            prefetch_l2(packed.as_ptr().wrapping_add(L2_AHEAD * R * pb + (g * R.div_ceil(4) + k) * 64));
+            prefetch(pp.wrapping_add(2 * R * pb + (g * R.div_ceil(4) + k) * 64));
+            prefetch_l2(pp.wrapping_add(L2_AHEAD * R * pb + (g * R.div_ceil(4) + k) * 64));
         }
         let mut x0 = [_mm512_setzero_ps(); T];
         let mut x1 = [_mm512_setzero_ps(); T];
-        for k in 0..T {
-            x0[k] = _mm512_permutexvar_ps(to_perm, load16z(&x_chunks[k][2 * g]));
-            x1[k] = _mm512_permutexvar_ps(to_perm, load16z(&x_chunks[k][2 * g + 1]));
+        for (k, (x0, x1)) in x0.iter_mut().zip(&mut x1).enumerate() {
+            // SAFETY: k < T and (g + 1) * GROUP <= cols, so the 32 floats from k * cols + g * GROUP
+            // lie inside x (T * cols floats, checked above); the loads are unaligned.
+            let (lo, hi) = unsafe {
+                let p = xp.add(k * cols + g * GROUP);
+                (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(LANES)))
+            };
+            *x0 = _mm512_permutexvar_ps(to_perm, lo);
+            *x1 = _mm512_permutexvar_ps(to_perm, hi);
         }
         for i in 0..R {
-            let b = &rows[i][g];
+            // SAFETY: i < R and (g + 1) * GROUP_BYTES <= pb, so the 16 bytes from
+            // i * pb + g * GROUP_BYTES lie inside packed (R * pb bytes), and i * groups + g < R *
+            // groups, inside scales (both checked above); the reads are unaligned.
+            let (b, scale) = unsafe {
+                (pp.add(i * pb + g * GROUP_BYTES).cast::<[u8; GROUP_BYTES]>().read_unaligned(), *sp.add(i * groups + g))
+            };
             let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
             let hi = u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
             // SAFETY: a `SCALED` row is 16 floats in an `Aligned64`, 64-byte aligned (checked at
             // compile time in mxfp4/mod.rs), as `_mm512_load_ps` requires.
-            let values = unsafe { _mm512_load_ps(SCALED[usize::from(srows[i][g])].0.as_ptr()) };
+            let values = unsafe { _mm512_load_ps(SCALED[usize::from(scale)].0.as_ptr()) };
             let w0 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(lo as i64), shifts), values);
             let w1 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(hi as i64), shifts), values);
-            for k in 0..T {
-                acc[k][i] = _mm512_fmadd_ps(w0, x0[k], acc[k][i]);
-                acc[k][i] = _mm512_fmadd_ps(w1, x1[k], acc[k][i]);
+            for ((a, x0), x1) in acc.iter_mut().zip(&x0).zip(&x1) {
+                a[i] = _mm512_fmadd_ps(w0, *x0, a[i]);
+                a[i] = _mm512_fmadd_ps(w1, *x1, a[i]);
             }
         }
     }
