@@ -76,17 +76,17 @@ pub(crate) fn matmul(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsO
 const MANY_BLOCK: usize = 16;
 
 /// Tokens per pass of [`many_tokens`]: 4 rows x 6 tokens = 24 zmm accumulators, beside 6 of x
-/// and one of weights. Passes of four loaded a weight chunk (widened twice as often) for every
-/// 4 FMAs where six load it for every 6.
+/// and one of weights: each widened chunk serves 6 FMAs. Passes of four (4 FMAs per widened
+/// chunk) ran a 16-token product at 78-88 GFLOP/s on one Zen 4 thread, passes of six 85-102.
 const MANY_PASS: usize = 6;
 
 /// More than four tokens: blocks of up to [`MANY_BLOCK`] tokens, and in each block every 4 rows
 /// run passes of up to [`MANY_PASS`] tokens over the whole row, their weights widened in
 /// registers once per pass (from DRAM in the first pass, which alone prefetches the rows
 /// ahead, and from L1/L2 after). Same lanes, same order, same bits as [`few_tokens`]. At 16
-/// tokens on a Zen 4 host this ran 1.15-1.4x the tile loop (which widened each tile once
-/// into a stack buffer for 16 tokens and kept every token's lanes in memory between tiles;
-/// docs/BENCHMARKS.md, "Many-token bf16 passes").
+/// tokens on a Zen 4 host one thread ran at 0.85-0.92 of the FMA peak where the tile loop
+/// (each tile widened once into a stack buffer for 16 tokens, every token's lanes kept in
+/// memory between tiles) ran at 0.68-0.69 (docs/BENCHMARKS.md, "Many-token bf16 passes").
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn many_tokens(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
     const R: usize = 4;
