@@ -123,8 +123,8 @@ fn mxfp4_row<'a>(packed: &'a [u8], scales: &'a [u8], row: usize, cols: usize) ->
 /// Row groups of [`ROWS`] sharing one staged x tile: a whole block of the parallel split
 /// (`par::ROWS_PER_BLOCK`), so each tile of x is staged once per block. Staging it twice (8
 /// groups, whose lanes fit L1 where 16 groups' do not) ran 10% slower at 16 tokens on a Zen 5
-/// host with AVX-512; its AVX2 path moved bf16 from 0.44-0.46 to 0.49-0.50 of the ymm peak and
-/// MXFP4 from 0.63 to 0.60.
+/// host with the AVX-512 tile loop this driver then also ran; its AVX2 path moved bf16 from
+/// 0.44-0.46 to 0.49-0.50 of the ymm peak and MXFP4 from 0.63 to 0.60.
 const GROUPS: usize = 16;
 
 const _: () = assert!(GROUPS * ROWS == crate::par::ROWS_PER_BLOCK);

@@ -80,6 +80,8 @@ const MANY_BLOCK: usize = 16;
 /// chunk) ran a 16-token product at 78-88 GFLOP/s on one Zen 4 thread, passes of six 85-102.
 const MANY_PASS: usize = 6;
 
+const _: () = assert!(MANY_PASS == 6, "Pass::run has an arm for each pass size");
+
 /// More than four tokens: blocks of up to [`MANY_BLOCK`] tokens, and in each block every 4 rows
 /// run passes of up to [`MANY_PASS`] tokens over the whole row, their weights widened in
 /// registers once per pass (from DRAM in the first pass, which alone prefetches the rows
@@ -118,7 +120,7 @@ struct Pass<'a> {
     cols: usize,
     /// `[tokens, cols]`.
     x: &'a [f32],
-    /// 1 to [`MANY_PASS`].
+    /// 3 to [`MANY_PASS`].
     tokens: usize,
     /// Whether to prefetch the rows after these (the first pass over them does).
     ahead: bool,
@@ -129,10 +131,10 @@ impl Pass<'_> {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     fn run<const R: usize>(&self, out: &mut RowsOut<'_>, row: usize, token: usize) {
-        assert!((1..=MANY_PASS).contains(&self.tokens), "a pass of {} tokens", self.tokens);
+        // Blocks hold 5 to 16 tokens (`many_tokens` runs at 5 and more, and an even split of
+        // more than 16 leaves at least 8), so passes hold 3 to 6.
+        assert!((3..=MANY_PASS).contains(&self.tokens), "a pass of {} tokens", self.tokens);
         match self.tokens {
-            1 => self.put(out, row, token, self.sums::<R, 1>()),
-            2 => self.put(out, row, token, self.sums::<R, 2>()),
             3 => self.put(out, row, token, self.sums::<R, 3>()),
             4 => self.put(out, row, token, self.sums::<R, 4>()),
             5 => self.put(out, row, token, self.sums::<R, 5>()),
@@ -163,9 +165,8 @@ impl Pass<'_> {
 
 /// `T` tokens, `2 <= T <= 4` (a small batch step): each chunk of 16 weights is widened once in a
 /// register and multiplied with every token there, 4 rows at a time, so the weights stream
-/// once at the single-token rate. The tiled path would store the widened tile and reload it
-/// per token, which at so few tokens costs more than the FMAs. Every (row, token) keeps its own
-/// 16 canonical lanes from zero in increasing column order: the bits of the other paths.
+/// once at the single-token rate. Every (row, token) keeps its own 16 canonical lanes from zero
+/// in increasing column order: the bits of the other paths.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn few_tokens<const T: usize>(w: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     const R: usize = 4;
@@ -187,9 +188,9 @@ fn few_tokens<const T: usize>(w: &[u8], cols: usize, x: &[f32], out: &mut RowsOu
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn rows_dot_tokens<const R: usize, const T: usize>(w: &[u8], cols: usize, x: &[f32], ahead: bool) -> [[f32; R]; T] {
+    assert_eq!(Some(w.len()), cols.checked_mul(2 * R), "rows_dot_tokens: {R} rows of {cols} bf16");
+    assert_eq!(Some(x.len()), cols.checked_mul(T), "rows_dot_tokens: {T} tokens of {cols} floats");
     let row_bytes = 2 * cols;
-    assert_eq!(w.len(), R * row_bytes, "rows_dot_tokens: {R} rows of {cols} bf16");
-    assert_eq!(x.len(), T * cols, "rows_dot_tokens: {T} tokens of {cols} floats");
     let full = cols / LANES;
     let (wp, xp) = (w.as_ptr(), x.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); R]; T];
@@ -216,11 +217,11 @@ fn rows_dot_tokens<const R: usize, const T: usize>(w: &[u8], cols: usize, x: &[f
         }
     }
     if !cols.is_multiple_of(LANES) {
+        let x_tails: [[f32; LANES]; T] = std::array::from_fn(|k| pad16(&x[k * cols + full * LANES..(k + 1) * cols]));
         for i in 0..R {
             let wv = bf16_tail(&w[i * row_bytes + full * 32..(i + 1) * row_bytes]);
-            for k in 0..T {
-                acc[k][i] =
-                    _mm512_fmadd_ps(wv, load16z(&pad16(&x[k * cols + full * LANES..(k + 1) * cols])), acc[k][i]);
+            for (a, xt) in acc.iter_mut().zip(&x_tails) {
+                a[i] = _mm512_fmadd_ps(wv, load16z(xt), a[i]);
             }
         }
     }

@@ -136,9 +136,9 @@ fn rows_dot_tokens<const R: usize, const T: usize>(
     x: &[f32],
 ) -> [[f32; R]; T] {
     let (pb, groups) = (cols / 2, cols / GROUP);
-    assert_eq!(packed.len(), R * pb, "rows_dot_tokens: {R} packed rows of {cols} elements");
-    assert_eq!(scales.len(), R * groups, "rows_dot_tokens: {R} scale rows of {cols} elements");
-    assert_eq!(x.len(), T * cols, "rows_dot_tokens: {T} tokens of {cols} floats");
+    assert_eq!(Some(packed.len()), pb.checked_mul(R), "rows_dot_tokens: {R} packed rows of {cols} elements");
+    assert_eq!(Some(scales.len()), groups.checked_mul(R), "rows_dot_tokens: {R} scale rows of {cols} elements");
+    assert_eq!(Some(x.len()), cols.checked_mul(T), "rows_dot_tokens: {T} tokens of {cols} floats");
     let (pp, sp, xp) = (packed.as_ptr(), scales.as_ptr(), x.as_ptr());
     let shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
     let to_perm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
