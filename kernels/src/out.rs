@@ -76,14 +76,11 @@ impl<'a> RowsOut<'a> {
         let rows = self.rows();
         let mut r = 0;
         while r + R <= rows {
-            for (i, s) in block(r).into_iter().enumerate() {
-                self.set(0, r + i, s);
-            }
+            self.set_block(0, r, [block(r)]);
             r += R;
         }
         while r < rows {
-            let [s] = single(r);
-            self.set(0, r, s);
+            self.set_block(0, r, [single(r)]);
             r += 1;
         }
     }
@@ -102,18 +99,22 @@ impl<'a> RowsOut<'a> {
         let rows = self.rows();
         let mut r = 0;
         while r + R <= rows {
-            for (tok, sums) in block(r).into_iter().enumerate() {
-                for (i, s) in sums.into_iter().enumerate() {
-                    self.set(tok, r + i, s);
-                }
-            }
+            self.set_block(0, r, block(r));
             r += R;
         }
         while r < rows {
-            for (tok, [s]) in single(r).into_iter().enumerate() {
-                self.set(tok, r, s);
-            }
+            self.set_block(0, r, single(r));
             r += 1;
+        }
+    }
+
+    /// Writes `sums` (`[token][i]`) to tokens `token..token + T` of rows `row..row + R`.
+    #[inline(always)]
+    pub(crate) fn set_block<const R: usize, const T: usize>(&mut self, token: usize, row: usize, sums: [[f32; R]; T]) {
+        for (k, sums) in sums.into_iter().enumerate() {
+            for (i, s) in sums.into_iter().enumerate() {
+                self.set(token + k, row + i, s);
+            }
         }
     }
 

@@ -102,11 +102,10 @@ fn many_tokens(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>
             for (i, (p0, pn)) in even_runs(bn, MANY_PASS).enumerate() {
                 let x = &x[(b0 + p0) * cols..(b0 + p0 + pn) * cols];
                 let pass = Pass { w: w_rows, cols, x, tokens: pn, ahead: i == 0 };
-                let (row, token) = (r, b0 + p0);
                 if n == R {
-                    pass.run::<R>(out, row, token);
+                    pass.run::<R>(out, r, b0 + p0);
                 } else {
-                    pass.run::<1>(out, row, token);
+                    pass.run::<1>(out, r, b0 + p0);
                 }
             }
             r += n;
@@ -135,10 +134,10 @@ impl Pass<'_> {
         // more than 16 leaves at least 8), so passes hold 3 to 6.
         assert!((3..=MANY_PASS).contains(&self.tokens), "a pass of {} tokens", self.tokens);
         match self.tokens {
-            3 => self.put(out, row, token, self.sums::<R, 3>()),
-            4 => self.put(out, row, token, self.sums::<R, 4>()),
-            5 => self.put(out, row, token, self.sums::<R, 5>()),
-            _ => self.put(out, row, token, self.sums::<R, MANY_PASS>()),
+            3 => out.set_block(token, row, self.sums::<R, 3>()),
+            4 => out.set_block(token, row, self.sums::<R, 4>()),
+            5 => out.set_block(token, row, self.sums::<R, 5>()),
+            _ => out.set_block(token, row, self.sums::<R, MANY_PASS>()),
         }
     }
 
@@ -146,20 +145,6 @@ impl Pass<'_> {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     fn sums<const R: usize, const T: usize>(&self) -> [[f32; R]; T] {
         rows_dot_tokens::<R, T>(self.w, self.cols, self.x, self.ahead)
-    }
-
-    fn put<const R: usize, const T: usize>(
-        &self,
-        out: &mut RowsOut<'_>,
-        row: usize,
-        token: usize,
-        sums: [[f32; R]; T],
-    ) {
-        for (k, sums) in sums.into_iter().enumerate() {
-            for (i, s) in sums.into_iter().enumerate() {
-                out.set(token + k, row + i, s);
-            }
-        }
     }
 }
 
