@@ -248,6 +248,11 @@ pub struct StorageArgs {
     /// are still pinned (default: whole units or pieces of up to 32 MiB, whichever pins more).
     #[arg(long, value_name = "MB", value_parser = parse_gb)]
     pub piece_mb: Option<f64>,
+    /// Where units stream in pieces: hold the trunk the budget pins as whole units, largest
+    /// first (`units`), or as pieces of every unit spread over the token, every router's first
+    /// (`spread`), so the drive reads the streamed rest while any layer computes.
+    #[arg(long, value_name = "HOW", default_value = "units", value_parser = ["units", "spread"])]
+    pub trunk_pins: String,
 }
 
 fn parse_share(s: &str) -> Result<f64, String> {

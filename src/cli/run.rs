@@ -287,6 +287,7 @@ pub(super) fn streaming_run(
             verify_experts: !st.no_verify_experts,
             policy: pipe.policy.clone(),
             piece_bytes: st.piece_mb.map(|mb| (mb * 1e6).round() as u64),
+            spread_pins: st.trunk_pins == "spread",
             ..StoreOptions::default()
         },
         pipeline: PipelineOptions {

@@ -41,7 +41,11 @@ pub(super) fn print_streaming_summary(s: &StreamStats, p: &Plan, peak: Option<u6
         s.trunk_pinned_units,
         s.trunk_pinned_units + s.trunk_streamed_units,
         if s.trunk_split_units > 0 {
-            format!(", {} streamed in {} pieces", s.trunk_split_units, s.trunk_pieces)
+            let pinned = match s.trunk_pinned_pieces {
+                0 => String::new(),
+                n => format!(", {n} of them pinned"),
+            };
+            format!(", {} streamed in {} pieces{pinned}", s.trunk_split_units, s.trunk_pieces)
         } else {
             String::new()
         },

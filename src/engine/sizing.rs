@@ -82,6 +82,7 @@ pub(super) fn plan_input(
             align,
             run.store.piece_bytes,
         )),
+        spread_pins: run.store.spread_pins,
     };
     let moe_layers = cfg.layers.iter().filter(|l| l.ffn == crate::config::FfnKind::Moe).count() as u64;
     let expert_read = moe_layers * cfg.moe.top_k as u64 * input.expert_slot_bytes;

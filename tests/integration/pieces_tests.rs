@@ -241,6 +241,7 @@ fn release_k3_minimum_budget_from_the_planner() {
                 slack_bytes: 2 * align,
                 forced: None,
             }),
+            spread_pins: false,
         };
         let err = k3ring::storage::plan::Plan::make(&input).unwrap_err().to_string();
         let min: f64 = err.split("minimum of ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
@@ -342,4 +343,42 @@ fn corrupted_piece_reads_end_in_a_checksum_error_naming_the_rows() {
         }
     }
     assert!(piece_errors > 0, "no corrupted piece read was caught after open");
+}
+
+/// `--trunk-pins spread` (issue 29): at a budget that pins about half the trunk, that trunk held
+/// as pieces of every unit (routers first, the rest spread over the token) gives the resident
+/// bits, and after open the ring reads only the pieces that are not pinned.
+#[test]
+fn spread_pins_give_the_resident_bits_and_read_no_pinned_piece_after_open() {
+    let model = tiny_dir();
+    let trunk = pack(&model);
+    let ids = prompt();
+    let base = resident(&model, &ids);
+    let whole_trunk = plan_for(&model, trunk.path(), None, ids.len()).pinned_bytes;
+    let smallest = plan_for(&model, trunk.path(), None, ids.len()).min_piece_bytes.unwrap();
+    let at_min = plan_for(&model, trunk.path(), Some(smallest), ids.len());
+    let slots = k3ring::storage::plan::SPREAD_RING_SLOTS as u64 * at_min.ring_slot_bytes;
+    // The minimum, the spread ring, the preferred pool (top-k 4 + a window of 4) and half the trunk.
+    let pool = 8 * at_min.expert_slot_bytes;
+    let mut run = run_options(at_min.minimum_bytes + slots + pool + whole_trunk / 2, Some(smallest), ids.len());
+    run.store.spread_pins = true;
+    let (o, plan) = open_streaming(&model, trunk.path(), &run, Kernels::with_isa(Isa::best()).unwrap(), |_| {})
+        .map_err(|e| e.to_string())
+        .unwrap();
+    let what = plan.describe();
+    assert!(plan.pinned_piece_bytes > whole_trunk / 4 && plan.pinned.is_empty(), "{what}");
+    let opts = GenerateOptions { gen: GEN, keep_logits: true, prefill_chunk: 8, ..Default::default() };
+    let first = o.engine.generate(&ids, &opts, |_| {}).unwrap();
+    assert_same(&first, &base, &what);
+    let before = o.engine.src.stats();
+    let again = o.engine.generate(&ids, &opts, |_| {}).unwrap();
+    assert_same(&again, &base, &what);
+    let after = o.engine.src.stats();
+    assert!(after.trunk_pinned_pieces > 0 && after.trunk_pinned_pieces < after.trunk_pieces, "{what}");
+    // Each pass reads each streamed item at most once; pinned pieces never.
+    let passes = ids.len().div_ceil(8) + GEN;
+    let whole_streamed = after.trunk_streamed_units - after.trunk_split_units;
+    let streamed_items = after.trunk_pieces - after.trunk_pinned_pieces + whole_streamed;
+    let reads = after.trunk_reads - before.trunk_reads;
+    assert!(reads > 0 && reads <= (passes * streamed_items) as u64, "{reads} reads in {passes} passes: {what}");
 }

@@ -90,6 +90,10 @@ pub struct PlanInput {
     pub trunk_share: Option<f64>,
     /// How units can be streamed in pieces (`None`: whole units only).
     pub pieces: Option<PieceInput>,
+    /// Where units are streamed in pieces with read-ahead, hold the trunk the budget pins as
+    /// pieces of every unit spread over the token (`--trunk-pins spread`), instead of whole
+    /// units, largest first (see [`Plan::pinned_piece_bytes`]).
+    pub spread_pins: bool,
 }
 
 /// What the planner needs to stream units in pieces (row blocks of each matrix).
@@ -111,6 +115,11 @@ pub struct PieceInput {
 /// Data bytes of a piece when the planner chooses: large enough that a read runs at the
 /// device's sequential rate, small enough that the ring stays a small part of a small budget.
 pub const DEFAULT_PIECE_BYTES: u64 = 32 << 20;
+
+/// Ring slots when pinned trunk is spread as pieces (`--trunk-pins spread`): the streamed
+/// pieces come between pinned ones, so the ring holds as many as whole units pinned left it
+/// through spare expert slots on the 6-layer synth at 6 GB (11, plus the computing one).
+pub const SPREAD_RING_SLOTS: usize = 12;
 
 /// Expert slots below which no plan goes: one expert being computed while the next is read.
 pub const MIN_EXPERT_SLOTS: usize = 2;
@@ -153,6 +162,11 @@ pub struct Plan {
     pub min_piece_bytes: Option<u64>,
     /// Resident tensors of the split units (norms, biases: everything but their matrices).
     pub small_bytes: u64,
+    /// Bytes for pieces of split units held resident (`--trunk-pins spread`): every router's
+    /// pieces, then pieces spread evenly over the token's use order, so the device reads the
+    /// streamed rest while any layer computes. Whole pinned units leave it idle while they
+    /// compute once the ring is full (docs/BENCHMARKS.md, "A device that shares the cores").
+    pub pinned_piece_bytes: u64,
     /// Trunk bytes read per token (every streamed unit once).
     pub trunk_read_bytes_per_token: u64,
     /// Drafting journals counted in the scratch (0: the run does not draft).
@@ -289,6 +303,7 @@ impl Plan {
             split: Vec::new(),
             min_piece_bytes: input.pieces.as_ref().map(|p| p.min_piece_bytes),
             small_bytes: 0,
+            pinned_piece_bytes: 0,
             pinned_units: Vec::new(),
             streamed_units: Vec::new(),
             split_units: Vec::new(),
@@ -324,10 +339,15 @@ impl Plan {
     fn describe_pieces(&self) -> String {
         match self.piece_bytes {
             Some(piece) if !self.split.is_empty() => format!(
-                " ({} in pieces of {}, their norms and biases resident: {})",
+                " ({} in pieces of {}, their norms and biases resident: {}{})",
                 self.split.len(),
                 fmt_gb(piece),
-                fmt_gb(self.small_bytes)
+                fmt_gb(self.small_bytes),
+                if self.pinned_piece_bytes > 0 {
+                    format!("; pieces pinned, spread over the token: {}", fmt_gb(self.pinned_piece_bytes))
+                } else {
+                    String::new()
+                }
             ),
             _ => String::new(),
         }
@@ -521,14 +541,17 @@ impl Pieces<'_> {
             piece
         });
         let (mut pinned, mut streamed) = self.pin(input, piece, pool_min, avail);
+        let spread_ring;
+        (plan.pinned_piece_bytes, spread_ring) = self.spread(input, piece, pool_min, avail, &mut pinned, &mut streamed);
         pinned.sort_by_key(|u| u.0);
         streamed.sort_by_key(|u| u.0);
         let pinned_bytes: u64 = pinned.iter().map(|u| u.1).sum();
-        plan.ring_slots = if streamed.is_empty() { 0 } else { self.ring_slots };
+        plan.ring_slots = if streamed.is_empty() { 0 } else { self.ring_slots + spread_ring };
         plan.ring_slot_bytes = if streamed.is_empty() { 0 } else { self.slot(piece) };
         plan.piece_bytes = (!streamed.is_empty()).then_some(piece);
         plan.small_bytes = self.small(&streamed, piece);
-        let used = pinned_bytes + plan.small_bytes + plan.ring_slots as u64 * plan.ring_slot_bytes;
+        let used =
+            pinned_bytes + plan.pinned_piece_bytes + plan.small_bytes + plan.ring_slots as u64 * plan.ring_slot_bytes;
         let slots = (avail.saturating_sub(used) / input.expert_slot_bytes.max(1)) as usize;
         plan.expert_slots = slots.max(MIN_EXPERT_SLOTS).min(input.experts_total.max(MIN_EXPERT_SLOTS));
         let read_ahead = self.read_ahead_slots(input, &plan, &streamed, piece, pool_min);
@@ -545,9 +568,48 @@ impl Pieces<'_> {
         plan.streamed = streamed.iter().map(|u| u.0.name()).collect();
         plan.split = streamed.iter().filter(|u| self.is_split(u, piece)).map(|u| u.0.name()).collect();
         plan.split_units = streamed.iter().filter(|u| self.is_split(u, piece)).map(|u| u.0).collect();
-        plan.trunk_read_bytes_per_token = streamed.iter().map(|u| u.1).sum();
+        plan.trunk_read_bytes_per_token =
+            streamed.iter().map(|u| u.1).sum::<u64>().saturating_sub(plan.pinned_piece_bytes);
         plan.streamed_units = streamed.iter().map(|u| u.0).collect();
         plan
+    }
+
+    /// With [`PlanInput::spread_pins`] (and read-ahead on, no `trunk_share`, something
+    /// streamed): every unit larger than a piece is split, and the room `pin` gave whole units
+    /// (what the ring, the small tensors and the preferred pool leave of `avail`, less the
+    /// whole units no larger than a piece, which stay pinned) becomes the bytes of pinned
+    /// pieces, rounded down to the arena's alignment, less the ring slots that bring the ring
+    /// to [`SPREAD_RING_SLOTS`]. Returns those bytes and slots; `(0, 0)` leaves the choice of
+    /// `pin` as it was, as does a room that would hold every split unit whole.
+    fn spread(
+        &self,
+        input: &PlanInput,
+        piece: u64,
+        pool_min: usize,
+        avail: u64,
+        pinned: &mut Vec<Unit>,
+        streamed: &mut Vec<Unit>,
+    ) -> (u64, usize) {
+        if !input.spread_pins || input.readahead == 0 || input.trunk_share.is_some() || streamed.is_empty() {
+            return (0, 0);
+        }
+        let ring = self.ring_slots as u64 * self.slot(piece);
+        let pool = pool_min.max(MIN_EXPERT_SLOTS) as u64 * input.expert_slot_bytes;
+        let room = avail.saturating_sub(ring + self.small(self.units, piece) + pool);
+        let (whole, big): (Vec<Unit>, Vec<Unit>) =
+            pinned.iter().chain(streamed.iter()).partition(|u| !self.is_split(u, piece));
+        let whole_bytes: u64 = pinned.iter().filter(|u| !self.is_split(u, piece)).map(|u| u.1).sum();
+        let big_bytes: u64 = big.iter().map(|u| u.1).sum();
+        let ring_more = SPREAD_RING_SLOTS.saturating_sub(self.ring_slots);
+        let room = room.saturating_sub(whole_bytes + ring_more as u64 * self.slot(piece));
+        let allowance = room / self.align.max(1) * self.align.max(1);
+        if allowance == 0 || allowance >= big_bytes {
+            return (0, 0);
+        }
+        let kept: Vec<Unit> = pinned.iter().filter(|u| !self.is_split(u, piece)).copied().collect();
+        *streamed = whole.into_iter().filter(|u| !kept.contains(u)).chain(big).collect();
+        *pinned = kept;
+        (allowance, ring_more)
     }
 }
 

@@ -27,6 +27,7 @@ pub(crate) fn input(budget: u64) -> PlanInput {
         scratch_bytes: 50,
         trunk_share: None,
         pieces: None,
+        spread_pins: false,
     }
 }
 
@@ -343,4 +344,49 @@ fn spare_expert_slots_become_read_ahead_ring_slots() {
     let shared = with(700, 1, Some(0.5));
     assert_eq!(shared.ring_slots, PIECE_RING_SLOTS, "{shared:?}");
     assert!(shared.expert_slots > 8, "{shared:?}");
+}
+
+/// `--trunk-pins spread`: the room whole units took holds pieces of every unit instead (all
+/// split, none pinned whole), less what brings the ring to [`SPREAD_RING_SLOTS`]; whole units
+/// again without read-ahead, with a share set by `tune`, or at a budget that pins everything.
+#[test]
+fn spread_pins_hold_the_pinned_trunk_as_pieces_of_every_unit() {
+    let with = |budget: u64, readahead: usize, trunk_share: Option<f64>, spread_pins: bool| {
+        let input = PlanInput { pieces: Some(pieces(None)), readahead, trunk_share, spread_pins, ..input(budget) };
+        Plan::make(&input).unwrap()
+    };
+    let units = with(700, 1, None, false);
+    let spread = with(700, 1, None, true);
+    assert!(!units.pinned.is_empty() && units.pinned_piece_bytes == 0, "{units:?}");
+    assert!(spread.pinned.is_empty() && spread.split.len() == 11, "{spread:?}");
+    assert_eq!((spread.piece_bytes, spread.ring_slots), (Some(32), SPREAD_RING_SLOTS), "{spread:?}");
+    // Of 700 (below the whole units' minimum, 780): states and scratch 100, small tensors 32,
+    // 8 expert slots of 10 and 12 ring slots of 36 (32 + 4 slack) leave 56 (a multiple of the
+    // arena's alignment, 2).
+    assert_eq!(spread.pinned_piece_bytes, 56, "{spread:?}");
+    assert_eq!(spread.expert_slots, 8, "{spread:?}");
+    assert_eq!(spread.planned_bytes, 700, "{spread:?}");
+    let trunk: u64 = (0..10).map(|l| 100 + l).sum::<u64>() + 300;
+    assert_eq!(spread.trunk_read_bytes_per_token, trunk - 56);
+    // What spread gives up: the 8 ring slots beyond the whole units' 4, less what those left
+    // unpinned (a whole unit does not fit every byte) and gave the ring from the pool.
+    let ring_cost = (SPREAD_RING_SLOTS - PIECE_RING_SLOTS) as u64 * 36;
+    assert!(spread.trunk_read_bytes_per_token <= units.trunk_read_bytes_per_token + ring_cost, "{units:?}");
+    assert!(spread.describe().contains("pieces pinned, spread over the token: "), "{}", spread.describe());
+    for (what, p) in [
+        ("serial", with(700, 0, None, true)),
+        ("a share", with(700, 1, Some(1.0), true)),
+        ("everything pinned", with(5000, 1, None, true)),
+    ] {
+        assert_eq!(p.pinned_piece_bytes, 0, "{what}: {p:?}");
+        assert!(!p.describe().contains("spread"), "{what}");
+    }
+    assert_eq!(with(5000, 1, None, true).trunk_read_bytes_per_token, 0);
+    // The smallest budget has no room to pin: the same plan either way.
+    let min = units.minimum_bytes;
+    let (a, b) = (with(min, 1, None, false), with(min, 1, None, true));
+    assert_eq!(
+        (a.pinned_piece_bytes, a.ring_slots, a.expert_slots),
+        (b.pinned_piece_bytes, b.ring_slots, b.expert_slots)
+    );
 }

@@ -186,13 +186,16 @@ pub struct ArenaLayout {
     pub embed: Region,
     /// The small tensors of split units (see [`super::pieces`]).
     pub small: Region,
+    /// The pinned pieces of split units (see [`super::pieces`]).
+    pub pinned_pieces: Region,
     pub total: usize,
 }
 
 impl ArenaLayout {
     /// Assigns arena regions, each aligned to `align`: pinned units, ring slots, expert slots
     /// (holding an expert read at `expert_align`), the embedding row buffer
-    /// (for `chunk_tokens` rows), the small tensors of split units (`small_bytes`). Whether the
+    /// (for `chunk_tokens` rows), the small tensors of split units and their pinned pieces
+    /// (`(small_bytes, pinned_piece_bytes)`). Whether the
     /// ring slots hold every streamed item is checked by [`super::pieces::RingItems::new`].
     pub fn new(
         pack: &PackLayout,
@@ -200,7 +203,7 @@ impl ArenaLayout {
         plan: &Plan,
         chunk_tokens: usize,
         (align, expert_align): (u64, u64),
-        small_bytes: usize,
+        (small_bytes, pinned_piece_bytes): (usize, usize),
     ) -> Result<ArenaLayout, StreamError> {
         let mut off = 0u64;
         let mut take = |len: u64| {
@@ -228,6 +231,14 @@ impl ArenaLayout {
         let embed = take(embed_buffer_bytes(cfg, chunk_tokens.max(1), align));
         // Nothing split, nothing allocated: the plan counts no small region then.
         let small = if small_bytes > 0 { take(small_bytes as u64) } else { Region { off: 0, len: 0 } };
-        Ok(ArenaLayout { pinned, ring, experts, embed, small, total: off as usize })
+        if pinned_piece_bytes as u64 > plan.pinned_piece_bytes {
+            return Err(StreamError::Mismatch(format!(
+                "pinned pieces of {pinned_piece_bytes} bytes chosen, {} planned",
+                plan.pinned_piece_bytes
+            )));
+        }
+        let pinned_pieces =
+            if pinned_piece_bytes > 0 { take(pinned_piece_bytes as u64) } else { Region { off: 0, len: 0 } };
+        Ok(ArenaLayout { pinned, ring, experts, embed, small, pinned_pieces, total: off as usize })
     }
 }

@@ -82,6 +82,8 @@ pub struct StoreOptions {
     /// Stream trunk units in pieces of this many bytes whatever the budget (`--piece-mb`);
     /// `None`: the planner decides.
     pub piece_bytes: Option<u64>,
+    /// Hold the pinned trunk as pieces spread over the token ([`crate::storage::plan::PlanInput::spread_pins`]).
+    pub spread_pins: bool,
 }
 
 impl Default for StoreOptions {
@@ -95,6 +97,7 @@ impl Default for StoreOptions {
             numa_node: None,
             policy: policy::DEFAULT_POLICY.to_owned(),
             piece_bytes: None,
+            spread_pins: false,
         }
     }
 }
@@ -293,6 +296,8 @@ pub struct Store {
     items: RingItems,
     /// The small tensors of split units (copied at open), if any unit is split.
     small: Option<Filled>,
+    /// The pinned pieces of split units (copied at open), if the plan pins any.
+    pinned_pieces: Option<Filled>,
     ring: Mutex<TrunkRing>,
     pool: Mutex<ExpertPool>,
     /// The expert check that waits for reads have left part-way, if any.
@@ -353,7 +358,14 @@ impl Store {
         // An expert file holds each expert's image at the pack's alignment, which may be
         // stricter than the device's: its slots must hold that image.
         let expert_align = if placed.is_empty() { align } else { align.max(manifest.alignment) };
-        let layout = ArenaLayout::new(&pack, cfg, plan, opts.chunk_tokens, (align, expert_align), items.small_bytes)?;
+        let layout = ArenaLayout::new(
+            &pack,
+            cfg,
+            plan,
+            opts.chunk_tokens,
+            (align, expert_align),
+            (items.small_bytes, items.pinned_bytes),
+        )?;
         let buf_opts = BufOptions { node: opts.numa_node, lock: opts.lock_memory, ..BufOptions::default() };
         let buf = Arc::new(AlignedBuf::new(layout.total.max(align as usize), &buf_opts)?);
         Ok(Prepared {
@@ -405,6 +417,7 @@ impl Store {
             trunk_streamed_units: streamed_units,
             trunk_split_units: p.items.split.iter().filter(|s| s.is_some()).count(),
             trunk_pieces: p.items.items.iter().filter(|i| i.rows.is_some()).count(),
+            trunk_pinned_pieces: p.items.items.iter().filter(|i| i.pinned_at.is_some()).count(),
             ..stats
         };
         let ring_slots = p.layout.ring.iter().map(|&r| arena.slot(r)).collect();
@@ -429,6 +442,7 @@ impl Store {
             items: p.items,
             placed: p.placed,
             small: None,
+            pinned_pieces: None,
             ring: Mutex::new(ring),
             pool: Mutex::new(pool),
             waiting_check: Mutex::new(None),

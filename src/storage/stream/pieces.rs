@@ -44,6 +44,9 @@ pub struct RingItem {
     /// Where the item's own bytes start in the slot, and how many there are.
     pub data_at: usize,
     pub data_len: usize,
+    /// A piece held resident (the plan's pinned pieces): where its bytes are in that region.
+    /// It is copied there at open and never read through the ring.
+    pub pinned_at: Option<usize>,
 }
 
 /// A unit streamed in pieces.
@@ -53,6 +56,8 @@ pub struct SplitUnit {
     pub matrices: Vec<(TensorId, Range<usize>)>,
     /// The unit's other tensors: id, offset in the unit, length, and offset in the small region.
     pub small: Vec<(TensorId, usize, usize, usize)>,
+    /// Its router's pieces are all pinned: a prediction can score the layer without a read.
+    pub router_resident: bool,
 }
 
 impl SplitUnit {
@@ -78,6 +83,8 @@ pub struct RingItems {
     pub split: Vec<Option<SplitUnit>>,
     /// Bytes of the small region (the small tensors of every split unit, 64-byte aligned).
     pub small_bytes: usize,
+    /// Bytes of the region of pinned pieces (each 64-byte aligned).
+    pub pinned_bytes: usize,
 }
 
 /// The matrices the forward pass reads from `unit`, in its order.
@@ -121,6 +128,7 @@ impl RingItems {
             whole: vec![None; n],
             split: vec![None; n],
             small_bytes: 0,
+            pinned_bytes: 0,
         };
         let mut use_order: Vec<usize> = pack.unit_of_layer.clone();
         use_order.push(pack.head_unit);
@@ -136,6 +144,7 @@ impl RingItems {
                     read_len: place.len,
                     data_at: 0,
                     data_len: place.len as usize,
+                    pinned_at: None,
                 });
                 continue;
             }
@@ -180,6 +189,7 @@ impl RingItems {
                         read_len,
                         data_at: (start - read_offset) as usize,
                         data_len: (stop - start) as usize,
+                        pinned_at: None,
                     });
                     r = end;
                 }
@@ -196,6 +206,7 @@ impl RingItems {
             }
             out.split[u] = Some(split);
         }
+        out.pin_pieces(weights, plan.pinned_piece_bytes);
         if let Some(big) = out.items.iter().find(|i| i.read_len > plan.ring_slot_bytes) {
             return Err(StreamError::Mismatch(format!(
                 "the plan's trunk slots of {} bytes cannot hold a read of {} bytes of {}",
@@ -205,6 +216,62 @@ impl RingItems {
             )));
         }
         Ok(out)
+    }
+
+    /// Holds pieces resident within `allowance` bytes (each piece 64-byte aligned): first every
+    /// router's pieces, layer by layer (a prediction scores the next layer with them, and a
+    /// router is a small part of a layer), then the others spread evenly over the token's use
+    /// order: a piece is pinned while the pinned bytes so far stay within the share of the use
+    /// order's bytes so far that the allowance left covers of them all, so the device has
+    /// streamed pieces to read while any part of the token computes. Streamed items leave the
+    /// use order. Nothing when `allowance` is 0.
+    fn pin_pieces(&mut self, weights: &ModelWeights, allowance: u64) {
+        if allowance == 0 {
+            return;
+        }
+        let aligned = |it: &RingItem| (it.data_len.div_ceil(64) * 64) as u64;
+        let routers: Vec<TensorId> = weights
+            .layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                crate::model::weights::FfnWeights::Moe(w) => Some(w.gate.id),
+                _ => None,
+            })
+            .collect();
+        let mut left = allowance;
+        for split in self.split.iter_mut().flatten() {
+            let Some(items) = routers.iter().find_map(|&r| split.items_of(r)) else { continue };
+            let bytes: u64 = items.clone().map(|i| aligned(&self.items[i])).sum();
+            if bytes > left {
+                continue;
+            }
+            left -= bytes;
+            split.router_resident = true;
+            for i in items {
+                self.items[i].pinned_at = Some(self.pinned_bytes);
+                self.pinned_bytes += aligned(&self.items[i]) as usize;
+            }
+        }
+        let rest: Vec<usize> = self
+            .order
+            .iter()
+            .copied()
+            .filter(|&i| self.items[i].rows.is_some() && self.items[i].pinned_at.is_none())
+            .collect();
+        let total: u64 = rest.iter().map(|&i| aligned(&self.items[i])).sum();
+        let share = if total == 0 { 0.0 } else { (left as f64 / total as f64).min(1.0) };
+        let (mut seen, mut held) = (0u64, 0u64);
+        for i in rest {
+            let bytes = aligned(&self.items[i]);
+            seen += bytes;
+            if held + bytes <= left && (held + bytes) as f64 <= share * seen as f64 + bytes as f64 / 2.0 {
+                held += bytes;
+                self.items[i].pinned_at = Some(self.pinned_bytes);
+                self.pinned_bytes += bytes as usize;
+            }
+        }
+        let items = &self.items;
+        self.order.retain(|&i| items[i].pinned_at.is_none());
     }
 
     /// The pieces of split unit `unit` with their data's range inside the unit, by offset.
@@ -297,10 +364,23 @@ impl super::Store {
                 let data = &self.arena.bytes(filled)[..n as usize];
                 whole.update(data);
                 let window = at..at + n;
-                for ((_, r), h) in pieces.iter().zip(&mut piece_hash) {
+                for ((item, r), h) in pieces.iter().zip(&mut piece_hash) {
                     let (s, e) = (r.start.max(window.start), r.end.min(window.end));
                     if s < e {
                         h.update(&data[(s - at) as usize..(e - at) as usize]);
+                        if let Some(to) = self.items.items[*item].pinned_at {
+                            // SAFETY: as for the small region below: the region of pinned
+                            // pieces is never a read's target, and its `Filled` handle is made
+                            // only after this pass.
+                            unsafe {
+                                self.arena.copy_into(
+                                    layout.pinned_pieces,
+                                    to + (s - r.start) as usize,
+                                    filled,
+                                    (s - at) as usize..(e - at) as usize,
+                                );
+                            }
+                        }
                     }
                 }
                 for &(_, offset, len, to) in &small {
@@ -336,6 +416,11 @@ impl super::Store {
         }
         // SAFETY: every copy into the small region is done, and nothing writes it again.
         self.small = Some(unsafe { self.arena.copied(layout.small) });
+        if self.items.pinned_bytes > 0 {
+            // SAFETY: every pinned piece was copied whole in the pass above (each lies inside
+            // its unit, which the pass read to the end), and nothing writes the region again.
+            self.pinned_pieces = Some(unsafe { self.arena.copied(layout.pinned_pieces) });
+        }
         let mut stats = super::lock(&self.stats);
         stats.trunk_bytes_read += bytes_read;
         stats.trunk_reads += reads;

@@ -19,6 +19,8 @@ pub struct StreamStats {
     /// Streamed units read in pieces, and how many pieces they have together.
     pub trunk_split_units: usize,
     pub trunk_pieces: usize,
+    /// Pieces of split units held resident from open (`--trunk-pins spread`), among `trunk_pieces`.
+    pub trunk_pinned_pieces: usize,
     pub trunk_bytes_read: u64,
     pub trunk_reads: u64,
     pub embed_bytes_read: u64,

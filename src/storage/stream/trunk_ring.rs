@@ -70,7 +70,11 @@ pub struct TrunkGuard<'a> {
 enum Held<'a> {
     Pinned(Filled),
     Ring(RingHold<'a>),
-    Split,
+    /// `resident_only`: a prediction's view, which must never wait: a streamed piece is an
+    /// error instead of a read.
+    Split {
+        resident_only: bool,
+    },
 }
 
 /// A ring slot's bytes, held (its users count raised) until dropped.
@@ -98,7 +102,7 @@ impl TrunkView for TrunkGuard<'_> {
         let base = match &self.held {
             Held::Pinned(base) => *base,
             Held::Ring(hold) => hold.base,
-            Held::Split => {
+            Held::Split { .. } => {
                 let split = self.store.items.split[self.unit].as_ref();
                 let (Some(range), Some(small)) = (split.and_then(|s| s.small_of(id)), self.store.small) else {
                     panic!("tensor {id} read whole from a unit streamed in pieces")
@@ -113,17 +117,36 @@ impl TrunkView for TrunkGuard<'_> {
     }
 
     fn row_blocks(&self, mat: &Mat, f: &mut dyn FnMut(std::ops::Range<usize>, &[u8])) -> Result<(), SourceError> {
-        let items = match &self.held {
-            Held::Split => self.store.items.split[self.unit].as_ref().and_then(|s| s.items_of(mat.id)),
-            _ => None,
+        let (items, resident_only) = match &self.held {
+            Held::Split { resident_only } => {
+                (self.store.items.split[self.unit].as_ref().and_then(|s| s.items_of(mat.id)), *resident_only)
+            }
+            _ => (None, false),
         };
         let Some(items) = items else {
             f(0..mat.rows, self.bytes(mat.id));
             return Ok(());
         };
         for item in items {
+            let it = &self.store.items.items[item];
+            let rows = it.rows.as_ref().map_or(0..mat.rows, |p| p.rows.clone());
+            if let Some(at) = it.pinned_at {
+                let region = self.store.pinned_pieces.ok_or_else(|| {
+                    SourceError::Internal(format!(
+                        "{} is pinned but no pinned piece was copied",
+                        self.store.item_name(item)
+                    ))
+                })?;
+                f(rows, &self.store.arena.bytes(region)[at..at + it.data_len]);
+                continue;
+            }
+            if resident_only {
+                return Err(SourceError::Internal(format!(
+                    "{} is not resident, and a prediction does not read",
+                    self.store.item_name(item)
+                )));
+            }
             let hold = self.store.acquire_item(item)?;
-            let rows = self.store.items.items[item].rows.as_ref().map_or(0..mat.rows, |p| p.rows.clone());
             f(rows, hold.data());
         }
         Ok(())
@@ -139,7 +162,7 @@ impl Store {
             return Ok(TrunkGuard { store: self, unit: u, held: Held::Pinned(base) });
         }
         if self.items.split[u].is_some() {
-            return Ok(TrunkGuard { store: self, unit: u, held: Held::Split });
+            return Ok(TrunkGuard { store: self, unit: u, held: Held::Split { resident_only: false } });
         }
         let item = self.items.whole[u]
             .ok_or_else(|| SourceError::Internal(format!("trunk unit {unit:?} is neither pinned nor streamed")))?;
@@ -149,11 +172,15 @@ impl Store {
     /// The unit's bytes if its read has completed (pinned, or read whole into the ring),
     /// without waiting or issuing a read: for predictions, which must never stall compute. The
     /// bytes of a unit read for the first time may not have been verified yet. A split unit is
-    /// never resident whole.
+    /// never resident whole: its view serves the small tensors and the pinned pieces (its
+    /// router's, when [`super::pieces::SplitUnit::router_resident`]) and refuses the rest.
     pub fn trunk_if_resident(&self, unit: TrunkUnit) -> Option<TrunkGuard<'_>> {
         let u = self.pack.unit_index(unit)?;
         if let Some(base) = self.pinned[u] {
             return Some(TrunkGuard { store: self, unit: u, held: Held::Pinned(base) });
+        }
+        if self.items.split[u].as_ref().is_some_and(|s| s.router_resident) {
+            return Some(TrunkGuard { store: self, unit: u, held: Held::Split { resident_only: true } });
         }
         let item = self.items.whole[u]?;
         let mut ring = lock(&self.ring);
