@@ -251,8 +251,17 @@ pub struct StorageArgs {
     /// Where units stream in pieces: hold the trunk the budget pins as whole units, largest
     /// first (`units`), or as pieces of every unit spread over the token, every router's first
     /// (`spread`), so the drive reads the streamed rest while any layer computes.
-    #[arg(long, value_name = "HOW", default_value = "units", value_parser = ["units", "spread"])]
-    pub trunk_pins: String,
+    #[arg(long, value_name = "HOW", value_enum, default_value_t = TrunkPins::Units)]
+    pub trunk_pins: TrunkPins,
+}
+
+/// How a budget that streams units in pieces holds the trunk it pins (`--trunk-pins`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TrunkPins {
+    /// Whole units, largest first.
+    Units,
+    /// Pieces of every unit, routers first, the rest spread over the token.
+    Spread,
 }
 
 fn parse_share(s: &str) -> Result<f64, String> {

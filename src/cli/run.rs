@@ -287,7 +287,7 @@ pub(super) fn streaming_run(
             verify_experts: !st.no_verify_experts,
             policy: pipe.policy.clone(),
             piece_bytes: st.piece_mb.map(|mb| (mb * 1e6).round() as u64),
-            spread_pins: st.trunk_pins == "spread",
+            spread_pins: st.trunk_pins == super::TrunkPins::Spread,
             ..StoreOptions::default()
         },
         pipeline: PipelineOptions {

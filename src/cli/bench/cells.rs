@@ -218,7 +218,7 @@ pub(super) fn cell_run(args: &BenchArgs, io: IoKind, spec: &MeasureSpec, budget:
             readahead: 1,
             verify_experts: !args.no_verify_experts,
             policy: args.policy.clone(),
-            spread_pins: args.trunk_pins == "spread",
+            spread_pins: args.trunk_pins == crate::cli::TrunkPins::Spread,
             ..StoreOptions::default()
         },
         pipeline: PipelineOptions {

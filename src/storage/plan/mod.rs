@@ -234,9 +234,9 @@ impl Plan {
         };
         // Whole units are possible while the budget holds their ring, the preferred pool and
         // every sequence asked for; then the plan with fewer trunk bytes per token is taken
-        // (below). A split unit's experts are never predicted (its router is never resident
-        // whole), which costs nothing measurable while the trunk streams: the device is busy
-        // with it (docs/BENCHMARKS.md, "Speculation on by default": 1.00x at 6 GB). Below
+        // (below). A split unit's experts are not predicted unless `spread_pins` pinned its
+        // router's pieces, which costs nothing measurable while the trunk streams: the device is
+        // busy with it (docs/BENCHMARKS.md, "Speculation on by default": 1.00x at 6 GB). Below
         // that, pieces (sequences come before the ring's size, as before pinned trunk).
         let asked = input.sequences.max(1);
         let all_sequences = (asked as u64 - 1).saturating_mul(input.states_bytes);
@@ -262,14 +262,18 @@ impl Plan {
         let plan = match pieces {
             Some(p) if !whole => p.plan(input, base, forced, pool_min, input.budget - fixed),
             // Both fit: the ring of pieces is taken when what it frees of the whole-unit ring
-            // pins more (fewer trunk bytes per token), so more budget never reads more.
+            // pins more (fewer trunk bytes per token), so more budget never reads more. The
+            // choice is made as without `spread_pins`, which then applies to pieces as asked.
             Some(p) => {
-                let in_pieces = p.plan(input, base.clone(), None, pool_min, input.budget - fixed);
-                let in_units = whole_of(base);
-                if in_pieces.trunk_read_bytes_per_token < in_units.trunk_read_bytes_per_token {
-                    in_pieces
-                } else {
+                let unspread = PlanInput { spread_pins: false, ..input.clone() };
+                let in_pieces = p.plan(&unspread, base.clone(), None, pool_min, input.budget - fixed);
+                let in_units = whole_of(base.clone());
+                if in_pieces.trunk_read_bytes_per_token >= in_units.trunk_read_bytes_per_token {
                     in_units
+                } else if input.spread_pins {
+                    p.plan(input, base, None, pool_min, input.budget - fixed)
+                } else {
+                    in_pieces
                 }
             }
             None => whole_of(base),
@@ -579,7 +583,8 @@ impl Pieces<'_> {
     /// (what the ring, the small tensors and the preferred pool leave of `avail`, less the
     /// whole units no larger than a piece, which stay pinned) becomes the bytes of pinned
     /// pieces, rounded down to the arena's alignment, less the ring slots that bring the ring
-    /// to [`SPREAD_RING_SLOTS`]. Returns those bytes and slots; `(0, 0)` leaves the choice of
+    /// to [`SPREAD_RING_SLOTS`] (or to the pieces left to stream, if fewer). Returns those
+    /// bytes and slots; `(0, 0)` leaves the choice of
     /// `pin` as it was, as does a room that would hold every split unit whole.
     fn spread(
         &self,
@@ -600,7 +605,11 @@ impl Pieces<'_> {
             pinned.iter().chain(streamed.iter()).partition(|u| !self.is_split(u, piece));
         let whole_bytes: u64 = pinned.iter().filter(|u| !self.is_split(u, piece)).map(|u| u.1).sum();
         let big_bytes: u64 = big.iter().map(|u| u.1).sum();
-        let ring_more = SPREAD_RING_SLOTS.saturating_sub(self.ring_slots);
+        // No more ring than the pieces left to stream would fill.
+        let left_to_stream = big_bytes.saturating_sub(room.saturating_sub(whole_bytes)).div_ceil(piece.max(1));
+        let ring_more = SPREAD_RING_SLOTS
+            .min(usize::try_from(left_to_stream).unwrap_or(usize::MAX))
+            .saturating_sub(self.ring_slots);
         let room = room.saturating_sub(whole_bytes + ring_more as u64 * self.slot(piece));
         let allowance = room / self.align.max(1) * self.align.max(1);
         if allowance == 0 || allowance >= big_bytes {
@@ -635,7 +644,9 @@ impl Pieces<'_> {
         if input.trunk_share.is_some() || input.readahead == 0 || !split || plan.ring_slot_bytes == 0 {
             return 0;
         }
-        let items: u64 = streamed.iter().map(|u| if self.is_split(u, piece) { u.1.div_ceil(piece) } else { 1 }).sum();
+        let items: u64 =
+            streamed.iter().map(|u| if self.is_split(u, piece) { u.1.div_ceil(piece) } else { 1 }).sum::<u64>()
+                - plan.pinned_piece_bytes / piece.max(1);
         let spare = plan.expert_slots.saturating_sub(pool_min.max(MIN_EXPERT_SLOTS)) as u64 * input.expert_slot_bytes;
         let affordable = spare / plan.ring_slot_bytes;
         let useful = items.saturating_sub(plan.ring_slots as u64);

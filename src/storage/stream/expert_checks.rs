@@ -259,14 +259,14 @@ impl Store {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
-mod tests {
+pub(crate) mod tests {
     use std::path::{Path, PathBuf};
 
     use super::super::{AdmitAll, Guess, Priority, Store};
     use crate::engine::{open_streaming, Opened, StreamingRun};
     use crate::pipeline::Pipeline;
 
-    fn tiny_copy() -> (tempfile::TempDir, PathBuf) {
+    pub(crate) fn tiny_copy() -> (tempfile::TempDir, PathBuf) {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("model");
         std::fs::create_dir(&dir).unwrap();

@@ -38,6 +38,10 @@ pub mod reads;
 pub mod stats;
 pub mod trunk_ring;
 
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod spread_tests;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 

@@ -218,19 +218,16 @@ impl RingItems {
         Ok(out)
     }
 
-    /// Holds pieces resident within `allowance` bytes (each piece 64-byte aligned): first every
-    /// router's pieces, layer by layer (a prediction scores the next layer with them, and a
-    /// router is a small part of a layer), then the others spread evenly over the token's use
-    /// order: a piece is pinned while the pinned bytes so far stay within the share of the use
-    /// order's bytes so far that the allowance left covers of them all, so the device has
-    /// streamed pieces to read while any part of the token computes. Streamed items leave the
-    /// use order. Nothing when `allowance` is 0.
+    /// Holds pieces resident within `allowance` bytes as [`choose_pins`] picks them: every
+    /// router's pieces first, layer by layer (a prediction scores the next layer with them, and
+    /// a router is a small part of a layer), then the others spread evenly over the token's use
+    /// order. Pinned pieces leave the use order. Nothing when `allowance` is 0.
     fn pin_pieces(&mut self, weights: &ModelWeights, allowance: u64) {
         if allowance == 0 {
             return;
         }
         let aligned = |it: &RingItem| (it.data_len.div_ceil(64) * 64) as u64;
-        let routers: Vec<TensorId> = weights
+        let router_ids: Vec<TensorId> = weights
             .layers
             .iter()
             .filter_map(|l| match &l.ffn {
@@ -238,37 +235,30 @@ impl RingItems {
                 _ => None,
             })
             .collect();
-        let mut left = allowance;
-        for split in self.split.iter_mut().flatten() {
-            let Some(items) = routers.iter().find_map(|&r| split.items_of(r)) else { continue };
-            let bytes: u64 = items.clone().map(|i| aligned(&self.items[i])).sum();
-            if bytes > left {
-                continue;
-            }
-            left -= bytes;
-            split.router_resident = true;
-            for i in items {
-                self.items[i].pinned_at = Some(self.pinned_bytes);
-                self.pinned_bytes += aligned(&self.items[i]) as usize;
-            }
-        }
-        let rest: Vec<usize> = self
+        let routers: Vec<(usize, Vec<(usize, u64)>)> = (0..self.split.len())
+            .filter_map(|u| {
+                let items = router_ids.iter().find_map(|&r| self.split[u].as_ref()?.items_of(r))?;
+                Some((u, items.map(|i| (i, aligned(&self.items[i]))).collect()))
+            })
+            .collect();
+        let router_items: Vec<usize> = routers.iter().flat_map(|(_, r)| r.iter().map(|p| p.0)).collect();
+        let rest: Vec<(usize, u64)> = self
             .order
             .iter()
             .copied()
-            .filter(|&i| self.items[i].rows.is_some() && self.items[i].pinned_at.is_none())
+            .filter(|&i| self.items[i].rows.is_some() && !router_items.contains(&i))
+            .map(|i| (i, aligned(&self.items[i])))
             .collect();
-        let total: u64 = rest.iter().map(|&i| aligned(&self.items[i])).sum();
-        let share = if total == 0 { 0.0 } else { (left as f64 / total as f64).min(1.0) };
-        let (mut seen, mut held) = (0u64, 0u64);
-        for i in rest {
-            let bytes = aligned(&self.items[i]);
-            seen += bytes;
-            if held + bytes <= left && (held + bytes) as f64 <= share * seen as f64 + bytes as f64 / 2.0 {
-                held += bytes;
-                self.items[i].pinned_at = Some(self.pinned_bytes);
-                self.pinned_bytes += bytes as usize;
+        let groups: Vec<Vec<(usize, u64)>> = routers.iter().map(|(_, r)| r.clone()).collect();
+        let (pinned, routers_held) = choose_pins(&groups, &rest, allowance);
+        for ((u, _), held) in routers.iter().zip(routers_held) {
+            if let Some(split) = self.split[*u].as_mut() {
+                split.router_resident = held;
             }
+        }
+        for (i, bytes) in pinned {
+            self.items[i].pinned_at = Some(self.pinned_bytes);
+            self.pinned_bytes += bytes as usize;
         }
         let items = &self.items;
         self.order.retain(|&i| items[i].pinned_at.is_none());
@@ -289,6 +279,42 @@ impl RingItems {
         v.sort_by_key(|p| p.1.start);
         v
     }
+}
+
+/// Which pieces to pin within `allowance` bytes: each group of `routers` (a router's pieces,
+/// `(item, bytes)`) whole or not at all, in order, while it fits; then of `rest` (the other
+/// pieces in use order) a piece is pinned while the pinned bytes so far stay within half a piece
+/// of the share the allowance left covers of the bytes seen so far, so pinned and streamed pieces
+/// alternate evenly. Returns the pinned `(item, bytes)` (routers first, then in use order) and
+/// which router groups were pinned.
+pub(crate) fn choose_pins(
+    routers: &[Vec<(usize, u64)>],
+    rest: &[(usize, u64)],
+    allowance: u64,
+) -> (Vec<(usize, u64)>, Vec<bool>) {
+    let mut left = allowance;
+    let mut pinned = Vec::new();
+    let mut held = Vec::with_capacity(routers.len());
+    for group in routers {
+        let bytes: u64 = group.iter().map(|p| p.1).sum();
+        let fits = bytes <= left;
+        if fits {
+            left -= bytes;
+            pinned.extend_from_slice(group);
+        }
+        held.push(fits);
+    }
+    let total: u64 = rest.iter().map(|p| p.1).sum();
+    let share = if total == 0 { 0.0 } else { (left as f64 / total as f64).min(1.0) };
+    let (mut seen, mut kept) = (0u64, 0u64);
+    for &(item, bytes) in rest {
+        seen += bytes;
+        if kept + bytes <= left && (kept + bytes) as f64 <= share * seen as f64 + bytes as f64 / 2.0 {
+            kept += bytes;
+            pinned.push((item, bytes));
+        }
+    }
+    (pinned, held)
 }
 
 /// What the planner needs to know of pieces: per unit its small tensors' bytes, and the
@@ -370,8 +396,9 @@ impl super::Store {
                         h.update(&data[(s - at) as usize..(e - at) as usize]);
                         if let Some(to) = self.items.items[*item].pinned_at {
                             // SAFETY: as for the small region below: the region of pinned
-                            // pieces is never a read's target, and its `Filled` handle is made
-                            // only after this pass.
+                            // pieces is never a read's target, its `Filled` handle is made only
+                            // after this pass, and each piece has its own disjoint range in it
+                            // (`pin_pieces` hands out offsets one after the other).
                             unsafe {
                                 self.arena.copy_into(
                                     layout.pinned_pieces,
