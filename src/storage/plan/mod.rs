@@ -603,7 +603,8 @@ impl Pieces<'_> {
         let room = avail.saturating_sub(ring + self.small(self.units, piece) + pool);
         let (whole, big): (Vec<Unit>, Vec<Unit>) =
             pinned.iter().chain(streamed.iter()).partition(|u| !self.is_split(u, piece));
-        let whole_bytes: u64 = pinned.iter().filter(|u| !self.is_split(u, piece)).map(|u| u.1).sum();
+        let kept: Vec<Unit> = pinned.iter().filter(|u| !self.is_split(u, piece)).copied().collect();
+        let whole_bytes: u64 = kept.iter().map(|u| u.1).sum();
         let big_bytes: u64 = big.iter().map(|u| u.1).sum();
         // No more ring than the pieces left to stream would fill.
         let left_to_stream = big_bytes.saturating_sub(room.saturating_sub(whole_bytes)).div_ceil(piece.max(1));
@@ -615,7 +616,6 @@ impl Pieces<'_> {
         if allowance == 0 || allowance >= big_bytes {
             return (0, 0);
         }
-        let kept: Vec<Unit> = pinned.iter().filter(|u| !self.is_split(u, piece)).copied().collect();
         *streamed = whole.into_iter().filter(|u| !kept.contains(u)).chain(big).collect();
         *pinned = kept;
         (allowance, ring_more)
@@ -644,9 +644,11 @@ impl Pieces<'_> {
         if input.trunk_share.is_some() || input.readahead == 0 || !split || plan.ring_slot_bytes == 0 {
             return 0;
         }
-        let items: u64 =
-            streamed.iter().map(|u| if self.is_split(u, piece) { u.1.div_ceil(piece) } else { 1 }).sum::<u64>()
-                - plan.pinned_piece_bytes / piece.max(1);
+        let items: u64 = streamed
+            .iter()
+            .map(|u| if self.is_split(u, piece) { u.1.div_ceil(piece) } else { 1 })
+            .sum::<u64>()
+            .saturating_sub(plan.pinned_piece_bytes / piece.max(1));
         let spare = plan.expert_slots.saturating_sub(pool_min.max(MIN_EXPERT_SLOTS)) as u64 * input.expert_slot_bytes;
         let affordable = spare / plan.ring_slot_bytes;
         let useful = items.saturating_sub(plan.ring_slots as u64);

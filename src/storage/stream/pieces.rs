@@ -235,13 +235,13 @@ impl RingItems {
                 _ => None,
             })
             .collect();
-        let routers: Vec<(usize, Vec<(usize, u64)>)> = (0..self.split.len())
+        let (router_units, groups): (Vec<usize>, Vec<Vec<(usize, u64)>>) = (0..self.split.len())
             .filter_map(|u| {
                 let items = router_ids.iter().find_map(|&r| self.split[u].as_ref()?.items_of(r))?;
                 Some((u, items.map(|i| (i, aligned(&self.items[i]))).collect()))
             })
-            .collect();
-        let router_items: Vec<usize> = routers.iter().flat_map(|(_, r)| r.iter().map(|p| p.0)).collect();
+            .unzip();
+        let router_items: Vec<usize> = groups.iter().flatten().map(|p| p.0).collect();
         let rest: Vec<(usize, u64)> = self
             .order
             .iter()
@@ -249,10 +249,9 @@ impl RingItems {
             .filter(|&i| self.items[i].rows.is_some() && !router_items.contains(&i))
             .map(|i| (i, aligned(&self.items[i])))
             .collect();
-        let groups: Vec<Vec<(usize, u64)>> = routers.iter().map(|(_, r)| r.clone()).collect();
         let (pinned, routers_held) = choose_pins(&groups, &rest, allowance);
-        for ((u, _), held) in routers.iter().zip(routers_held) {
-            if let Some(split) = self.split[*u].as_mut() {
+        for (u, held) in router_units.into_iter().zip(routers_held) {
+            if let Some(split) = self.split[u].as_mut() {
                 split.router_resident = held;
             }
         }
