@@ -39,7 +39,7 @@ pub struct PipelineArgs {
     /// device had idle time for at this layer are read).
     #[arg(long)]
     pub spec_fixed: bool,
-    /// Expert cache policy: lru, s3fifo, lfu or cyclic.
+    /// Expert cache policy: lru, s3fifo, lfu, cyclic or even.
     #[arg(long, value_name = "NAME", default_value = DEFAULT_POLICY, value_parser = PossibleValuesParser::new(POLICY_NAMES))]
     pub policy: String,
     /// pipelined (reads overlap compute) or serial (read a layer's experts, then compute them).

@@ -13,7 +13,7 @@ const LAYERS: usize = 8;
 const EXPERTS: usize = 64;
 const TOP_K: usize = 4;
 const TOKENS: u64 = 300;
-const POLICIES: [&str; 5] = ["lru", "s3fifo", "lfu", "cyclic", "belady"];
+const POLICIES: [&str; 6] = ["lru", "s3fifo", "lfu", "cyclic", "even", "belady"];
 
 /// Writes a trace where each layer's expert of popularity rank r is drawn with weight
 /// 1/(r+1)^skew (0 = flat), ranks shuffled per layer; layer 0 is dense (no lines).
@@ -109,7 +109,7 @@ fn cache_sim_belady_bounds_every_policy_and_rates_grow_with_capacity() {
         let report =
             run_json(&[path.to_str().unwrap(), "--capacities", "4,5,6,8,12,16,24,32,48,64,96,128,192,256,384,512"]);
         let best = rates(&report, "belady");
-        for policy in ["lru", "s3fifo", "lfu", "cyclic"] {
+        for policy in ["lru", "s3fifo", "lfu", "cyclic", "even"] {
             for (b, p) in best.iter().zip(rates(&report, policy)) {
                 assert!(b.1 >= p.1, "{name}: {policy} beats belady at capacity {}: {} > {}", b.0, p.1, b.1);
             }
@@ -173,7 +173,10 @@ fn cache_sim_text_table_lists_every_policy_and_a_conclusion() {
     let header: Vec<&str> = lines[2].split_whitespace().collect();
     assert_eq!(
         header,
-        ["capacity", "lru", "s3fifo", "lfu", "cyclic", "belady", "lru", "s3fifo", "lfu", "cyclic", "belady"]
+        [
+            "capacity", "lru", "s3fifo", "lfu", "cyclic", "even", "belady", "lru", "s3fifo", "lfu", "cyclic", "even",
+            "belady"
+        ]
     );
     assert!(lines[3].trim_start().starts_with("8 "), "{out}");
     assert!(lines[4].trim_start().starts_with("64 "), "{out}");

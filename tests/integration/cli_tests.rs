@@ -313,10 +313,11 @@ fn bench_without_the_expert_check_spends_nothing_on_it() {
 }
 
 /// `bench --policy` runs its cells under that expert cache policy and says which; the default is
-/// `cyclic`, as for `run`.
+/// `even`, as for `run`.
 #[test]
 fn bench_names_the_expert_cache_policy_of_its_cells() {
-    for (args, want) in [(&["--policy", "lru"][..], "lru"), (&[][..], "cyclic")] {
+    for (args, want) in [(&["--policy", "lru"][..], "lru"), (&["--policy", "cyclic"][..], "cyclic"), (&[][..], "even")]
+    {
         let (code, out, err, v) = bench_tiny(&[&["--modes", "no-spec", "--no-read-tax"][..], args].concat());
         assert_eq!(code, 0, "{err}");
         assert_eq!(v["expert_cache_policy"], want, "{v}");

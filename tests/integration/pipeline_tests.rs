@@ -59,6 +59,7 @@ fn output_is_identical_across_every_pipeline_setting() {
     add("s3fifo", &|r| r.store.policy = "s3fifo".into());
     add("lfu", &|r| r.store.policy = "lfu".into());
     add("lru", &|r| r.store.policy = "lru".into());
+    add("cyclic", &|r| r.store.policy = "cyclic".into());
     add("1 thread", &|r| r.threads = 1);
     add("pinned to one core", &|r| r.placement = Some(one_core.clone()));
     add("pinned elsewhere", &|r| r.placement = Some(other.clone()));

@@ -81,7 +81,7 @@ pub struct StoreOptions {
     pub verify_experts: bool,
     pub lock_memory: bool,
     pub numa_node: Option<u32>,
-    /// Expert cache policy: "lru", "s3fifo", "lfu" or "cyclic".
+    /// Expert cache policy: "lru", "s3fifo", "lfu", "cyclic" or "even".
     pub policy: String,
     /// Stream trunk units in pieces of this many bytes whatever the budget (`--piece-mb`);
     /// `None`: the planner decides.

@@ -35,10 +35,33 @@ pub struct Cyclic {
 impl Cyclic {
     /// Rank of a victim (lower goes first): layers `current, current - 1, ..., 0`, then the last
     /// layer down to `current + 1`; the least recently used first within a layer.
-    fn rank(&self, key: ExpertKey) -> (bool, usize, u64, ExpertKey) {
+    pub(super) fn rank(&self, key: ExpertKey) -> (bool, usize, u64, ExpertKey) {
         let (later, distance) =
             if key.0 <= self.current { (false, self.current - key.0) } else { (true, usize::MAX - key.0) };
         (later, distance, self.last_use.get(&key).copied().unwrap_or(0), key)
+    }
+
+    /// Whether the policy has seen `key` (inserted or used, not evicted since).
+    pub(super) fn seen(&self, key: ExpertKey) -> bool {
+        self.last_use.contains_key(&key)
+    }
+
+    /// Cached experts of `layer` the policy has seen.
+    pub(super) fn cached_in(&self, layer: usize) -> usize {
+        self.by_layer.get(&layer).map_or(0, |m| m.len())
+    }
+
+    /// The layers holding seen experts, in the order victims come from: the running layer, the
+    /// ones before it down to 0, then the last down to the one after it.
+    pub(super) fn layers_in_turn_order(&self) -> Vec<usize> {
+        let now_and_before = self.by_layer.range(..=self.current).rev();
+        let after = self.by_layer.range(self.current + 1..).rev();
+        now_and_before.chain(after).map(|(&l, _)| l).collect()
+    }
+
+    /// The seen experts of `layer`, least recently used first.
+    pub(super) fn oldest_first(&self, layer: usize) -> impl Iterator<Item = ExpertKey> + '_ {
+        self.by_layer.get(&layer).into_iter().flat_map(|m| m.values().copied())
     }
 
     fn forget(&mut self, key: ExpertKey) {

@@ -18,16 +18,18 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use rustc_hash::{FxHashMap, FxHashSet};
 
 mod cyclic;
+mod even;
 pub use cyclic::Cyclic;
+pub use even::Even;
 
 /// (layer, expert).
 pub type ExpertKey = (usize, usize);
 
 /// Names accepted by [`policy_by_name`], in table order.
-pub const POLICY_NAMES: [&str; 4] = ["lru", "s3fifo", "lfu", "cyclic"];
+pub const POLICY_NAMES: [&str; 5] = ["lru", "s3fifo", "lfu", "cyclic", "even"];
 
 /// The policy of a run that names none (`--policy`, [`super::StoreOptions`]).
-pub const DEFAULT_POLICY: &str = "cyclic";
+pub const DEFAULT_POLICY: &str = "even";
 
 /// A policy by name, for a pool of `capacity` experts; `None` for an unknown name.
 pub fn policy_by_name(name: &str, capacity: usize) -> Option<Box<dyn CachePolicy>> {
@@ -36,6 +38,7 @@ pub fn policy_by_name(name: &str, capacity: usize) -> Option<Box<dyn CachePolicy
         "s3fifo" => Some(Box::new(S3Fifo::new(capacity))),
         "lfu" => Some(Box::new(Lfu::new(capacity))),
         "cyclic" => Some(Box::new(Cyclic::default())),
+        "even" => Some(Box::new(Even::default())),
         _ => None,
     }
 }
