@@ -197,7 +197,7 @@ fn a_resident_run_refuses_streaming_flags_even_at_their_defaults() {
         &["--no-spec"],
         &["--spec-margin", "0"],
         &["--spec-prev-token"],
-        &["--policy", "cyclic"],
+        &["--policy", "even"],
         &["--policy", "s3fifo"],
         &["--mode", "pipelined"],
         &["--mode", "serial"],

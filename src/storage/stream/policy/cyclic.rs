@@ -51,12 +51,14 @@ impl Cyclic {
         self.by_layer.get(&layer).map_or(0, |m| m.len())
     }
 
-    /// The layers holding seen experts, in the order victims come from: the running layer, the
-    /// ones before it down to 0, then the last down to the one after it.
-    pub(super) fn layers_in_turn_order(&self) -> Vec<usize> {
+    /// Replaces `out` with the layers holding seen experts and how many each holds, in the order
+    /// victims come from: the running layer, the ones before it down to 0, then the last down to
+    /// the one after it.
+    pub(super) fn layers_in_turn_order(&self, out: &mut Vec<(usize, usize)>) {
         let now_and_before = self.by_layer.range(..=self.current).rev();
         let after = self.by_layer.range(self.current + 1..).rev();
-        now_and_before.chain(after).map(|(&l, _)| l).collect()
+        out.clear();
+        out.extend(now_and_before.chain(after).map(|(&l, m)| (l, m.len())));
     }
 
     /// The seen experts of `layer`, least recently used first.
