@@ -55,10 +55,15 @@ impl Cyclic {
     /// victims come from: the running layer, the ones before it down to 0, then the last down to
     /// the one after it.
     pub(super) fn layers_in_turn_order(&self, out: &mut Vec<(usize, usize)>) {
+        out.clear();
+        out.extend(self.by_turn().map(|(&l, m)| (l, m.len())));
+    }
+
+    /// Each layer's seen experts (by last use), layers in the order victims come from.
+    fn by_turn(&self) -> impl Iterator<Item = (&usize, &BTreeMap<u64, ExpertKey>)> {
         let now_and_before = self.by_layer.range(..=self.current).rev();
         let after = self.by_layer.range(self.current + 1..).rev();
-        out.clear();
-        out.extend(now_and_before.chain(after).map(|(&l, m)| (l, m.len())));
+        now_and_before.chain(after)
     }
 
     /// The seen experts of `layer`, least recently used first.
@@ -112,9 +117,7 @@ impl CachePolicy for Cyclic {
         resident: &mut dyn Iterator<Item = ExpertKey>,
         evictable: &dyn Fn(ExpertKey) -> bool,
     ) -> Option<ExpertKey> {
-        let now_and_before = self.by_layer.range(..=self.current).rev();
-        let after = self.by_layer.range(self.current + 1..).rev();
-        let seen = now_and_before.chain(after).flat_map(|(_, m)| m.values().copied()).find(|&k| evictable(k));
+        let seen = self.by_turn().flat_map(|(_, m)| m.values().copied()).find(|&k| evictable(k));
         seen.or_else(|| {
             resident.filter(|&k| evictable(k) && !self.last_use.contains_key(&k)).min_by_key(|&k| self.rank(k))
         })
