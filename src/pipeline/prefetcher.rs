@@ -22,7 +22,8 @@
 //!   not (its read was due anyway, and would have evicted such an expert at its routing).
 //!   Any other only if that is less likely to be used than the guess: a pending guess by its
 //!   own chance, any other expert by the share of its layer's cached experts that past routings
-//!   chose (the cache's own hit history).
+//!   chose (the cache's own hit history). The store offers each guess the cache policy's first
+//!   choice among the experts this allows it to evict.
 //! - The bytes guessed for a layer are capped by the device time that was free for them: per
 //!   layer, the time from its prediction to its routing minus the time demand reads and trunk
 //!   read-ahead kept the device busy (measured by the I/O stage), times the device's read rate.

@@ -282,8 +282,12 @@ pub(crate) mod tests {
         (tmp, dir)
     }
 
-    fn open(model: &Path) -> Opened<Pipeline> {
-        let run = StreamingRun::new(64_000_000, 16, 8, 2);
+    pub(crate) fn open(model: &Path) -> Opened<Pipeline> {
+        open_with_budget(model, 64_000_000)
+    }
+
+    pub(crate) fn open_with_budget(model: &Path, budget_bytes: u64) -> Opened<Pipeline> {
+        let run = StreamingRun::new(budget_bytes, 16, 8, 2);
         let trunk = model.parent().unwrap().join("trunk");
         let kernels = kernels::Kernels::with_isa(kernels::Isa::Scalar).unwrap();
         open_streaming(model, &trunk, &run, kernels, |_| {}).unwrap().0

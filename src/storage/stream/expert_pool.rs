@@ -264,8 +264,9 @@ impl Store {
 
     /// Reads the guessed experts that are neither resident nor being read, in this order, at
     /// `priority` (never `Demand`: see [`Store::request_demand`]): each into a free slot, else
-    /// into the policy's choice among idle slots that the current layer does not need, if
-    /// `admission` lets that guess evict it. Stops at the first guess that gets no slot.
+    /// into the policy's choice among the idle slots that the current layer does not need and
+    /// whose expert `admission` lets that guess evict. Stops at the first guess that gets no
+    /// slot.
     /// Returns how many were read.
     pub fn request(&self, guesses: &[Guess], priority: Priority, admission: &dyn Admission) -> usize {
         debug_assert!(priority != Priority::Demand, "demand reads go through request_demand");
@@ -276,15 +277,12 @@ impl Store {
             if pool.resident.contains_key(&g.key) {
                 continue;
             }
+            // The policy's first choice among the experts this guess may evict, not its first
+            // choice outright: `even` puts the fullest layer first, which may be the layer routed
+            // next, whose experts no guess evicts; refusing there left whole layers unguessed.
             let slot = match self.free_slot(&pool) {
                 Some(free) => Some(free),
-                None => self
-                    .victim_slot(&mut pool, false)
-                    .filter(|&(slot, key)| {
-                        let pending_guess = pool.slots[slot].pending_guess;
-                        admission.admit(i, Victim { key, pending_guess })
-                    })
-                    .map(|(s, _)| s),
+                None => self.victim_slot(&mut pool, false, &|v| admission.admit(i, v)).map(|(s, _)| s),
             };
             let Some(slot) = slot else { break };
             self.evict(&mut pool, slot);
@@ -394,10 +392,16 @@ impl Store {
         pool.slots.iter().position(|s| s.key.is_none() && self.read_done(&s.slot))
     }
 
-    /// The policy's choice among idle slots (no guard, read complete), sparing experts the
-    /// current layer has yet to use unless `take_protected` and nothing else is left; with the
-    /// key it holds. Lists nothing: the policies walk their own order.
-    fn victim_slot(&self, pool: &mut ExpertPool, take_protected: bool) -> Option<(usize, ExpertKey)> {
+    /// The policy's choice among idle slots (no guard, read complete) whose expert `may_evict`
+    /// allows, sparing experts the current layer has yet to use unless `take_protected` and
+    /// nothing else is left; with the key it holds. Lists nothing: the policies walk their own
+    /// order.
+    fn victim_slot(
+        &self,
+        pool: &mut ExpertPool,
+        take_protected: bool,
+        may_evict: &dyn Fn(Victim) -> bool,
+    ) -> Option<(usize, ExpertKey)> {
         let idle = |s: &ExpertSlot| s.users == 0 && self.read_done(&s.slot);
         let any_spare = pool.slots.iter().any(|s| idle(s) && s.key.is_some_and(|k| !pool.protected.contains(&k)));
         if !any_spare && !take_protected {
@@ -405,7 +409,9 @@ impl Store {
         }
         let ExpertPool { slots, resident, policy, protected, .. } = pool;
         let evictable = |k: ExpertKey| {
-            resident.get(&k).is_some_and(|&i| idle(&slots[i])) && (!any_spare || !protected.contains(&k))
+            resident.get(&k).is_some_and(|&i| {
+                idle(&slots[i]) && may_evict(Victim { key: k, pending_guess: slots[i].pending_guess })
+            }) && (!any_spare || !protected.contains(&k))
         };
         let key = policy.victim_where(&mut resident.keys().copied(), &evictable)?;
         let slot = *resident.get(&key)?;
@@ -511,7 +517,7 @@ impl Store {
             }
             let slot = match self.free_slot(pool) {
                 Some(free) => Some(free),
-                None => self.victim_slot(pool, take_protected && groups.is_empty()).map(|(s, _)| s),
+                None => self.victim_slot(pool, take_protected && groups.is_empty(), &|_| true).map(|(s, _)| s),
             };
             let Some(slot) = slot else { break };
             pool.pending.pop_front();

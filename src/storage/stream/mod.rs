@@ -40,6 +40,9 @@ pub mod trunk_ring;
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
+mod admission_tests;
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod spread_tests;
 
 use std::path::{Path, PathBuf};
