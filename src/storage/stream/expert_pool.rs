@@ -265,8 +265,9 @@ impl Store {
     /// Reads the guessed experts that are neither resident nor being read, in this order, at
     /// `priority` (never `Demand`: see [`Store::request_demand`]): each into a free slot, else
     /// into the policy's choice among the idle slots that the current layer does not need and
-    /// whose expert `admission` lets that guess evict. Stops at the first guess that gets no
-    /// slot.
+    /// whose expert `admission` lets that guess evict (for a policy whose search changes its
+    /// state, [`CachePolicy::searching_changes_state`], its first choice if admitted). Stops at
+    /// the first guess that gets no slot.
     /// Returns how many were read.
     pub fn request(&self, guesses: &[Guess], priority: Priority, admission: &dyn Admission) -> usize {
         debug_assert!(priority != Priority::Demand, "demand reads go through request_demand");
@@ -280,9 +281,15 @@ impl Store {
             // The policy's first choice among the experts this guess may evict, not its first
             // choice outright: `even` puts the fullest layer first, which may be the layer routed
             // next, whose experts no guess evicts; refusing there left whole layers unguessed.
+            // Except for a policy whose search changes its state (S3-FIFO).
+            let admit = |v: Victim| admission.admit(i, v);
             let slot = match self.free_slot(&pool) {
                 Some(free) => Some(free),
-                None => self.victim_slot(&mut pool, false, &|v| admission.admit(i, v)).map(|(s, _)| s),
+                None if pool.policy.searching_changes_state() => self
+                    .victim_slot(&mut pool, false, &|_| true)
+                    .filter(|&(slot, key)| admit(Victim { key, pending_guess: pool.slots[slot].pending_guess }))
+                    .map(|(s, _)| s),
+                None => self.victim_slot(&mut pool, false, &admit).map(|(s, _)| s),
             };
             let Some(slot) = slot else { break };
             self.evict(&mut pool, slot);
@@ -408,10 +415,12 @@ impl Store {
             return None;
         }
         let ExpertPool { slots, resident, policy, protected, .. } = pool;
+        // Admission last: it is the costliest test.
         let evictable = |k: ExpertKey| {
-            resident.get(&k).is_some_and(|&i| {
-                idle(&slots[i]) && may_evict(Victim { key: k, pending_guess: slots[i].pending_guess })
-            }) && (!any_spare || !protected.contains(&k))
+            (!any_spare || !protected.contains(&k))
+                && resident.get(&k).is_some_and(|&i| {
+                    idle(&slots[i]) && may_evict(Victim { key: k, pending_guess: slots[i].pending_guess })
+                })
         };
         let key = policy.victim_where(&mut resident.keys().copied(), &evictable)?;
         let slot = *resident.get(&key)?;

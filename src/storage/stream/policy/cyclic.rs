@@ -119,7 +119,7 @@ impl CachePolicy for Cyclic {
     ) -> Option<ExpertKey> {
         let seen = self.by_turn().flat_map(|(_, m)| m.values().copied()).find(|&k| evictable(k));
         seen.or_else(|| {
-            resident.filter(|&k| evictable(k) && !self.last_use.contains_key(&k)).min_by_key(|&k| self.rank(k))
+            resident.filter(|&k| !self.last_use.contains_key(&k) && evictable(k)).min_by_key(|&k| self.rank(k))
         })
     }
 }

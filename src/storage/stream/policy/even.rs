@@ -60,7 +60,7 @@ impl CachePolicy for Even {
         let seen = layers.iter().find_map(|&(l, _)| inner.oldest_first(l).find(|&k| evictable(k)));
         seen.or_else(|| {
             resident
-                .filter(|&k| evictable(k) && !inner.seen(k))
+                .filter(|&k| !inner.seen(k) && evictable(k))
                 .min_by_key(|&k| (std::cmp::Reverse(inner.cached_in(k.0)), inner.rank(k)))
         })
     }

@@ -57,6 +57,15 @@ pub trait CachePolicy: Send {
     /// Picks one of `candidates` (resident, evictable) to evict.
     fn victim(&mut self, candidates: &[ExpertKey]) -> Option<ExpertKey>;
 
+    /// Whether looking for a victim changes the policy's state even when the search finds none
+    /// (S3-FIFO promotes keys and lowers their counters as it walks its queues). The pool then
+    /// offers a guess only the policy's first choice and lets admission accept or refuse it,
+    /// since searching on among the keys admission allows could wear the whole order down and
+    /// still read nothing.
+    fn searching_changes_state(&self) -> bool {
+        false
+    }
+
     /// Picks the key [`CachePolicy::victim`] would pick from the keys of `resident` for which
     /// `evictable` holds, for a caller that would rather not list them (the simulator, whose pool
     /// holds up to every expert of the model). The default lists them and calls `victim`; the
@@ -312,6 +321,10 @@ impl S3Fifo {
 impl CachePolicy for S3Fifo {
     fn name(&self) -> &'static str {
         "s3fifo"
+    }
+
+    fn searching_changes_state(&self) -> bool {
+        true
     }
 
     fn on_insert(&mut self, key: ExpertKey) {
