@@ -109,7 +109,7 @@ impl CachePolicy for Cyclic {
     }
 
     fn victim(&mut self, candidates: &[ExpertKey]) -> Option<ExpertKey> {
-        candidates.iter().copied().min_by_key(|&k| (!self.last_use.contains_key(&k), self.rank(k)))
+        candidates.iter().copied().min_by_key(|&k| (!self.seen(k), self.rank(k)))
     }
 
     fn victim_where(
@@ -118,9 +118,7 @@ impl CachePolicy for Cyclic {
         evictable: &dyn Fn(ExpertKey) -> bool,
     ) -> Option<ExpertKey> {
         let seen = self.by_turn().flat_map(|(_, m)| m.values().copied()).find(|&k| evictable(k));
-        seen.or_else(|| {
-            resident.filter(|&k| !self.last_use.contains_key(&k) && evictable(k)).min_by_key(|&k| self.rank(k))
-        })
+        seen.or_else(|| resident.filter(|&k| !self.seen(k) && evictable(k)).min_by_key(|&k| self.rank(k)))
     }
 }
 
