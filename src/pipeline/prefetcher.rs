@@ -11,6 +11,9 @@
 //!   zero partial sum (only L+1's attention output, not yet known, is left out).
 //! - Previous token (`prev_token`): when layer L's routing is known, the experts the previous
 //!   token used at L+1 are guessed too.
+//! - Next step: when a decode step ends, the experts its first MoE layer chose are guessed for
+//!   the next step's, if consecutive tokens have shared experts more often than not (always on;
+//!   the device has nothing else known to read during the head and the first attention).
 //! - A prediction never waits: if L+1's trunk unit is not resident yet, it is skipped.
 //!
 //! Admission (`adaptive`, the default), so that guessing cannot slow a run down where the device
@@ -123,8 +126,12 @@ struct Pending {
 struct History {
     /// Per prediction rank: how often the routing chose an expert predicted at that rank.
     ranks: Vec<Rate>,
-    /// How often the previous token's expert was chosen again at the same layer.
+    /// How often the previous token's expert was chosen again at the same layer, from decode
+    /// steps only (a prompt chunk's experts are many tokens' and share far more).
     prev_token: Rate,
+    /// Rows of the pass running now, and of the pass each layer's `last_routed` came from.
+    rows: usize,
+    last_rows: Vec<usize>,
     /// Per layer: how often a cached (not pending-guess) resident expert was chosen.
     cached: Vec<Rate>,
     /// Per layer: device seconds free for guesses between prediction and routing (EMA).
@@ -238,6 +245,8 @@ pub struct Prefetcher {
     io: Arc<IoStage>,
     /// Tokens per forward pass at most.
     chunk: usize,
+    /// Sequences decoded together: a pass of at most this many tokens is a decode step.
+    sequences: usize,
     /// Bytes one expert's read costs the device (its slot).
     expert_read_bytes: u64,
     /// Without `adaptive`: outstanding bytes above which guesses wait (the device's window).
@@ -266,6 +275,8 @@ impl Prefetcher {
         let history = History {
             ranks: vec![Rate::default(); cfg.moe.top_k + spec.margin],
             prev_token: Rate::default(),
+            rows: 0,
+            last_rows: vec![0; layers],
             cached: vec![Rate::default(); layers],
             idle_s: vec![None; layers],
             pending: (0..layers).map(|_| Pending::default()).collect(),
@@ -275,6 +286,7 @@ impl Prefetcher {
             spec,
             io,
             chunk,
+            sequences,
             expert_read_bytes,
             busy_bytes,
             scratch: Mutex::new(scratch),
@@ -314,6 +326,7 @@ impl Prefetcher {
     /// Layer `layer`'s MLP residual read `y` is known: predict `layer + 1` from it, unless it
     /// starts a block (see [`Prefetcher::layer_end`]).
     pub fn mlp_input(&self, store: &Store, model: &Model, layer: usize, t: usize, y: &[f32]) {
+        lock(&self.history).rows = t;
         let next = layer + 1;
         if !self.spec.enabled || t > self.chunk || model.cfg.layers.get(next).is_none_or(|n| n.block_start) {
             return;
@@ -342,6 +355,10 @@ impl Prefetcher {
             if next == model.cfg.n_layers {
                 trial.pass_end(t);
             }
+        }
+        if next == model.cfg.n_layers {
+            self.guess_next_step(store, model, t);
+            return;
         }
         if !self.spec.enabled || t > self.chunk || !model.cfg.layers.get(next).is_some_and(|n| n.block_start) {
             return;
@@ -376,6 +393,30 @@ impl Prefetcher {
         self.predict(store, model, next, t, &sc.y[..td], &mut sc.router, None);
     }
 
+    /// A decode step is done: guess that the next step's first MoE layer chooses the experts
+    /// this one did, so the device reads those evicted since during the head, the sampling and
+    /// the next step's first attention, when nothing else is known to read. Only where
+    /// consecutive tokens have shared experts more often than not (routing with locality): each
+    /// guess carries that measured rate as its chance.
+    fn guess_next_step(&self, store: &Store, model: &Model, t: usize) {
+        if !self.spec.enabled || t > self.sequences {
+            return;
+        }
+        let first_moe = model.weights.layers.iter().position(|lw| matches!(lw.ffn, FfnWeights::Moe(_)));
+        let h = lock(&self.history);
+        let p_use = h.prev_token.p();
+        if p_use <= SOONER_MIN_P {
+            return;
+        }
+        let Some((first, last)) = first_moe.and_then(|l| h.last_routed.get(l).map(|e| (l, e))) else { return };
+        let guesses: Vec<Guess> = last.iter().map(|&e| Guess { key: (first, e), p_use }).collect();
+        let cached_p: Vec<f32> = h.cached.iter().map(|r| r.p()).collect();
+        drop(h);
+        // The first MoE layer's routing comes next: nothing is needed before it.
+        let read = self.guess(store, guesses, &cached_p, None, None) as u64;
+        store.count(|s| s.spec_next_step_reads += read);
+    }
+
     /// The routing of `layer` chose `experts` (distinct) and found `routed` in the pool: learn
     /// from it, then guess the experts the previous token used at the next layer, if asked to.
     pub fn routed(&self, store: &Store, layer: usize, experts: &[usize], routed: &Routed) {
@@ -387,7 +428,10 @@ impl Prefetcher {
         self.learn_prediction(&mut h, layer, experts);
         let reused = h.last_routed[layer].iter().filter(|e| experts.contains(e)).count();
         let before = h.last_routed[layer].len();
-        h.prev_token.add(reused, before);
+        if h.rows <= self.sequences && h.last_rows[layer] <= self.sequences {
+            h.prev_token.add(reused, before);
+        }
+        h.last_rows[layer] = h.rows;
         h.last_routed[layer].clear();
         h.last_routed[layer].extend_from_slice(experts);
         if !self.spec.prev_token {
@@ -502,7 +546,8 @@ impl Prefetcher {
         Some((idle_s * rate) as u64)
     }
 
-    /// Asks the store to read `guesses` (likeliest first) that are not resident or being read.
+    /// Asks the store to read `guesses` (likeliest first) that are not resident or being read;
+    /// returns how many it read.
     fn guess(
         &self,
         store: &Store,
@@ -510,27 +555,28 @@ impl Prefetcher {
         cached_p: &[f32],
         budget: Option<u64>,
         spare_layer: Option<usize>,
-    ) {
+    ) -> usize {
         if !self.spec.adaptive {
             // Every guess, in disk order, using idle bandwidth only: with more than the
             // device's window already outstanding, a guess would delay reads compute is
             // waiting for.
             if self.io.outstanding_bytes() > self.busy_bytes {
                 store.count(|s| s.spec_skipped_busy += 1);
-                return;
+                return 0;
             }
             guesses.retain(|g| !store.expert_requested(g.key));
             guesses.sort_by_key(|g| g.key);
             guesses.dedup_by_key(|g| g.key);
             guesses.sort_by_key(|g| store.disk_position(g.key));
-            store.request(&guesses, Priority::Guess, &AdmitAll);
-            return;
-        }
-        if guesses.first().is_some_and(|g| !self.guessing(g.key.0)) {
-            return;
+            return store.request(&guesses, Priority::Guess, &AdmitAll);
         }
         let predicted = guesses.clone();
         guesses.retain(|g| !store.expert_requested(g.key));
+        let Some(layer) = guesses.first().map(|g| g.key.0) else { return 0 };
+        if !self.guessing(layer) {
+            store.count(|s| s.layer(layer).guesses_trial_off += guesses.len() as u64);
+            return 0;
+        }
         if let Some(budget) = budget {
             // Whole guesses, rounded: a guess not read by the routing is still worth its head
             // start if chosen, and cancelled if not.
@@ -539,10 +585,12 @@ impl Prefetcher {
             if fit == 0 && !guesses.is_empty() {
                 store.count(|s| s.spec_skipped_busy += 1);
             }
+            let over = guesses.len().saturating_sub(fit) as u64;
+            store.count(|s| s.layer(layer).guesses_over_budget += over);
             guesses.truncate(fit);
         }
         let admission = AdmitLikelier { guesses: &guesses, predicted: &predicted, cached_p, spare_layer };
-        store.request(&guesses, Priority::Guess, &admission);
+        store.request(&guesses, Priority::Guess, &admission)
     }
 }
 

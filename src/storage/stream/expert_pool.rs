@@ -291,7 +291,11 @@ impl Store {
                     .map(|(s, _)| s),
                 None => self.victim_slot(&mut pool, false, &admit).map(|(s, _)| s),
             };
-            let Some(slot) = slot else { break };
+            let Some(slot) = slot else {
+                let left = guesses[i..].iter().filter(|g| !pool.resident.contains_key(&g.key)).count() as u64;
+                lock(&self.stats).layer(g.key.0).guesses_no_slot += left;
+                break;
+            };
             self.evict(&mut pool, slot);
             match self.start_expert_read(&mut pool, g.key, slot, priority) {
                 Ok(group) => groups.push(group),
@@ -490,6 +494,7 @@ impl Store {
         if priority == Priority::Guess {
             stats.spec_reads += 1;
             stats.spec_bytes += bytes;
+            stats.layer(key.0).guess_reads += 1;
         }
         let ls = stats.layer(key.0);
         ls.expert_reads += 1;

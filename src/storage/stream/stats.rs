@@ -58,6 +58,9 @@ pub struct StreamStats {
     pub spec_cancelled: u64,
     /// Read windows of those guesses, whole (the I/O stage counts what it dropped).
     pub spec_cancelled_window_bytes: u64,
+    /// Of `spec_reads`, those guessed at the end of a decode step for the next step's first
+    /// MoE layer (the experts it chose in this step).
+    pub spec_next_step_reads: u64,
     /// Predictions whose guesses were skipped because the device had no time for them.
     pub spec_skipped_busy: u64,
     /// Trials of adaptive speculation (passes with and without guesses compared) that decided
@@ -118,6 +121,14 @@ pub struct LayerStats {
     pub routed_recalled: u64,
     /// Time compute waited for this layer's bytes (trunk and experts).
     pub stall_us: f64,
+    /// Of the predicted experts not resident or being read when predicted: those read as
+    /// guesses, those dropped because the layer's trial decided against guessing, those beyond
+    /// the device time free for them (the budget), and those for which admission found no
+    /// expert to evict (the pool had no room the guess could take).
+    pub guess_reads: u64,
+    pub guesses_trial_off: u64,
+    pub guesses_over_budget: u64,
+    pub guesses_no_slot: u64,
 }
 
 impl StreamStats {
