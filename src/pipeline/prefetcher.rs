@@ -141,6 +141,22 @@ struct History {
     last_routed: Vec<Vec<usize>>,
 }
 
+impl History {
+    /// Per layer: the chance a cached expert is chosen (for admission).
+    fn cached_rates(&self) -> Vec<f32> {
+        self.cached.iter().map(|r| r.p()).collect()
+    }
+
+    /// Guesses that `layer` chooses again the experts it chose last, each with the measured
+    /// share consecutive tokens keep, and [`History::cached_rates`]; `None` before it has chosen.
+    fn repeat_guesses(&self, layer: usize) -> Option<(Vec<Guess>, Vec<f32>)> {
+        let last = self.last_routed.get(layer).filter(|e| !e.is_empty())?;
+        let p_use = self.prev_token.p();
+        let guesses = last.iter().map(|&e| Guess { key: (layer, e), p_use }).collect();
+        Some((guesses, self.cached_rates()))
+    }
+}
+
 impl PredictScratch {
     fn build(cfg: &Config, chunk: usize, b: &mut impl Buffers) -> PredictScratch {
         let (d, e) = (cfg.hidden_size, cfg.moe.n_experts);
@@ -404,13 +420,10 @@ impl Prefetcher {
         }
         let first_moe = model.weights.layers.iter().position(|lw| matches!(lw.ffn, FfnWeights::Moe(_)));
         let h = lock(&self.history);
-        let p_use = h.prev_token.p();
-        if p_use <= SOONER_MIN_P {
+        if h.prev_token.p() <= SOONER_MIN_P {
             return;
         }
-        let Some((first, last)) = first_moe.and_then(|l| h.last_routed.get(l).map(|e| (l, e))) else { return };
-        let guesses: Vec<Guess> = last.iter().map(|&e| Guess { key: (first, e), p_use }).collect();
-        let cached_p: Vec<f32> = h.cached.iter().map(|r| r.p()).collect();
+        let Some((guesses, cached_p)) = first_moe.and_then(|l| h.repeat_guesses(l)) else { return };
         drop(h);
         // The first MoE layer's routing comes next: nothing is needed before it.
         let read = self.guess(store, guesses, &cached_p, None, None) as u64;
@@ -437,10 +450,7 @@ impl Prefetcher {
         if !self.spec.prev_token {
             return;
         }
-        let Some(next) = h.last_routed.get(layer + 1).filter(|n| !n.is_empty()) else { return };
-        let p_use = h.prev_token.p();
-        let guesses: Vec<Guess> = next.iter().map(|&e| Guess { key: (layer + 1, e), p_use }).collect();
-        let cached_p: Vec<f32> = h.cached.iter().map(|r| r.p()).collect();
+        let Some((guesses, cached_p)) = h.repeat_guesses(layer + 1) else { return };
         drop(h);
         self.guess(store, guesses, &cached_p, None, None);
     }
@@ -529,7 +539,7 @@ impl Prefetcher {
             .map(|&(e, rank)| Guess { key: (layer, e), p_use: h.ranks[rank.min(last_rank)].p() })
             .collect();
         let budget = self.budget_bytes(&h, layer);
-        let cached_p: Vec<f32> = h.cached.iter().map(|r| r.p()).collect();
+        let cached_p = h.cached_rates();
         drop(h);
         self.guess(store, guesses, &cached_p, budget, spare_layer);
     }

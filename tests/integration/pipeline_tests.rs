@@ -137,9 +137,8 @@ fn speculation_predicts_block_starts_too() {
 
 /// At the end of a decode step the first MoE layer's experts of that step are guessed for the
 /// next, where consecutive tokens have shared experts more often than not: on a synth with
-/// routing locality 0.9 they are read, on the tiny model, whose tokens
-/// share about a quarter of their experts, never; the tokens are those of a run without
-/// guesses either way.
+/// routing locality 0.9 they are read, on the tiny model, whose tokens share about a quarter of
+/// their experts, never; the tokens are those of a run without guesses either way.
 #[test]
 fn the_next_steps_first_moe_layer_is_guessed_only_where_tokens_share_experts() {
     let tmp = tempfile::tempdir().unwrap();
