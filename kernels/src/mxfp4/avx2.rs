@@ -5,12 +5,16 @@
 //! in the group's scale's byte tables ([`SCALED_BYTES`], the top halves of [`super::SCALED`],
 //! whose products are the definition's own f32 multiplication), so overflow (s = 254) and
 //! subnormal (s = 0) results are identical too. See [`decode32`]: 12 vector operations per 32
-//! weights as compiled. `t == 1` streams 2 rows at once; `t` of 2 to 4 decode each group once
-//! into registers for every token; more tokens go through [`crate::tiled`].
+//! weights as compiled. `t == 1` decodes a group as its bytes lie instead ([`decode32_lying`]:
+//! 10 operations, 4 of them shuffles) into a fixed permutation of the canonical lanes, with `x`
+//! put in the same order once per block of rows, and streams 2 rows at once; `t` of 2 to 4
+//! decode each group once into registers for every token; more tokens go through
+//! [`crate::tiled`].
 
 use std::arch::x86_64::{
-    __m256, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_castsi256_ps, _mm256_fmadd_ps, _mm256_set1_epi32,
-    _mm256_set1_epi8, _mm256_setr_epi8, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32, _mm256_srli_epi16,
+    __m256, _mm256_and_si256, _mm256_blend_ps, _mm256_broadcastsi128_si256, _mm256_castsi256_ps, _mm256_fmadd_ps,
+    _mm256_permutevar8x32_ps, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_setr_epi32, _mm256_setr_epi8,
+    _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32, _mm256_srli_epi16, _mm256_srlv_epi32,
     _mm256_unpackhi_epi8, _mm256_unpacklo_epi16, _mm256_unpacklo_epi8, _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0,
 };
 
@@ -121,8 +125,21 @@ pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: us
     }
 }
 
+/// One token: through [`single_token_lying`] when `x` fits its stack copy (`cols <= 16 * 512`,
+/// every K3 product), else in canonical lanes.
 #[target_feature(enable = "avx2,fma")]
 fn single_token(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
+    match cols / LANES {
+        0..=64 => single_token_lying::<64>(packed, scales, cols, x, out),
+        65..=128 => single_token_lying::<128>(packed, scales, cols, x, out),
+        129..=256 => single_token_lying::<256>(packed, scales, cols, x, out),
+        257..=512 => single_token_lying::<512>(packed, scales, cols, x, out),
+        _ => single_token_canonical(packed, scales, cols, x, out),
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn single_token_canonical(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
     const R: usize = 2;
     let (pb, groups) = (cols / 2, cols / GROUP);
     let (x_chunks, _) = x.as_chunks::<LANES>();
@@ -132,6 +149,124 @@ fn single_token(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut 
         |r| rows_dot::<R>(packed_of(r, R), scales_of(r, R), cols, x_chunks),
         |r| rows_dot::<1>(packed_of(r, 1), scales_of(r, 1), cols, x_chunks),
     );
+}
+
+/// Lane `i` of a chunk in the lying order ([`decode32_lying`]) holds canonical lane
+/// `2 (i / 8) + (i % 8) / 4 + 4 (i % 4)`: `[0, 4, 8, 12, 1, 5, 9, 13 | 2, 6, 10, 14, 3, 7, 11, 15]`.
+#[cfg_attr(not(test), allow(dead_code))]
+const fn lying_lane(i: usize) -> usize {
+    2 * (i / 8) + (i % 8) / 4 + 4 * (i % 4)
+}
+
+/// The position in the lying order of canonical lane `j` (the inverse of [`lying_lane`]).
+const fn lying_position(j: usize) -> usize {
+    8 * ((j % 4) / 2) + 4 * (j % 2) + j / 4
+}
+
+/// One token, at most `N` chunks of 16 columns (the stack copy of `x` in the lying order is
+/// sized by the caller's bucket, so a small product does not clear a large copy).
+#[target_feature(enable = "avx2,fma")]
+fn single_token_lying<const N: usize>(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], out: &mut RowsOut<'_>) {
+    let (pb, groups) = (cols / 2, cols / GROUP);
+    let (x_chunks, _) = x.as_chunks::<LANES>();
+    let mut xl = [[0.0f32; LANES]; N];
+    // Positions 0-7 take canonical lanes 0, 4, 1, 5 of the low half and 8, 12, 9, 13 of the
+    // high one (blend mask 0b1100_1100), positions 8-15 the same from 2 and 3 ([`lying_lane`]).
+    let first = _mm256_setr_epi32(0, 4, 0, 4, 1, 5, 1, 5);
+    let second = _mm256_setr_epi32(2, 6, 2, 6, 3, 7, 3, 7);
+    for (l, c) in xl.iter_mut().zip(x_chunks) {
+        let (lo, hi) = load16(c);
+        let a =
+            _mm256_blend_ps::<0b1100_1100>(_mm256_permutevar8x32_ps(lo, first), _mm256_permutevar8x32_ps(hi, first));
+        let b =
+            _mm256_blend_ps::<0b1100_1100>(_mm256_permutevar8x32_ps(lo, second), _mm256_permutevar8x32_ps(hi, second));
+        store16(l, a, b);
+    }
+    let xl = &xl[..x_chunks.len()];
+    let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
+    let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
+    out.fill_token0_by_blocks(
+        |r| rows_dot_lying::<2>(packed_of(r, 2), scales_of(r, 2), cols, xl),
+        |r| rows_dot_lying::<1>(packed_of(r, 1), scales_of(r, 1), cols, xl),
+    );
+}
+
+/// Decodes one group as its bytes lie: vector 0 holds elements `[0, 4, 8, 12, 1, 5, 9, 13]`,
+/// vector 1 `[2, 6, 10, 14, 3, 7, 11, 15]`, vectors 2 and 3 the same plus 16 (the canonical
+/// lanes of [`lying_lane`]).
+///
+/// The 16 bytes go to both lanes; shifting the high lane's dwords right by 4 and `& 0xF` leaves
+/// the low nibbles (even elements) in lane 0 and the high ones (odd elements) in lane 1, byte `j`
+/// holding element `2j` or `2j + 1` (spec §4). The scale's byte tables ([`SCALED_BYTES`]) give
+/// each value's top two bytes, which interleave into words, dword `d` of a lane holding the
+/// elements `4d` and `4d + 2` of its parity; `<< 16` and `& 0xFFFF_0000` make the f32s. 10
+/// vector operations per 32 weights, 4 of them shuffles: [`decode32`]'s pick and word unpack
+/// are gone, and `x` is put in this order instead, once per block of rows.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn decode32_lying(b: &[u8; GROUP_BYTES], scale: u8) -> [__m256; 4] {
+    // SAFETY: `b` holds 16 bytes; the load is unaligned.
+    let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b.as_ptr().cast()) });
+    let high_lane_by_4 = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    let nibbles = _mm256_and_si256(_mm256_srlv_epi32(v, high_lane_by_4), _mm256_set1_epi8(0x0F));
+    let (t2, t3) = SCALED_BYTES[usize::from(scale)].0.split_at(16);
+    // SAFETY: each half holds 16 bytes; the loads are unaligned.
+    let (t2, t3) = unsafe { (_mm_loadu_si128(t2.as_ptr().cast()), _mm_loadu_si128(t3.as_ptr().cast())) };
+    let byte2 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t2), nibbles);
+    let byte3 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t3), nibbles);
+    let first = _mm256_unpacklo_epi8(byte2, byte3);
+    let second = _mm256_unpackhi_epi8(byte2, byte3);
+    let top = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
+    [
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(first)),
+        _mm256_castsi256_ps(_mm256_and_si256(first, top)),
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(second)),
+        _mm256_castsi256_ps(_mm256_and_si256(second, top)),
+    ]
+}
+
+/// Canonical dots of `R` consecutive rows with one token whose chunks `xl` are in the lying
+/// order. Each vector lane still sums its canonical lane's columns from zero in increasing
+/// order with FMA; the lanes are put back in canonical order before the fixed tree.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn rows_dot_lying<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, xl: &[[f32; LANES]]) -> [f32; R] {
+    let (pb, groups) = (cols / 2, cols / GROUP);
+    let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
+    let mut srows: [&[u8]; R] = [&[]; R];
+    for i in 0..R {
+        rows[i] = packed[i * pb..][..pb].as_chunks::<GROUP_BYTES>().0;
+        srows[i] = &scales[i * groups..][..groups];
+    }
+    let mut a = [_mm256_setzero_ps(); R];
+    let mut b = [_mm256_setzero_ps(); R];
+    for g in 0..groups {
+        if g % 4 == 0 {
+            // The next R rows follow these ones in memory: request their line at this group's
+            // offset now, as the canonical kernel does.
+            for i in 0..R {
+                prefetch(packed.as_ptr().wrapping_add((R + i) * pb + g * GROUP_BYTES));
+            }
+        }
+        let (xa0, xb0) = load16(&xl[2 * g]);
+        let (xa1, xb1) = load16(&xl[2 * g + 1]);
+        for i in 0..R {
+            let [w0, w1, w2, w3] = decode32_lying(&rows[i][g], srows[i][g]);
+            a[i] = _mm256_fmadd_ps(w0, xa0, a[i]);
+            b[i] = _mm256_fmadd_ps(w1, xb0, b[i]);
+            a[i] = _mm256_fmadd_ps(w2, xa1, a[i]);
+            b[i] = _mm256_fmadd_ps(w3, xb1, b[i]);
+        }
+    }
+    let mut sums = [0.0f32; R];
+    for i in 0..R {
+        let mut lying = [0.0f32; LANES];
+        store16(&mut lying, a[i], b[i]);
+        let canonical: [f32; LANES] = std::array::from_fn(|j| lying[lying_position(j)]);
+        let (lo, hi) = load16(&canonical);
+        sums[i] = reduce16(lo, hi);
+    }
+    sums
 }
 
 /// Canonical dots of `R` consecutive rows with one token.
@@ -259,6 +394,15 @@ pub(crate) fn decode_segment(packed_row: &[u8], scale_row: &[u8], c0: usize, cn:
 mod tests {
     use super::SCALED_BYTES;
     use crate::mxfp4::SCALED;
+
+    #[test]
+    fn lying_positions_invert_lying_lanes() {
+        let lanes: Vec<usize> = (0..16).map(super::lying_lane).collect();
+        assert_eq!(lanes, [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15]);
+        for j in 0..16 {
+            assert_eq!(super::lying_lane(super::lying_position(j)), j);
+        }
+    }
 
     #[test]
     fn byte_tables_are_the_top_halves_of_the_scaled_values() {

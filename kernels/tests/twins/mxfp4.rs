@@ -87,8 +87,9 @@ fn matmul_mxfp4_twins_unaligned() {
 
 #[test]
 fn matmul_mxfp4_one_token_at_every_width() {
-    // The 128-bit one-token kernel copies x to the stack in buckets of 64, 128, 256 and 512
-    // chunks of 16 columns and hands wider rows to the 256-bit kernel: both sides of each edge.
+    // Both AVX2 one-token kernels copy x to the stack in buckets of 64, 128, 256 and 512 chunks
+    // of 16 columns (the 128-bit one transposed, the 256-bit one in the order its bytes lie) and
+    // hand wider rows to the 256-bit canonical loop: both sides of each edge.
     let mut rng = Rng::new(61);
     let s = scalar();
     for k in mxfp4_kernels() {
