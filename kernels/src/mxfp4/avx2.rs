@@ -146,8 +146,8 @@ fn single_token_canonical(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], 
     let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
     let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
     out.fill_token0_by_blocks(
-        |r| rows_dot::<R>(packed_of(r, R), scales_of(r, R), cols, x_chunks),
-        |r| rows_dot::<1>(packed_of(r, 1), scales_of(r, 1), cols, x_chunks),
+        |r| rows_dot::<R, false>(packed_of(r, R), scales_of(r, R), cols, x_chunks),
+        |r| rows_dot::<1, false>(packed_of(r, 1), scales_of(r, 1), cols, x_chunks),
     );
 }
 
@@ -186,8 +186,8 @@ fn single_token_lying<const N: usize>(packed: &[u8], scales: &[u8], cols: usize,
     let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
     let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
     out.fill_token0_by_blocks(
-        |r| rows_dot_lying::<2>(packed_of(r, 2), scales_of(r, 2), cols, xl),
-        |r| rows_dot_lying::<1>(packed_of(r, 1), scales_of(r, 1), cols, xl),
+        |r| rows_dot::<2, true>(packed_of(r, 2), scales_of(r, 2), cols, xl),
+        |r| rows_dot::<1, true>(packed_of(r, 1), scales_of(r, 1), cols, xl),
     );
 }
 
@@ -225,54 +225,18 @@ fn decode32_lying(b: &[u8; GROUP_BYTES], scale: u8) -> [__m256; 4] {
     ]
 }
 
-/// Canonical dots of `R` consecutive rows with one token whose chunks `xl` are in the lying
-/// order. Each vector lane still sums its canonical lane's columns from zero in increasing
-/// order with FMA; the lanes are put back in canonical order before the fixed tree.
+/// Canonical dots of `R` consecutive rows with one token: `x_chunks` in canonical lanes, or,
+/// when `LYING`, in the lying order of [`decode32_lying`] (each vector lane then still sums its
+/// canonical lane's columns from zero in increasing order with FMA, and the lanes are put back
+/// in canonical order before the fixed tree).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn rows_dot_lying<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, xl: &[[f32; LANES]]) -> [f32; R] {
-    let (pb, groups) = (cols / 2, cols / GROUP);
-    let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
-    let mut srows: [&[u8]; R] = [&[]; R];
-    for i in 0..R {
-        rows[i] = packed[i * pb..][..pb].as_chunks::<GROUP_BYTES>().0;
-        srows[i] = &scales[i * groups..][..groups];
-    }
-    let mut a = [_mm256_setzero_ps(); R];
-    let mut b = [_mm256_setzero_ps(); R];
-    for g in 0..groups {
-        if g % 4 == 0 {
-            // The next R rows follow these ones in memory: request their line at this group's
-            // offset now, as the canonical kernel does.
-            for i in 0..R {
-                prefetch(packed.as_ptr().wrapping_add((R + i) * pb + g * GROUP_BYTES));
-            }
-        }
-        let (xa0, xb0) = load16(&xl[2 * g]);
-        let (xa1, xb1) = load16(&xl[2 * g + 1]);
-        for i in 0..R {
-            let [w0, w1, w2, w3] = decode32_lying(&rows[i][g], srows[i][g]);
-            a[i] = _mm256_fmadd_ps(w0, xa0, a[i]);
-            b[i] = _mm256_fmadd_ps(w1, xb0, b[i]);
-            a[i] = _mm256_fmadd_ps(w2, xa1, a[i]);
-            b[i] = _mm256_fmadd_ps(w3, xb1, b[i]);
-        }
-    }
-    let mut sums = [0.0f32; R];
-    for i in 0..R {
-        let mut lying = [0.0f32; LANES];
-        store16(&mut lying, a[i], b[i]);
-        let canonical: [f32; LANES] = std::array::from_fn(|j| lying[lying_position(j)]);
-        let (lo, hi) = load16(&canonical);
-        sums[i] = reduce16(lo, hi);
-    }
-    sums
-}
-
-/// Canonical dots of `R` consecutive rows with one token.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks: &[[f32; LANES]]) -> [f32; R] {
+fn rows_dot<const R: usize, const LYING: bool>(
+    packed: &[u8],
+    scales: &[u8],
+    cols: usize,
+    x_chunks: &[[f32; LANES]],
+) -> [f32; R] {
     let (pb, groups) = (cols / 2, cols / GROUP);
     let mut rows: [&[[u8; GROUP_BYTES]]; R] = [&[]; R];
     let mut srows: [&[u8]; R] = [&[]; R];
@@ -294,7 +258,8 @@ fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks:
         let (xl0, xh0) = load16(&x_chunks[2 * g]);
         let (xl1, xh1) = load16(&x_chunks[2 * g + 1]);
         for i in 0..R {
-            let [w0, w1, w2, w3] = decode32(&rows[i][g], srows[i][g]);
+            let [w0, w1, w2, w3] =
+                if LYING { decode32_lying(&rows[i][g], srows[i][g]) } else { decode32(&rows[i][g], srows[i][g]) };
             lo[i] = _mm256_fmadd_ps(w0, xl0, lo[i]);
             hi[i] = _mm256_fmadd_ps(w1, xh0, hi[i]);
             lo[i] = _mm256_fmadd_ps(w2, xl1, lo[i]);
@@ -303,6 +268,12 @@ fn rows_dot<const R: usize>(packed: &[u8], scales: &[u8], cols: usize, x_chunks:
     }
     let mut sums = [0.0f32; R];
     for i in 0..R {
+        if LYING {
+            let mut lying = [0.0f32; LANES];
+            store16(&mut lying, lo[i], hi[i]);
+            let canonical: [f32; LANES] = std::array::from_fn(|j| lying[lying_position(j)]);
+            (lo[i], hi[i]) = load16(&canonical);
+        }
         sums[i] = reduce16(lo[i], hi[i]);
     }
     sums
