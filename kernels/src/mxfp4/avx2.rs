@@ -185,8 +185,9 @@ fn single_token_lying<const N: usize>(packed: &[u8], scales: &[u8], cols: usize,
     let xl = &xl[..x_chunks.len()];
     let packed_of = |r: usize, n: usize| &packed[r * pb..(r + n) * pb];
     let scales_of = |r: usize, n: usize| &scales[r * groups..(r + n) * groups];
+    const R: usize = 2;
     out.fill_token0_by_blocks(
-        |r| rows_dot::<2, true>(packed_of(r, 2), scales_of(r, 2), cols, xl),
+        |r| rows_dot::<R, true>(packed_of(r, R), scales_of(r, R), cols, xl),
         |r| rows_dot::<1, true>(packed_of(r, 1), scales_of(r, 1), cols, xl),
     );
 }

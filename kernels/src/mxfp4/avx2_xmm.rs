@@ -2,8 +2,8 @@
 //! operation as two 128-bit halves (AMD Zen 1 and Zen+, Hygon Dhyana: [`Avx2Mxfp4::Xmm`]).
 //! Same bits as `scalar.rs`.
 //!
-//! There, the 256-bit decoder ([`super::avx2`]) spends half its work on lanes it only broadcasts
-//! or picks into canonical order. This one decodes a group of 32 elements from its 16 bytes as
+//! There, a 256-bit decoder ([`super::avx2`]) spends half its work on lanes it only broadcasts
+//! (and its canonical one on picking bytes into canonical order). This one decodes a group of 32 elements from its 16 bytes as
 //! they lie: the low nibbles are the even elements, the high nibbles the odd ones; the scale's
 //! byte tables ([`SCALED_BYTES`]) give each value's top two bytes, and interleaving those makes,
 //! per chunk of 16 columns, four vectors of canonical lanes `{k, k+4, k+8, k+12}` (k = 0 for
@@ -11,9 +11,10 @@
 //! one accumulator per `k`, `x` is put in the same order once per block of rows, and a row's
 //! four accumulators are transposed back to canonical lanes before the fixed tree. Every lane
 //! still sums its columns from zero in increasing order with FMA, so the bits are the
-//! canonical dot's. 19 operations per 32 weights (the 256-bit decoder: 12, each of which costs
-//! two on such a core) plus 8 FMAs; measured 1.2-1.3x the 256-bit kernel on a Zen 1 EPYC
-//! (`docs/BENCHMARKS.md`).
+//! canonical dot's. 19 operations per 32 weights (the 256-bit canonical decoder: 12, the one
+//! that decodes as the bytes lie: 10, each of which costs two on such a core) plus 8 FMAs;
+//! measured 1.2-1.3x the 256-bit canonical kernel on a Zen 1 EPYC (`docs/BENCHMARKS.md`; the
+//! 10-operation decode bought nothing there).
 //!
 //! [`Avx2Mxfp4::Xmm`]: crate::mxfp4::Avx2Mxfp4::Xmm
 
