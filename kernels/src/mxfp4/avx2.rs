@@ -12,9 +12,9 @@
 //! [`crate::tiled`].
 
 use std::arch::x86_64::{
-    __m256, _mm256_and_si256, _mm256_blend_ps, _mm256_broadcastsi128_si256, _mm256_castsi256_ps, _mm256_fmadd_ps,
-    _mm256_permutevar8x32_ps, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_setr_epi32, _mm256_setr_epi8,
-    _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32, _mm256_srli_epi16, _mm256_srlv_epi32,
+    __m256, __m256i, _mm256_and_si256, _mm256_blend_ps, _mm256_broadcastsi128_si256, _mm256_castsi256_ps,
+    _mm256_fmadd_ps, _mm256_permutevar8x32_ps, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_setr_epi32,
+    _mm256_setr_epi8, _mm256_setzero_ps, _mm256_shuffle_epi8, _mm256_slli_epi32, _mm256_srli_epi16, _mm256_srlv_epi32,
     _mm256_unpackhi_epi8, _mm256_unpacklo_epi16, _mm256_unpacklo_epi8, _mm_loadu_si128, _mm_prefetch, _MM_HINT_T0,
 };
 
@@ -84,13 +84,24 @@ fn decode32(b: &[u8; GROUP_BYTES], scale: u8) -> [__m256; 4] {
     let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(picked), low4);
     // Lane 0: elements 0,8,1,9,2,10,3,11, 16,24,...,19,27; lane 1: the same from 4 and 20.
     let nibbles = _mm256_unpacklo_epi16(lo, hi);
-    let tables = &SCALED_BYTES[usize::from(scale)].0;
-    let (t2, t3) = tables.split_at(16);
+    // Dword d: words [e_d, e_(8+d)] (first pair), [e_(16+d), e_(24+d)] (second).
+    values_of(nibbles, scale)
+}
+
+/// The f32 values of 32 nibbles (one per byte, each lane's bytes as its own lookup indices) of
+/// a group with scale byte `scale`: `vpshufb` in the scale's byte tables ([`SCALED_BYTES`])
+/// gives each value's top two bytes; the byte unpacks make words, dword `d` of a lane holding
+/// the values of its bytes `2d` and `2d + 1` (first pair: bytes 0-7; second: 8-15), and `<< 16`
+/// and `& 0xFFFF_0000` make the two f32s of each dword: `[first's even, first's odd, second's
+/// even, second's odd]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn values_of(nibbles: __m256i, scale: u8) -> [__m256; 4] {
+    let (t2, t3) = SCALED_BYTES[usize::from(scale)].0.split_at(16);
     // SAFETY: each half holds 16 bytes; the loads are unaligned.
     let (t2, t3) = unsafe { (_mm_loadu_si128(t2.as_ptr().cast()), _mm_loadu_si128(t3.as_ptr().cast())) };
     let byte2 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t2), nibbles);
     let byte3 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t3), nibbles);
-    // Dword d: words [e_d, e_(8+d)] (first), [e_(16+d), e_(24+d)] (second).
     let first = _mm256_unpacklo_epi8(byte2, byte3);
     let second = _mm256_unpackhi_epi8(byte2, byte3);
     let top = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
@@ -210,20 +221,7 @@ fn decode32_lying(b: &[u8; GROUP_BYTES], scale: u8) -> [__m256; 4] {
     let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b.as_ptr().cast()) });
     let high_lane_by_4 = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     let nibbles = _mm256_and_si256(_mm256_srlv_epi32(v, high_lane_by_4), _mm256_set1_epi8(0x0F));
-    let (t2, t3) = SCALED_BYTES[usize::from(scale)].0.split_at(16);
-    // SAFETY: each half holds 16 bytes; the loads are unaligned.
-    let (t2, t3) = unsafe { (_mm_loadu_si128(t2.as_ptr().cast()), _mm_loadu_si128(t3.as_ptr().cast())) };
-    let byte2 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t2), nibbles);
-    let byte3 = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t3), nibbles);
-    let first = _mm256_unpacklo_epi8(byte2, byte3);
-    let second = _mm256_unpackhi_epi8(byte2, byte3);
-    let top = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
-    [
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(first)),
-        _mm256_castsi256_ps(_mm256_and_si256(first, top)),
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(second)),
-        _mm256_castsi256_ps(_mm256_and_si256(second, top)),
-    ]
+    values_of(nibbles, scale)
 }
 
 /// Canonical dots of `R` consecutive rows with one token: `x_chunks` in canonical lanes, or,
