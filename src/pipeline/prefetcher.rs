@@ -48,7 +48,7 @@ use std::sync::{Arc, Mutex};
 use serde::Serialize;
 
 use super::io_stage::IoStage;
-use super::trial::Trials;
+use super::trial::{Mark, Trials};
 use crate::config::Config;
 use crate::model::attn_res::{self, ResScratch};
 use crate::model::buffers::{counted, Allocate, Buffers};
@@ -318,9 +318,9 @@ impl Prefetcher {
     }
 
     /// Opens `layer`'s trial window if it is an MoE layer.
-    fn open_window(&self, model: &Model, layer: usize) {
+    fn open_window(&self, store: &Store, model: &Model, layer: usize) {
         if self.spec.adaptive && matches!(model.weights.layers.get(layer).map(|lw| &lw.ffn), Some(FfnWeights::Moe(_))) {
-            lock(&self.trial).window_start(layer, std::time::Instant::now());
+            lock(&self.trial).window_start(layer, Mark::now(store.waited_seconds()));
         }
     }
 
@@ -347,7 +347,7 @@ impl Prefetcher {
         if !self.spec.enabled || t > self.chunk || model.cfg.layers.get(next).is_none_or(|n| n.block_start) {
             return;
         }
-        self.open_window(model, next);
+        self.open_window(store, model, next);
         let mut sc = lock(&self.scratch);
         // `layer`'s routing comes next: its cached experts are needed before `next`'s guesses.
         self.predict(store, model, next, t, y, &mut sc.router, Some(layer));
@@ -367,7 +367,7 @@ impl Prefetcher {
         let next = layer + 1;
         if self.spec.enabled && self.spec.adaptive {
             let mut trial = lock(&self.trial);
-            trial.window_end(layer, t, std::time::Instant::now());
+            trial.window_end(layer, t, Mark::now(store.waited_seconds()));
             if next == model.cfg.n_layers {
                 trial.pass_end(t);
             }
@@ -379,7 +379,7 @@ impl Prefetcher {
         if !self.spec.enabled || t > self.chunk || !model.cfg.layers.get(next).is_some_and(|n| n.block_start) {
             return;
         }
-        self.open_window(model, next);
+        self.open_window(store, model, next);
         let Some(FfnWeights::Moe(_)) = model.weights.layers.get(next).map(|lw| &lw.ffn) else { return };
         let Some(view) = store.trunk_if_resident(TrunkUnit::Layer(next)) else { return };
         let mut guard = lock(&self.scratch);

@@ -21,6 +21,12 @@
 //! joined it) starts it over at that size, and a trial still undecided after
 //! [`TRIAL_BOUND_PASSES`] timed passes, restarts included, decides with what it has.
 //!
+//! Guesses save only waits: a layer's gain counts up to the time its windows without guesses
+//! spent waiting for reads (their median), so where compute never waits there, noise in the
+//! window times cannot make guessing win. Measured on a modeled device at 9 GB with random
+//! routing (Zen 3 host), where nothing but the embedding rows waited: layers that won their
+//! trial on noise read 0.14-0.25 GB per token more and ran up to 16% slower than `--no-spec`.
+//!
 //! Allocation: the sample lists are sized once for the layers and the trial length.
 
 use std::time::Instant;
@@ -62,10 +68,26 @@ struct LayerTrial {
     /// Seconds of the layer's windows in this trial, with and without guesses.
     with: Vec<f64>,
     without: Vec<f64>,
+    /// Seconds compute waited for reads in each window without guesses.
+    waited_without: Vec<f64>,
     /// The open window: its start and whether it guesses.
-    open: Option<(Instant, bool)>,
+    open: Option<(Mark, bool)>,
     /// The last decision.
     guess: bool,
+}
+
+/// A moment of the run: the time, and the seconds compute had waited for reads by then.
+#[derive(Clone, Copy, Debug)]
+pub struct Mark {
+    pub at: Instant,
+    pub waited_s: f64,
+}
+
+impl Mark {
+    /// Now, compute having waited `waited_s` seconds for reads so far.
+    pub fn now(waited_s: f64) -> Mark {
+        Mark { at: Instant::now(), waited_s }
+    }
 }
 
 /// The per-layer trial-and-decide controller.
@@ -92,6 +114,7 @@ impl Trials {
         let layer = LayerTrial {
             with: Vec::with_capacity(TRIAL_PASSES_MAX),
             without: Vec::with_capacity(TRIAL_PASSES_MAX),
+            waited_without: Vec::with_capacity(TRIAL_PASSES_MAX),
             ..LayerTrial::default()
         };
         Trials {
@@ -115,7 +138,7 @@ impl Trials {
     }
 
     /// `layer`'s window opens (its experts are about to be predicted).
-    pub fn window_start(&mut self, layer: usize, now: Instant) {
+    pub fn window_start(&mut self, layer: usize, now: Mark) {
         let guessing = self.guessing(layer);
         if let Some(l) = self.layers.get_mut(layer) {
             l.open = Some((now, guessing));
@@ -123,12 +146,12 @@ impl Trials {
     }
 
     /// `layer` ended a pass of `tokens` tokens: its window closes.
-    pub fn window_end(&mut self, layer: usize, tokens: usize, now: Instant) {
+    pub fn window_end(&mut self, layer: usize, tokens: usize, now: Mark) {
         let in_trial = matches!(self.phase, Phase::Trial { .. });
         let Some(l) = self.layers.get_mut(layer) else { return };
         let Some((start, guessed)) = l.open.take() else { return };
         if in_trial && tokens <= self.max_rows && self.rows.is_none_or(|rows| rows == tokens) {
-            l.record(guessed, now.duration_since(start).as_secs_f64());
+            l.record(guessed, now.at.duration_since(start.at).as_secs_f64(), now.waited_s - start.waited_s);
         }
     }
 
@@ -168,6 +191,7 @@ impl Trials {
         for l in &mut self.layers {
             l.with.clear();
             l.without.clear();
+            l.waited_without.clear();
         }
         self.rows = rows;
         self.phase = Phase::Trial { on: false, passes: 0 };
@@ -175,12 +199,22 @@ impl Trials {
 
     fn decide(&mut self) {
         self.trials_decided += 1;
-        for l in &mut self.layers {
+        for (layer, l) in self.layers.iter_mut().enumerate() {
             if l.with.is_empty() && l.without.is_empty() {
                 continue;
             }
             let enough = l.with.len() >= TRIAL_PASSES && l.without.len() >= TRIAL_PASSES;
-            l.guess = enough && median(&mut l.with) < median(&mut l.without) * (1.0 - GUESSING_MARGIN);
+            let (with, without, waited) = (median(&mut l.with), median(&mut l.without), median(&mut l.waited_without));
+            let gain = (without - with).min(waited);
+            l.guess = enough && gain > without * GUESSING_MARGIN;
+            tracing::debug!(
+                layer,
+                with_s = with,
+                without_s = without,
+                waited_without_s = waited,
+                guess = l.guess,
+                "speculation trial decided: the layer's window medians with and without guesses"
+            );
             if l.guess {
                 self.decided_on += 1;
             } else {
@@ -192,10 +226,14 @@ impl Trials {
 }
 
 impl LayerTrial {
-    fn record(&mut self, guessed: bool, seconds: f64) {
-        let list = if guessed { &mut self.with } else { &mut self.without };
-        if list.len() < TRIAL_PASSES_MAX {
-            list.push(seconds);
+    fn record(&mut self, guessed: bool, seconds: f64, waited_s: f64) {
+        if guessed {
+            if self.with.len() < TRIAL_PASSES_MAX {
+                self.with.push(seconds);
+            }
+        } else if self.without.len() < TRIAL_PASSES_MAX {
+            self.without.push(seconds);
+            self.waited_without.push(waited_s.max(0.0));
         }
     }
 }
@@ -211,23 +249,38 @@ mod tests {
 
     use super::*;
 
+    fn start() -> Mark {
+        Mark { at: Instant::now(), waited_s: 0.0 }
+    }
+
+    /// `seconds` after `m`, `waited` of them waiting for reads.
+    fn after(m: Mark, seconds: f64, waited: f64) -> Mark {
+        Mark { at: m.at + Duration::from_secs_f64(seconds), waited_s: m.waited_s + waited }
+    }
+
     /// Runs decode passes over layers 1 and 2 whose windows take `on[l]` or `off[l]` seconds
-    /// as the controller chooses; returns the settings used per pass for each layer.
-    fn drive(t: &mut Trials, passes: usize, on: [f64; 2], off: [f64; 2]) -> Vec<[bool; 2]> {
-        let mut now = Instant::now();
+    /// as the controller chooses, windows without guesses waiting `waited[l]` of theirs for
+    /// reads; returns the settings used per pass for each layer.
+    fn drive_waiting(t: &mut Trials, passes: usize, on: [f64; 2], off: [f64; 2], waited: [f64; 2]) -> Vec<[bool; 2]> {
+        let mut now = start();
         (0..passes)
             .map(|_| {
                 let mut used = [false; 2];
                 for (i, layer) in [1, 2].into_iter().enumerate() {
                     used[i] = t.guessing(layer);
                     t.window_start(layer, now);
-                    now += Duration::from_secs_f64(if used[i] { on[i] } else { off[i] });
+                    now = if used[i] { after(now, on[i], 0.0) } else { after(now, off[i], waited[i]) };
                     t.window_end(layer, 1, now);
                 }
                 t.pass_end(1);
                 used
             })
             .collect()
+    }
+
+    /// [`drive_waiting`] where a window without guesses waits what guessing saves.
+    fn drive(t: &mut Trials, passes: usize, on: [f64; 2], off: [f64; 2]) -> Vec<[bool; 2]> {
+        drive_waiting(t, passes, on, off, [0, 1].map(|i| (off[i] - on[i]).max(0.0)))
     }
 
     #[test]
@@ -243,6 +296,20 @@ mod tests {
     }
 
     #[test]
+    fn guessing_gains_no_more_than_the_waits_it_can_remove() {
+        let (on, off) = ([0.1, 0.1], [0.15, 0.15]);
+        // Windows a third faster with guesses, but windows without them never waited: noise.
+        let mut t = Trials::new(3, 1);
+        drive_waiting(&mut t, 2 * TRIAL_PASSES, on, off, [0.0, 0.0]);
+        assert!(!t.guessing(1) && !t.guessing(2));
+        assert_eq!(t.decided_off, 2);
+        // Layer 1's waits are below the margin (5% of its 0.15 s window); layer 2's are not.
+        let mut t = Trials::new(3, 1);
+        drive_waiting(&mut t, 2 * TRIAL_PASSES, on, off, [0.007, 0.01]);
+        assert!(!t.guessing(1) && t.guessing(2));
+    }
+
+    #[test]
     fn a_gain_within_the_noise_margin_does_not_switch_guessing_on() {
         let mut t = Trials::new(3, 1);
         drive(&mut t, 2 * TRIAL_PASSES, [0.96, 0.96], [1.0, 1.0]);
@@ -252,11 +319,12 @@ mod tests {
     #[test]
     fn an_outlier_does_not_decide() {
         let mut t = Trials::new(2, 1);
-        let mut now = Instant::now();
-        // Without guesses: 1.0, 1.0, 5.0 (one slow window); with: 1.1 each. Medians compare.
+        let mut now = start();
+        // Without guesses: 1.0, 1.0, 5.0 (one slow window, waiting); with: 1.1 each. Medians
+        // compare.
         for s in [1.0, 1.1, 1.0, 1.1, 5.0, 1.1] {
             t.window_start(1, now);
-            now += Duration::from_secs_f64(s);
+            now = after(now, s, s);
             t.window_end(1, 1, now);
             t.pass_end(1);
         }
@@ -267,9 +335,9 @@ mod tests {
     #[test]
     fn only_decode_sized_passes_are_timed_and_a_trial_is_bounded() {
         let mut t = Trials::new(2, 1);
-        let now = Instant::now();
+        let now = start();
         t.window_start(1, now);
-        t.window_end(1, 32, now + Duration::from_secs(10));
+        t.window_end(1, 32, after(now, 10.0, 10.0));
         t.pass_end(32);
         assert!(!t.guessing(1), "a prompt pass of one sequence neither counts nor alternates");
         assert!(t.layers[1].without.is_empty());
@@ -285,10 +353,10 @@ mod tests {
     #[test]
     fn a_batch_is_timed_at_its_decode_steps_and_again_when_it_changes() {
         let mut t = Trials::new(2, 20);
-        let mut now = Instant::now();
+        let mut now = start();
         let mut pass = |t: &mut Trials, rows: usize, seconds: f64| {
             t.window_start(1, now);
-            now += Duration::from_secs_f64(seconds);
+            now = after(now, seconds, seconds);
             t.window_end(1, rows, now);
             t.pass_end(rows);
         };

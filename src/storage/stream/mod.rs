@@ -46,6 +46,7 @@ mod admission_tests;
 mod spread_tests;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use self::arena::{Arena, Filled, Slot};
@@ -312,6 +313,8 @@ pub struct Store {
     /// The embedding row buffer.
     embed: Mutex<Slot>,
     stats: Mutex<StreamStats>,
+    /// Nanoseconds compute has waited for reads so far, whatever it waited for.
+    waited_ns: AtomicU64,
 }
 
 impl Store {
@@ -455,6 +458,7 @@ impl Store {
             waiting_check: Mutex::new(None),
             embed: Mutex::new(embed),
             stats: Mutex::new(stats),
+            waited_ns: AtomicU64::new(0),
         };
         store.load_pinned(&p.layout)?;
         store.load_split(&p.layout)?;
@@ -523,10 +527,17 @@ impl Store {
         self.check_while_waiting(t);
         let r = self.reads.wait(t);
         drop(stall);
+        let waited_us = self.tracer.now_us() - start;
+        self.waited_ns.fetch_add((waited_us * 1e3) as u64, Ordering::Relaxed);
         if let Some(l) = layer {
-            lock(&self.stats).layer(l).stall_us += self.tracer.now_us() - start;
+            lock(&self.stats).layer(l).stall_us += waited_us;
         }
         r
+    }
+
+    /// Seconds compute has waited for reads so far (every wait, for any layer or none).
+    pub fn waited_seconds(&self) -> f64 {
+        self.waited_ns.load(Ordering::Relaxed) as f64 / 1e9
     }
 
     fn read_error(&self, what: String, e: &Arc<IoError>) -> SourceError {
