@@ -265,6 +265,8 @@ pub struct Prefetcher {
     sequences: usize,
     /// Bytes one expert's read costs the device (its slot).
     expert_read_bytes: u64,
+    /// The first MoE layer, whose guesses for the next decode step are made at a step's end.
+    first_moe: Option<usize>,
     /// Without `adaptive`: outstanding bytes above which guesses wait (the device's window).
     busy_bytes: usize,
     scratch: Mutex<PredictScratch>,
@@ -304,6 +306,7 @@ impl Prefetcher {
             chunk,
             sequences,
             expert_read_bytes,
+            first_moe: cfg.moe_layers().first().copied(),
             busy_bytes,
             scratch: Mutex::new(scratch),
             history: Mutex::new(history),
@@ -373,7 +376,7 @@ impl Prefetcher {
             }
         }
         if next == model.cfg.n_layers {
-            self.guess_next_step(store, model, t);
+            self.guess_next_step(store, t);
             return;
         }
         if !self.spec.enabled || t > self.chunk || !model.cfg.layers.get(next).is_some_and(|n| n.block_start) {
@@ -414,16 +417,15 @@ impl Prefetcher {
     /// the next step's first attention, when nothing else is known to read. Only where
     /// consecutive tokens have shared experts more often than not (routing with locality): each
     /// guess carries that measured rate as its chance.
-    fn guess_next_step(&self, store: &Store, model: &Model, t: usize) {
+    fn guess_next_step(&self, store: &Store, t: usize) {
         if !self.spec.enabled || t > self.sequences {
             return;
         }
-        let first_moe = model.weights.layers.iter().position(|lw| matches!(lw.ffn, FfnWeights::Moe(_)));
         let h = lock(&self.history);
         if h.prev_token.p() <= SOONER_MIN_P {
             return;
         }
-        let Some((guesses, cached_p)) = first_moe.and_then(|l| h.repeat_guesses(l)) else { return };
+        let Some((guesses, cached_p)) = self.first_moe.and_then(|l| h.repeat_guesses(l)) else { return };
         drop(h);
         // The first MoE layer's routing comes next: nothing is needed before it.
         let read = self.guess(store, guesses, &cached_p, None, None) as u64;
