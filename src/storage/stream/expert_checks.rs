@@ -432,4 +432,24 @@ pub(crate) mod tests {
         assert!(super::super::lock(&store.waiting_check).is_none());
         assert!(super::super::lock(&store.pool).slots.iter().all(|s| s.users == 0));
     }
+
+    #[test]
+    fn a_wait_for_an_expert_counts_in_the_stores_total_and_its_layers() {
+        // A modeled device with 50 ms of latency: the expert's first use must wait for it.
+        let (_tmp, model) = tiny_copy();
+        let layer = first_moe_layer(&model);
+        let mut run = StreamingRun::new(64_000_000, 16, 8, 2);
+        run.pipeline.io.kind = crate::pipeline::IoKind::parse("sim:1GB/s,50ms").unwrap();
+        let trunk = model.parent().unwrap().join("trunk");
+        let kernels = kernels::Kernels::with_isa(kernels::Isa::Scalar).unwrap();
+        let opened = open_streaming(&model, &trunk, &run, kernels, |_| {}).unwrap().0;
+        let store = opened.engine.src.store();
+        let (waited, stalled) = (store.waited_seconds(), store.stats().layer(layer).stall_us);
+        let key = read_guesses(store, layer, 1)[0];
+        drop(store.expert(key.0, key.1).unwrap());
+        let waited = store.waited_seconds() - waited;
+        let stalled = (store.stats().layer(layer).stall_us - stalled) / 1e6;
+        assert!(waited >= 0.03, "waited {waited} s for a read of 50 ms latency");
+        assert!((waited - stalled).abs() < 1e-3, "the total ({waited} s) and layer {layer}'s ({stalled} s)");
+    }
 }
