@@ -287,10 +287,14 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn open_with_budget(model: &Path, budget_bytes: u64) -> Opened<Pipeline> {
-        let run = StreamingRun::new(budget_bytes, 16, 8, 2);
+        open_run(model, &StreamingRun::new(budget_bytes, 16, 8, 2))
+    }
+
+    /// Opens `model` (a [`tiny_copy`]) as `run` says, with the scalar kernels.
+    fn open_run(model: &Path, run: &StreamingRun) -> Opened<Pipeline> {
         let trunk = model.parent().unwrap().join("trunk");
         let kernels = kernels::Kernels::with_isa(kernels::Isa::Scalar).unwrap();
-        open_streaming(model, &trunk, &run, kernels, |_| {}).unwrap().0
+        open_streaming(model, &trunk, run, kernels, |_| {}).unwrap().0
     }
 
     /// Reads `n` experts of the first MoE layer as guesses; returns their keys.
@@ -440,9 +444,7 @@ pub(crate) mod tests {
         let layer = first_moe_layer(&model);
         let mut run = StreamingRun::new(64_000_000, 16, 8, 2);
         run.pipeline.io.kind = crate::pipeline::IoKind::parse("sim:1GB/s,50ms").unwrap();
-        let trunk = model.parent().unwrap().join("trunk");
-        let kernels = kernels::Kernels::with_isa(kernels::Isa::Scalar).unwrap();
-        let opened = open_streaming(&model, &trunk, &run, kernels, |_| {}).unwrap().0;
+        let opened = open_run(&model, &run);
         let store = opened.engine.src.store();
         let (waited, stalled) = (store.waited_seconds(), store.stats().layer(layer).stall_us);
         let key = read_guesses(store, layer, 1)[0];
