@@ -42,6 +42,7 @@ use crate::storage::plan::Plan;
 use crate::storage::stream::policy::policy_by_name;
 use crate::storage::stream::reads::ReadQueue;
 use crate::storage::stream::stats::DeviceStats;
+use crate::storage::stream::WaitFor;
 use crate::storage::stream::{ExpertGuard, Store, StoreOptions, StreamError, StreamStats, TrunkGuard};
 use crate::trace::Tracer;
 
@@ -262,7 +263,7 @@ impl WeightSource for Pipeline {
         if self.mode.waits_for_every_read() {
             // Read everything the layer needs before computing any of it.
             for &t in &routed.tickets {
-                let _ = self.store.wait_io(t, Some(layer));
+                let _ = self.store.wait_io(t, WaitFor::Experts(layer));
             }
         }
     }

@@ -323,7 +323,7 @@ impl Prefetcher {
     /// Opens `layer`'s trial window if it is an MoE layer.
     fn open_window(&self, store: &Store, model: &Model, layer: usize) {
         if self.spec.adaptive && matches!(model.weights.layers.get(layer).map(|lw| &lw.ffn), Some(FfnWeights::Moe(_))) {
-            lock(&self.trial).window_start(layer, Mark::now(store.waited_seconds()));
+            lock(&self.trial).window_start(layer, Mark::now(store.expert_waited_seconds(layer)));
         }
     }
 
@@ -370,7 +370,7 @@ impl Prefetcher {
         let next = layer + 1;
         if self.spec.enabled && self.spec.adaptive {
             let mut trial = lock(&self.trial);
-            trial.window_end(layer, t, Mark::now(store.waited_seconds()));
+            trial.window_end(layer, t, Mark::now(store.expert_waited_seconds(layer)));
             if next == model.cfg.n_layers {
                 trial.pass_end(t);
             }

@@ -21,9 +21,11 @@
 //! joined it) starts it over at that size, and a trial still undecided after
 //! [`TRIAL_BOUND_PASSES`] timed passes, restarts included, decides with what it has.
 //!
-//! Guesses save only waits: a layer's gain counts up to the time its windows without guesses
-//! spent waiting for reads (their median), so where compute never waits there, noise in the
-//! window times cannot make guessing win. Measured on a modeled device at 9 GB with random
+//! Guesses save only waits for their layer's experts: a layer's gain counts up to the time its
+//! windows without guesses spent waiting for that layer's experts (their median), so where
+//! compute never waits for them, noise in the window times cannot make guessing win. (A window
+//! also holds the previous layer's expert waits and the layer's trunk waits, which no guess
+//! for this layer removes: the store counts each layer's expert waits apart.) Measured on a modeled device at 9 GB with random
 //! routing (Zen 3 host), where nothing but the embedding rows waited: layers that won their
 //! trial on noise read 0.14-0.25 GB per token more and ran up to 16% slower than `--no-spec`.
 //!
@@ -68,7 +70,7 @@ struct LayerTrial {
     /// Seconds of the layer's windows in this trial, with and without guesses.
     with: Vec<f64>,
     without: Vec<f64>,
-    /// Seconds compute waited for reads in each window without guesses.
+    /// Seconds compute waited for the layer's experts in each window without guesses.
     waited_without: Vec<f64>,
     /// The open window: its start and whether it guesses.
     open: Option<(Mark, bool)>,
@@ -76,7 +78,8 @@ struct LayerTrial {
     guess: bool,
 }
 
-/// A moment of the run: the time, and the seconds compute had waited for reads by then.
+/// A moment of the run: the time, and the seconds compute had waited for a layer's experts by
+/// then.
 #[derive(Clone, Copy, Debug)]
 pub struct Mark {
     pub at: Instant,
@@ -84,7 +87,7 @@ pub struct Mark {
 }
 
 impl Mark {
-    /// Now, compute having waited `waited_s` seconds for reads so far.
+    /// Now, compute having waited `waited_s` seconds for the layer's experts so far.
     pub fn now(waited_s: f64) -> Mark {
         Mark { at: Instant::now(), waited_s }
     }

@@ -8,7 +8,7 @@
 use super::arena::Slot;
 use super::layout::embed_row_window;
 use super::reads::{OpMeta, Priority};
-use super::{lock, Store};
+use super::{lock, Store, WaitFor};
 use crate::model::weights::{Mat, SourceError};
 use crate::storage::stream::arena::FileRange;
 
@@ -39,7 +39,7 @@ impl Store {
             starts.push(i * window + (at - ws) as usize);
         }
         self.reads.submit(Priority::Demand, vec![(ticket, ops)]);
-        let waited = self.wait_io(ticket, None);
+        let waited = self.wait_io(ticket, WaitFor::Embedding);
         if let Err(e) = waited {
             slot.abandon();
             return Err(self.read_error("embedding rows from the trunk pack".to_owned(), &e));

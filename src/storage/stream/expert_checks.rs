@@ -262,7 +262,7 @@ impl Store {
 pub(crate) mod tests {
     use std::path::{Path, PathBuf};
 
-    use super::super::{AdmitAll, Guess, Priority, Store};
+    use super::super::{AdmitAll, Guess, Priority, Store, WaitFor};
     use crate::engine::{open_streaming, Opened, StreamingRun};
     use crate::pipeline::Pipeline;
 
@@ -447,11 +447,44 @@ pub(crate) mod tests {
         let opened = open_run(&model, &run);
         let store = opened.engine.src.store();
         let (waited, stalled) = (store.waited_seconds(), store.stats().layer(layer).stall_us);
+        let experts = store.expert_waited_seconds(layer);
         let key = read_guesses(store, layer, 1)[0];
         drop(store.expert(key.0, key.1).unwrap());
         let waited = store.waited_seconds() - waited;
         let stalled = (store.stats().layer(layer).stall_us - stalled) / 1e6;
         assert!(waited >= 0.03, "waited {waited} s for a read of 50 ms latency");
+        let experts = store.expert_waited_seconds(layer) - experts;
+        assert!((experts - stalled).abs() < 1e-6, "all of it for the layer's experts ({experts} s)");
         assert!((waited - stalled).abs() < 1e-3, "the total ({waited} s) and layer {layer}'s ({stalled} s)");
+    }
+
+    #[test]
+    fn a_layers_expert_waits_count_apart_from_its_trunk_waits() {
+        let (_tmp, model) = tiny_copy();
+        let layer = first_moe_layer(&model);
+        let opened = open(&model);
+        let store = opened.engine.src.store();
+        // A read that lands 20 ms after compute starts waiting for it.
+        let wait = |what: WaitFor| {
+            let t = store.reads.reserve();
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    store.reads.submit(Priority::Demand, vec![(t, Vec::new())]);
+                });
+                store.wait_io(t, what).unwrap();
+            });
+        };
+        let seconds = || (store.stats().layer(layer).stall_us / 1e6, store.expert_waited_seconds(layer));
+        let (stall0, experts0) = seconds();
+        wait(WaitFor::Trunk(Some(layer)));
+        let (stall1, experts1) = seconds();
+        assert!(stall1 - stall0 >= 0.015, "the layer's stall grew by {} s", stall1 - stall0);
+        assert_eq!(experts1, experts0, "a trunk wait counts as none for the layer's experts");
+        wait(WaitFor::Experts(layer));
+        let (stall2, experts2) = seconds();
+        assert!(experts2 - experts1 >= 0.015, "the layer's expert waits grew by {} s", experts2 - experts1);
+        assert!(((experts2 - experts1) - (stall2 - stall1)).abs() < 1e-6, "in the layer's stall too");
+        assert_eq!(store.expert_waited_seconds(layer + 1), 0.0, "no other layer's");
     }
 }

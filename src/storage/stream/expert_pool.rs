@@ -18,7 +18,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use super::arena::{Filled, Region, Slot};
 use super::policy::{CachePolicy, ExpertKey};
 use super::reads::{OpMeta, Priority, SendOp, Ticket};
-use super::{lock, Store};
+use super::{lock, Store, WaitFor};
 use crate::checkpoint::ExpertImage;
 use crate::model::weights::{ExpertBytes, ExpertView, SourceError};
 use crate::storage::stream::arena::FileRange;
@@ -344,7 +344,7 @@ impl Store {
             (slot, ticket)
         };
         if let Some(t) = ticket {
-            if let Err(e) = self.wait_io(t, Some(layer)) {
+            if let Err(e) = self.wait_io(t, WaitFor::Experts(layer)) {
                 let mut pool = lock(&self.pool);
                 let s = &mut pool.slots[slot];
                 s.users -= 1;
@@ -582,7 +582,7 @@ impl Store {
             if let Some(ticket) = busy {
                 drop(pool);
                 // A failed read frees nothing; say why instead of searching on.
-                self.wait_io(ticket, Some(key.0))
+                self.wait_io(ticket, WaitFor::Experts(key.0))
                     .map_err(|e| self.read_error(format!("layer {} expert {}", key.0, key.1), &e))?;
                 pool = lock(&self.pool);
             }

@@ -317,6 +317,29 @@ pub struct Store {
     waited_ns: AtomicU64,
 }
 
+/// What compute waits for. Every wait counts in the store's total and a layer's in its stall;
+/// a layer's expert waits count apart as well, since they are the only waits a guess for that
+/// layer can remove (the trial's bound: [`crate::pipeline`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitFor {
+    /// A layer's experts (a read, or a slot to read into).
+    Experts(usize),
+    /// Trunk bytes, of a layer when the unit belongs to one.
+    Trunk(Option<usize>),
+    /// The embedding rows.
+    Embedding,
+}
+
+impl WaitFor {
+    fn layer(self) -> Option<usize> {
+        match self {
+            WaitFor::Experts(l) => Some(l),
+            WaitFor::Trunk(l) => l,
+            WaitFor::Embedding => None,
+        }
+    }
+}
+
 impl Store {
     /// Checks the pack against the checkpoint and allocates the arena as the plan says.
     /// `alignment` gives the reads' alignment for the files (the device's, or the simulator's).
@@ -478,7 +501,7 @@ impl Store {
             })
             .collect();
         self.reads.submit(Priority::Demand, vec![(ticket, ops)]);
-        self.wait_io(ticket, None).map_err(StreamError::PinnedRead)?;
+        self.wait_io(ticket, WaitFor::Trunk(None)).map_err(StreamError::PinnedRead)?;
         let mut bytes = 0;
         for (u, slot) in &mut slots {
             slot.landed();
@@ -516,10 +539,11 @@ impl Store {
 
     /// Waits for a batch, recording the stall as a scheduler "wait" span when it blocks, and
     /// checking landed experts meanwhile ([`expert_checks`]).
-    pub fn wait_io(&self, t: Ticket, layer: Option<usize>) -> Result<(), Arc<IoError>> {
+    pub fn wait_io(&self, t: Ticket, what: WaitFor) -> Result<(), Arc<IoError>> {
         if self.reads.is_done(t) {
             return self.reads.wait(t);
         }
+        let layer = what.layer();
         let mut args = SpanArgs::new();
         args.layer = layer.map(|l| l as u32);
         let start = self.tracer.now_us();
@@ -530,7 +554,12 @@ impl Store {
         let waited_us = self.tracer.now_us() - start;
         self.waited_ns.fetch_add((waited_us * 1e3) as u64, Ordering::Relaxed);
         if let Some(l) = layer {
-            lock(&self.stats).layer(l).stall_us += waited_us;
+            let mut stats = lock(&self.stats);
+            let l = stats.layer(l);
+            l.stall_us += waited_us;
+            if matches!(what, WaitFor::Experts(_)) {
+                l.expert_stall_us += waited_us;
+            }
         }
         r
     }
@@ -538,6 +567,11 @@ impl Store {
     /// Seconds compute has waited for reads so far (every wait, for any layer or none).
     pub fn waited_seconds(&self) -> f64 {
         self.waited_ns.load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    /// Seconds compute has waited for `layer`'s experts so far.
+    pub fn expert_waited_seconds(&self, layer: usize) -> f64 {
+        lock(&self.stats).per_layer.get(layer).map_or(0.0, |l| l.expert_stall_us / 1e6)
     }
 
     fn read_error(&self, what: String, e: &Arc<IoError>) -> SourceError {

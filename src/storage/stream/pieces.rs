@@ -16,7 +16,7 @@
 use std::ops::Range;
 
 use super::layout::{align_up, PackLayout};
-use super::StreamError;
+use super::{StreamError, WaitFor};
 use crate::config::Config;
 use crate::model::weights::{ModelWeights, Streamed, TensorId};
 use crate::storage::pack::PackUnit;
@@ -380,7 +380,7 @@ impl super::Store {
                 };
                 let op = self.arena.op(target, 0, range, super::trunk_ring::unit_meta(place, Priority::Demand));
                 self.reads.submit(Priority::Demand, vec![(ticket, vec![op])]);
-                if let Err(e) = self.wait_io(ticket, None) {
+                if let Err(e) = self.wait_io(ticket, WaitFor::Trunk(None)) {
                     slot.abandon();
                     return Err(StreamError::SplitRead(e));
                 }

@@ -121,6 +121,8 @@ pub struct LayerStats {
     pub routed_recalled: u64,
     /// Time compute waited for this layer's bytes (trunk and experts).
     pub stall_us: f64,
+    /// Of it, the time compute waited for this layer's experts.
+    pub expert_stall_us: f64,
     /// Of the predicted experts not resident or being read when predicted: those read as
     /// guesses, those dropped because the layer's trial decided against guessing, those beyond
     /// the device time free for them (the budget), and those for which admission found no

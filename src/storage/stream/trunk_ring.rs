@@ -14,7 +14,7 @@ use super::arena::{Filled, Slot};
 use super::layout::UnitPlace;
 use super::pieces::RingItem;
 use super::reads::{OpMeta, Priority, Ticket};
-use super::{lock, Store};
+use super::{lock, Store, WaitFor};
 use crate::model::weights::{Mat, SourceError, TensorId, TrunkUnit, TrunkView};
 use crate::storage::pack::{PackError, PackUnit};
 use crate::storage::stream::arena::FileRange;
@@ -235,7 +235,7 @@ impl Store {
             }
         };
         if let Some(t) = ticket {
-            if let Err(e) = self.wait_io(t, self.pack.layer_of_unit(unit)) {
+            if let Err(e) = self.wait_io(t, WaitFor::Trunk(self.pack.layer_of_unit(unit))) {
                 release(self);
                 return Err(self.read_error(self.item_name(item), &e));
             }
@@ -316,7 +316,7 @@ impl Store {
         let s = &mut ring.slots[slot];
         if let Some(t) = s.slot.ticket() {
             // An unwanted read-ahead is still in flight into this slot: let it land first.
-            let _ = self.wait_io(t, None);
+            let _ = self.wait_io(t, WaitFor::Trunk(None));
             s.slot.abandon();
         }
         let it: &RingItem = &self.items.items[item];
