@@ -323,7 +323,8 @@ impl Prefetcher {
     /// Opens `layer`'s trial window if it is an MoE layer.
     fn open_window(&self, store: &Store, model: &Model, layer: usize) {
         if self.spec.adaptive && matches!(model.weights.layers.get(layer).map(|lw| &lw.ffn), Some(FfnWeights::Moe(_))) {
-            lock(&self.trial).window_start(layer, Mark::now(store.expert_waited_seconds(layer)));
+            let now = Mark::now(store.expert_waited_seconds(layer));
+            lock(&self.trial).window_start(layer, now);
         }
     }
 
@@ -369,8 +370,10 @@ impl Prefetcher {
     ) {
         let next = layer + 1;
         if self.spec.enabled && self.spec.adaptive {
+            // Read before the trial's lock: the store's counters have a lock of their own.
+            let now = Mark::now(store.expert_waited_seconds(layer));
             let mut trial = lock(&self.trial);
-            trial.window_end(layer, t, Mark::now(store.expert_waited_seconds(layer)));
+            trial.window_end(layer, t, now);
             if next == model.cfg.n_layers {
                 trial.pass_end(t);
             }

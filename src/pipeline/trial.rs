@@ -25,9 +25,10 @@
 //! windows without guesses spent waiting for that layer's experts (their median), so where
 //! compute never waits for them, noise in the window times cannot make guessing win. (A window
 //! also holds the previous layer's expert waits and the layer's trunk waits, which no guess
-//! for this layer removes: the store counts each layer's expert waits apart.) Measured on a modeled device at 9 GB with random
-//! routing (Zen 3 host), where nothing but the embedding rows waited: layers that won their
-//! trial on noise read 0.14-0.25 GB per token more and ran up to 16% slower than `--no-spec`.
+//! for this layer removes: the store counts each layer's expert waits apart.) Measured on a
+//! modeled device at 9 GB with random routing (Zen 3 host), where nothing but the embedding
+//! rows waited: layers that won their trial on noise read 0.14-0.25 GB per token more and ran
+//! up to 16% slower than `--no-spec`.
 //!
 //! Allocation: the sample lists are sized once for the layers and the trial length.
 
