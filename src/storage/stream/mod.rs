@@ -46,7 +46,6 @@ mod admission_tests;
 mod spread_tests;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use self::arena::{Arena, Filled, Slot};
@@ -313,12 +312,9 @@ pub struct Store {
     /// The embedding row buffer.
     embed: Mutex<Slot>,
     stats: Mutex<StreamStats>,
-    /// Nanoseconds compute has waited for reads so far, whatever it waited for.
-    waited_ns: AtomicU64,
 }
 
-/// What compute waits for. Every wait counts in the store's total and a layer's in its stall;
-/// a layer's expert waits count apart as well, since they are the only waits a guess for that
+/// What compute waits for. A layer's waits count in its stall; its expert waits count apart as well, since they are the only waits a guess for that
 /// layer can remove (the trial's bound: [`crate::pipeline`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WaitFor {
@@ -481,7 +477,6 @@ impl Store {
             waiting_check: Mutex::new(None),
             embed: Mutex::new(embed),
             stats: Mutex::new(stats),
-            waited_ns: AtomicU64::new(0),
         };
         store.load_pinned(&p.layout)?;
         store.load_split(&p.layout)?;
@@ -552,7 +547,6 @@ impl Store {
         let r = self.reads.wait(t);
         drop(stall);
         let waited_us = self.tracer.now_us() - start;
-        self.waited_ns.fetch_add((waited_us * 1e3) as u64, Ordering::Relaxed);
         if let Some(l) = layer {
             let mut stats = lock(&self.stats);
             let l = stats.layer(l);
@@ -562,11 +556,6 @@ impl Store {
             }
         }
         r
-    }
-
-    /// Seconds compute has waited for reads so far (every wait, for any layer or none).
-    pub fn waited_seconds(&self) -> f64 {
-        self.waited_ns.load(Ordering::Relaxed) as f64 / 1e9
     }
 
     /// Seconds compute has waited for `layer`'s experts so far.
