@@ -7,6 +7,7 @@ use std::sync::atomic::AtomicU64;
 use crate::error::KernelError;
 use crate::isa::Isa;
 use crate::mxfp4::Avx2Mxfp4;
+use crate::par::RowWatch;
 use crate::{bf16, dot, kda, math, mxfp4, softmax, vector};
 
 /// The kernels of one ISA, as a table of function pointers filled once by [`Kernels::detect`]
@@ -238,6 +239,33 @@ impl Kernels {
         busy: &AtomicU64,
     ) -> Result<(), KernelError> {
         self.mxfp4.par_matmul(&mxfp4::Args { packed, scales, rows, cols, x, t }, y, Some(busy))
+    }
+
+    /// [`Kernels::par_matmul_mxfp4`] with the rows split in `watch`'s segments (each computed
+    /// on one thread, its blocks in order, `watch` told of each block before it is computed);
+    /// `busy`, when given, as [`Kernels::par_matmul_mxfp4_busy`]. The same bits and the same
+    /// error as the plain product, for any segments and thread count.
+    ///
+    /// # Errors
+    /// As [`Kernels::matmul_mxfp4`].
+    ///
+    /// # Panics
+    /// If the segments' starts break [`RowWatch::segment_starts`]'s rules, or the shapes are
+    /// wrong (as the plain product).
+    #[allow(clippy::too_many_arguments)]
+    pub fn par_matmul_mxfp4_watched<W: RowWatch>(
+        &self,
+        packed: &[u8],
+        scales: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+        busy: Option<&AtomicU64>,
+        watch: &W,
+    ) -> Result<(), KernelError> {
+        self.mxfp4.par_matmul_watched(&mxfp4::Args { packed, scales, rows, cols, x, t }, y, busy, watch)
     }
 
     /// `out[c] = sum_r x[r] * W[r, c]` (W^T x) with `W` `[rows, cols]` bf16 bytes (spec §5:

@@ -219,6 +219,21 @@ impl Fns {
         a.check_shapes(y);
         par::par_blocks(RowsOut::new(y, a.t, a.rows), &|out| par::timed(busy, || self.block(a, out)))
     }
+
+    /// [`Fns::par_matmul`] in `watch`'s segments.
+    pub(crate) fn par_matmul_watched<W: par::RowWatch>(
+        &self,
+        a: &Args<'_>,
+        y: &mut [f32],
+        busy: Option<&AtomicU64>,
+        watch: &W,
+    ) -> Result<(), KernelError> {
+        a.check_shapes(y);
+        let starts = watch.segment_starts();
+        par::check_segment_starts(starts, a.rows);
+        let out = RowsOut::new(y, a.t, a.rows);
+        par::par_segments(out, watch, 0..starts.len(), &|out| par::timed(busy, || self.block(a, out)))
+    }
 }
 
 #[cfg(test)]

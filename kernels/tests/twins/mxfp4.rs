@@ -271,3 +271,97 @@ fn busy_variants_give_the_same_bits_and_count_time() {
         }
     }
 }
+
+/// Records what a [`RowWatch`] was told: per segment, the thread and the blocks of rows.
+struct Recorder {
+    starts: Vec<usize>,
+    seen: std::sync::Mutex<Vec<(usize, std::thread::ThreadId, Vec<std::ops::Range<usize>>)>>,
+}
+
+impl kernels::RowWatch for Recorder {
+    type State = (std::thread::ThreadId, Vec<std::ops::Range<usize>>);
+    fn segment_starts(&self) -> &[usize] {
+        &self.starts
+    }
+    fn begin(&self, _segment: usize) -> Self::State {
+        (std::thread::current().id(), Vec::new())
+    }
+    fn rows(&self, state: &mut Self::State, rows: std::ops::Range<usize>) {
+        assert_eq!(state.0, std::thread::current().id(), "a segment moved threads");
+        state.1.push(rows);
+    }
+    fn end(&self, segment: usize, state: Self::State) {
+        self.seen.lock().unwrap().push((segment, state.0, state.1));
+    }
+}
+
+/// The watched product (an expert's checksum hashed as it is read) gives the plain product's
+/// bits and error for any segments and thread count, and tells its watch of every row once,
+/// each segment's rows in order on one thread, in blocks of at most `ROWS_PER_BLOCK`.
+#[test]
+fn watched_products_give_the_plain_bits_and_show_every_row_in_order() {
+    let mut rng = Rng::new(41);
+    let pools = [pool(1), pool(2), pool(3)];
+    let (rows, cols) = (300usize, 96usize);
+    let cuts: [&[usize]; 5] = [&[0], &[0, 1], &[0, 64, 128], &[0, 37, 38, 200, 299], &[0, 100, 101, 163, 250]];
+    for k in mxfp4_kernels() {
+        for t in [1usize, 3] {
+            let (packed, mut scales) = mxfp4_data(&mut rng, rows, cols, true);
+            let x = rng.adversarials(t * cols);
+            let want = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x, t).unwrap();
+            for starts in cuts {
+                for p in &pools {
+                    let ctx = format!("{k:?} t={t} starts={starts:?} threads={}", p.current_num_threads());
+                    let watch = Recorder { starts: starts.to_vec(), seen: Default::default() };
+                    let mut got = vec![f32::NAN; t * rows];
+                    p.install(|| {
+                        k.par_matmul_mxfp4_watched(&packed, &scales, rows, cols, &x, t, &mut got, None, &watch)
+                    })
+                    .unwrap();
+                    assert_bits_strict(&ctx, &want, &got);
+                    let mut seen = watch.seen.into_inner().unwrap();
+                    seen.sort_by_key(|s| s.0);
+                    assert_eq!(
+                        seen.iter().map(|s| s.0).collect::<Vec<_>>(),
+                        (0..starts.len()).collect::<Vec<_>>(),
+                        "{ctx}"
+                    );
+                    for (segment, _, blocks) in &seen {
+                        let end = starts.get(segment + 1).copied().unwrap_or(rows);
+                        let mut next = starts[*segment];
+                        for b in blocks {
+                            assert!(
+                                b.start == next && b.end > b.start && b.len() <= kernels::ROWS_PER_BLOCK,
+                                "{ctx}: {b:?}"
+                            );
+                            next = b.end;
+                        }
+                        assert_eq!(next, end, "{ctx}: segment {segment} ends at row {next}");
+                    }
+                }
+            }
+            // A bad scale: the plain product's error (the lowest row's), with every segment run.
+            scales[170 * (cols / 32) + 2] = 0xFF;
+            scales[260 * (cols / 32)] = 0xFF;
+            let want = run_mxfp4(&k, false, &packed, &scales, rows, cols, &x, t).unwrap_err();
+            for p in &pools {
+                let watch = Recorder { starts: vec![0, 37, 200], seen: Default::default() };
+                let mut got = vec![f32::NAN; t * rows];
+                let err = p
+                    .install(|| k.par_matmul_mxfp4_watched(&packed, &scales, rows, cols, &x, t, &mut got, None, &watch))
+                    .unwrap_err();
+                assert_eq!(err, want, "{k:?} t={t}");
+                assert_eq!(watch.seen.into_inner().unwrap().len(), 3, "{k:?} t={t}: every segment runs");
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "segment starts must increase strictly")]
+fn watched_products_refuse_segments_out_of_order() {
+    let k = Kernels::detect();
+    let watch = Recorder { starts: vec![0, 2, 2], seen: Default::default() };
+    let mut y = [0.0f32; 4];
+    let _ = k.par_matmul_mxfp4_watched(&[0u8; 64], &[127u8; 4], 4, 32, &[0.0; 32], 1, &mut y, None, &watch);
+}
