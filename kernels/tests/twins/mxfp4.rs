@@ -272,14 +272,17 @@ fn busy_variants_give_the_same_bits_and_count_time() {
     }
 }
 
-/// Records what a [`RowWatch`] was told: per segment, the thread and the blocks of rows.
+/// A segment's thread and blocks of rows, as its watch saw them.
+type Seen = (std::thread::ThreadId, Vec<std::ops::Range<usize>>);
+
+/// Records what a [`RowWatch`](kernels::RowWatch) was told, by segment.
 struct Recorder {
     starts: Vec<usize>,
-    seen: std::sync::Mutex<Vec<(usize, std::thread::ThreadId, Vec<std::ops::Range<usize>>)>>,
+    seen: std::sync::Mutex<Vec<(usize, Seen)>>,
 }
 
 impl kernels::RowWatch for Recorder {
-    type State = (std::thread::ThreadId, Vec<std::ops::Range<usize>>);
+    type State = Seen;
     fn segment_starts(&self) -> &[usize] {
         &self.starts
     }
@@ -291,7 +294,7 @@ impl kernels::RowWatch for Recorder {
         state.1.push(rows);
     }
     fn end(&self, segment: usize, state: Self::State) {
-        self.seen.lock().unwrap().push((segment, state.0, state.1));
+        self.seen.lock().unwrap().push((segment, state));
     }
 }
 
@@ -326,7 +329,7 @@ fn watched_products_give_the_plain_bits_and_show_every_row_in_order() {
                         (0..starts.len()).collect::<Vec<_>>(),
                         "{ctx}"
                     );
-                    for (segment, _, blocks) in &seen {
+                    for (segment, (_, blocks)) in &seen {
                         let end = starts.get(segment + 1).copied().unwrap_or(rows);
                         let mut next = starts[*segment];
                         for b in blocks {
