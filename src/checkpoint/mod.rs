@@ -6,6 +6,7 @@
 //! Errors name the shard and the tensor. Runs at start-up; the result is immutable and shared.
 #![forbid(unsafe_code)]
 
+pub mod expert_sums;
 mod experts;
 pub mod safetensors;
 mod schema;

@@ -323,6 +323,29 @@ impl Meter<'_> {
             Some(b) => k.par_matmul_mxfp4_busy(packed, scales, rows, cols, x, t, y, b),
         })
     }
+
+    /// [`Meter::mxfp4`] in `watch`'s segments ([`Kernels::par_matmul_mxfp4_watched`]).
+    ///
+    /// # Errors
+    /// As [`Kernels::par_matmul_mxfp4`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn mxfp4_watched<W: kernels::RowWatch>(
+        self,
+        k: &Kernels,
+        (packed, scales): (&[u8], &[u8]),
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+        watch: &W,
+    ) -> Result<(), KernelError> {
+        let work = Work { bytes: packed.len() + scales.len(), macs: rows * cols * t };
+        self.time_par(OpClass::ExpertProducts, work, |busy| {
+            k.par_matmul_mxfp4_watched(packed, scales, rows, cols, x, t, y, busy, watch)
+        })
+    }
 }
 
 fn elapsed(start: Instant) -> u64 {

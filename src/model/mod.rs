@@ -12,6 +12,7 @@ pub mod attn_res;
 pub mod attribution;
 pub mod buffers;
 pub mod dense;
+pub mod expert_check;
 pub mod head;
 pub mod hook;
 pub mod kda;

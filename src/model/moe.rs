@@ -7,12 +7,15 @@
 //! bit for bit). Each token's sum still runs in its own top-k order, whatever order the experts
 //! were fetched or computed in.
 
-use kernels::Kernels;
+use kernels::{KernelError, Kernels};
 
 use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
 use super::dense::{self, GluScratch};
-use super::weights::{f32_at, vector_into, ExpertView, MoeWeights, SourceError, Streamed, TrunkView, WeightSource};
+use super::expert_check::ProductChecksum;
+use super::weights::{
+    f32_at, vector_into, ExpertBytes, ExpertView, MoeWeights, SourceError, Streamed, TrunkView, WeightSource,
+};
 use super::ModelError;
 use crate::config::Config;
 use crate::trace::{ComputeOp, SpanArgs, Tracer};
@@ -244,7 +247,10 @@ fn distinct_experts(routes: &[Route], out: &mut Vec<usize>) {
     }
 }
 
-/// Applies one expert to every token of the chunk that chose it.
+/// Applies one expert to every token of the chunk that chose it. An expert the source hands out
+/// unchecked is hashed by its own products (in cache: [`ProductChecksum`]), and their results
+/// are kept only once the source has accepted the checksum; bytes it refuses are read again and
+/// the products computed again from them.
 #[allow(clippy::too_many_arguments)]
 fn run_expert<S: WeightSource>(
     k: &Kernels,
@@ -258,10 +264,10 @@ fn run_expert<S: WeightSource>(
 ) -> Result<(), ModelError> {
     let (tracer, meter) = (obs.tracer, obs.meter);
     let m = &cfg.moe;
-    let (lat, f) = (m.latent, m.expert_hidden);
+    let lat = m.latent;
     // Wait for the bytes first, so that the span holds all of this expert's compute and none
     // of the wait (`k3ring bench` sums these spans as the compute expert reads can overlap).
-    let guard = src.expert(layer, expert)?;
+    let guard = src.expert_unchecked(layer, expert)?;
     let _span =
         tracer.map(|t| t.span_args(ComputeOp::Expert, SpanArgs::new().layer(layer as u32).expert(expert as u32)));
     s.users.clear();
@@ -274,19 +280,50 @@ fn run_expert<S: WeightSource>(
     for (i, &(tok, _)) in s.users.iter().enumerate() {
         s.gathered[i * lat..(i + 1) * lat].copy_from_slice(&s.u[tok * lat..(tok + 1) * lat]);
     }
-    let b = guard.parts();
     let bad = |source| ModelError::Expert { layer, expert, source };
-    let gathered = &s.gathered[..n * lat];
-    meter.mxfp4(k, (b.w1_packed, b.w1_scale), f, lat, gathered, n, &mut s.h1[..n * f]).map_err(bad)?;
-    meter.mxfp4(k, (b.w3_packed, b.w3_scale), f, lat, gathered, n, &mut s.h3[..n * f]).map_err(bad)?;
-    meter.time(OpClass::NormsActivations, 0, || {
-        k.situ_glu(&s.h1[..n * f], &s.h3[..n * f], cfg.situ_beta, cfg.situ_linear_beta, &mut s.act[..n * f])
-    });
-    meter.mxfp4(k, (b.w2_packed, b.w2_scale), lat, f, &s.act[..n * f], n, &mut s.eo[..n * lat]).map_err(bad)?;
-    drop(guard);
+    if guard.unchecked() {
+        let sum = ProductChecksum::new(guard.parts());
+        let computed = expert_products(k, cfg, guard.parts(), n, s, meter, Some(&sum));
+        let (got, hashing_seconds) = sum.finish();
+        if guard.confirm(got, hashing_seconds)? {
+            computed.map_err(bad)?;
+        } else {
+            let guard = src.expert(layer, expert)?;
+            expert_products(k, cfg, guard.parts(), n, s, meter, None).map_err(bad)?;
+        }
+    } else {
+        expert_products(k, cfg, guard.parts(), n, s, meter, None).map_err(bad)?;
+        drop(guard);
+    }
     for (i, &(tok, slot)) in s.users.iter().enumerate() {
         let base = (tok * m.top_k + slot) * lat;
         s.slot_out[base..base + lat].copy_from_slice(&s.eo[i * lat..(i + 1) * lat]);
     }
     Ok(())
+}
+
+/// The expert `b`'s three products for the `n` gathered tokens, into `s.eo`; each packed
+/// weight hashed into `check` as its product reads it, when given.
+fn expert_products(
+    k: &Kernels,
+    cfg: &Config,
+    b: ExpertBytes<'_>,
+    n: usize,
+    s: &mut MoeScratch,
+    meter: Meter<'_>,
+    check: Option<&ProductChecksum<'_>>,
+) -> Result<(), KernelError> {
+    let (lat, f) = (cfg.moe.latent, cfg.moe.expert_hidden);
+    // `part`: the packed weight's place in `EXPERT_PARTS`.
+    let product = |w: (&[u8], &[u8]), part: usize, rows: usize, cols: usize, x: &[f32], y: &mut [f32]| match check {
+        Some(c) => meter.mxfp4_watched(k, w, rows, cols, x, n, y, &c.watch(part, rows)),
+        None => meter.mxfp4(k, w, rows, cols, x, n, y),
+    };
+    let gathered = &s.gathered[..n * lat];
+    product((b.w1_packed, b.w1_scale), 0, f, lat, gathered, &mut s.h1[..n * f])?;
+    product((b.w3_packed, b.w3_scale), 2, f, lat, gathered, &mut s.h3[..n * f])?;
+    meter.time(OpClass::NormsActivations, 0, || {
+        k.situ_glu(&s.h1[..n * f], &s.h3[..n * f], cfg.situ_beta, cfg.situ_linear_beta, &mut s.act[..n * f])
+    });
+    product((b.w2_packed, b.w2_scale), 4, lat, f, &s.act[..n * f], &mut s.eo[..n * lat])
 }

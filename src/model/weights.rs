@@ -144,6 +144,11 @@ impl<'a> ExpertBytes<'a> {
         let [w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale] = parts;
         ExpertBytes { w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale }
     }
+
+    /// The parts in [`EXPERT_PARTS`] order.
+    pub fn parts(self) -> [&'a [u8]; 6] {
+        [self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale, self.w2_packed, self.w2_scale]
+    }
 }
 
 /// Failure to produce weight bytes: a failed read, corrupt data, or an engine bug.
@@ -255,6 +260,26 @@ impl BlockCheck {
 /// Bytes of one routed expert, alive while the guard lives.
 pub trait ExpertView {
     fn parts(&self) -> ExpertBytes<'_>;
+
+    /// Whether the bytes are still to be checked against their checksum (only from
+    /// [`WeightSource::expert_unchecked`]): no result computed from them may be used before
+    /// [`ExpertView::confirm`] accepts the checksum the products hashed
+    /// ([`ProductChecksum`](super::expert_check::ProductChecksum)).
+    fn unchecked(&self) -> bool {
+        false
+    }
+
+    /// Settles an unchecked expert's check with `sum`, its bytes' checksum, which took
+    /// `hashing_seconds` (summed over the threads). `Ok(true)`: the bytes match and the expert
+    /// is checked. `Ok(false)`: they do not; the expert has left the source, every result
+    /// computed from it must be dropped, and [`WeightSource::expert`] reads it again. `Err`: its
+    /// previous read failed too, and the run stops. A checked expert's view accepts any sum.
+    fn confirm(self, _sum: u64, _hashing_seconds: f64) -> Result<bool, SourceError>
+    where
+        Self: Sized,
+    {
+        Ok(true)
+    }
 }
 
 /// Which trunk unit to make resident. The embedding is not a unit: it is read by rows.
@@ -290,6 +315,13 @@ pub trait WeightSource: Sync {
 
     /// Makes one routed expert resident and returns its bytes.
     fn expert(&self, layer: usize, expert: usize) -> Result<Self::Expert<'_>, SourceError>;
+
+    /// [`WeightSource::expert`], except that a source that checks the bytes it reads may leave
+    /// the check to the products that read them ([`ExpertView::unchecked`]), which hash them in
+    /// cache. The default is [`WeightSource::expert`].
+    fn expert_unchecked(&self, layer: usize, expert: usize) -> Result<Self::Expert<'_>, SourceError> {
+        self.expert(layer, expert)
+    }
 }
 
 /// Resolves names to ids; every lookup has been validated against the config by

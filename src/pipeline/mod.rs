@@ -271,6 +271,10 @@ impl WeightSource for Pipeline {
     fn expert(&self, layer: usize, expert: usize) -> Result<ExpertGuard<'_>, SourceError> {
         self.store.expert(layer, expert)
     }
+
+    fn expert_unchecked(&self, layer: usize, expert: usize) -> Result<ExpertGuard<'_>, SourceError> {
+        self.store.expert_unchecked(layer, expert)
+    }
 }
 
 impl LayerHook for Pipeline {

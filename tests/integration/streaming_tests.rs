@@ -69,14 +69,19 @@ fn streamed_output_is_bit_identical_at_every_budget() {
     let trunk = pack(&model);
     let base = resident();
     let min = minimum_budget(&model, trunk.path());
-    let mut pinned_counts = Vec::new();
+    let (mut pinned_counts, mut hashed_by_products) = (Vec::new(), 0);
     for budget in [min, min + min / 5, min + min / 2, 2 * min, 3 * min, 64_000_000] {
         let (g, plan, stats) = streamed_with(&model, trunk.path(), &run_options(budget, IoOptions::default())).unwrap();
         assert!(same(&g, &base), "budget {budget}: output differs from the resident run ({})", plan.describe());
         assert!(plan.planned_bytes <= budget);
         assert_eq!(stats.trunk_streamed_units, plan.streamed.len());
         pinned_counts.push(plan.pinned.len());
+        // Experts checked on the compute path are hashed by their products (those a wait began
+        // are finished apart).
+        assert!(stats.experts_verified_in_products <= stats.experts_verified - stats.experts_verified_waiting);
+        hashed_by_products += stats.experts_verified_in_products;
     }
+    assert!(hashed_by_products > 0, "no expert was hashed by its products");
     pinned_counts.dedup();
     assert!(pinned_counts.len() >= 3, "budgets should span streamed to pinned: {pinned_counts:?}");
     assert_eq!(pinned_counts.first(), Some(&0), "the minimum budget streams every unit");

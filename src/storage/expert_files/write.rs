@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::{sampled_hash, DeviceEntry, ExpertFilesManifest, PlacedEntry, DATA_FILE, FORMAT, MANIFEST_FILE, VERSION};
+use crate::checkpoint::expert_sums::expert_checksum;
 use crate::checkpoint::{CheckpointIndex, ExpertImage};
-use crate::storage::pack::experts::{expert_checksum, open_shards};
+use crate::storage::pack::experts::open_shards;
 use crate::storage::pack::lock::PackLock;
 use crate::storage::pack::{io_err, Manifest, PackError};
 

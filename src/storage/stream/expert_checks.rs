@@ -18,12 +18,12 @@
 //! `stats` (`release_waiting_check`, called under `pool`, only tries its lock).
 
 use super::arena::Filled;
-use super::expert_pool::{ExpertPool, PartPlaces};
+use super::expert_pool::{ExpertGuard, ExpertPool, PartPlaces};
 use super::policy::ExpertKey;
 use super::reads::Ticket;
 use super::{lock, Store};
+use crate::checkpoint::expert_sums::PartialChecksum;
 use crate::model::weights::SourceError;
-use crate::storage::pack::experts::PartialChecksum;
 
 /// A check in progress.
 pub(super) struct WaitingCheck {
@@ -177,6 +177,61 @@ impl Store {
             stats.expert_verify_seconds += seconds;
         }
         self.match_checksum(key, got)
+    }
+
+    /// Settles the check of an expert handed out unchecked ([`Store::expert_unchecked`]) with
+    /// `got`, the checksum its products hashed in `hashing_seconds` (summed over the threads):
+    /// as [`ExpertView::confirm`](crate::model::weights::ExpertView::confirm). Bytes that fail
+    /// leave the pool, as a failed check on first use does.
+    pub(super) fn confirm_expert(
+        &self,
+        guard: ExpertGuard<'_>,
+        got: u64,
+        hashing_seconds: f64,
+    ) -> Result<bool, SourceError> {
+        if !guard.unchecked {
+            return Ok(true);
+        }
+        let slot = guard.slot;
+        let (key, bytes) = {
+            let pool = lock(&self.pool);
+            let s = &pool.slots[slot];
+            (s.key, s.parts.iter().map(|p| p.1 as u64).sum::<u64>())
+        };
+        let key =
+            key.ok_or_else(|| SourceError::Internal(format!("slot {slot} of an expert being checked holds nothing")))?;
+        {
+            let threads = rayon::current_num_threads().max(1) as f64;
+            let mut stats = lock(&self.stats);
+            stats.experts_verified += 1;
+            stats.experts_verified_in_products += 1;
+            stats.expert_verified_bytes += bytes;
+            stats.expert_verify_seconds += hashing_seconds / threads;
+            stats.expert_verify_in_products_seconds += hashing_seconds / threads;
+        }
+        match self.match_checksum(key, got) {
+            Ok(()) => {
+                let mut pool = lock(&self.pool);
+                pool.slots[slot].verified = true;
+                pool.damaged.remove(&key);
+                drop(pool);
+                drop(guard);
+                Ok(true)
+            }
+            Err(e) => {
+                // `drop_damaged` releases the guard's count on the slot, so the guard must not.
+                let _ = std::mem::ManuallyDrop::new(guard);
+                let mut pool = lock(&self.pool);
+                self.drop_damaged(&mut pool, slot, key);
+                let _ = self.issue_pending(&mut pool, false);
+                drop(pool);
+                if self.note_damaged_read(key) {
+                    Ok(false)
+                } else {
+                    Err(e)
+                }
+            }
+        }
     }
 
     /// Compares an expert's hash `got` with its checksum in the pack's manifest; a mismatch
@@ -487,5 +542,51 @@ pub(crate) mod tests {
         wait(WaitFor::Experts(layer + 1));
         assert_eq!(seconds(layer), (stall2, experts2));
         assert!(seconds(layer + 1).1 >= 0.03, "layer {}'s expert waits", layer + 1);
+    }
+
+    /// An expert handed out unchecked is settled by the checksum its products hashed: a match
+    /// checks it, a mismatch takes it out of the pool to be read again, and a second mismatch
+    /// in a row stops the run naming it.
+    #[test]
+    fn an_expert_handed_out_unchecked_is_settled_by_the_sum_its_products_hashed() {
+        use crate::model::expert_check::ProductChecksum;
+        use crate::model::weights::ExpertView;
+        let (_tmp, model) = tiny_copy();
+        let layer = first_moe_layer(&model);
+        let opened = open(&model);
+        let store = opened.engine.src.store();
+        let sum = |g: &super::super::ExpertGuard<'_>| ProductChecksum::new(g.parts()).finish().0;
+        let holders = || super::super::lock(&store.pool).slots.iter().map(|s| s.users).sum::<usize>();
+        // A match: the expert is checked, and its next use is too.
+        let g = store.expert_unchecked(layer, 0).unwrap();
+        assert!(g.unchecked());
+        let right = sum(&g);
+        assert!(g.confirm(right, 0.25).unwrap());
+        let stats = store.stats();
+        assert_eq!((stats.experts_verified, stats.experts_verified_in_products), (1, 1));
+        assert!(stats.expert_verify_in_products_seconds > 0.0 && stats.expert_verify_seconds > 0.0);
+        assert_eq!(holders(), 0, "the guard's hold released");
+        let g = store.expert_unchecked(layer, 0).unwrap();
+        assert!(!g.unchecked(), "checked once, handed out checked");
+        drop(g);
+        // A mismatch: it leaves the pool; its next use reads it again and checks it.
+        let g = store.expert_unchecked(layer, 1).unwrap();
+        let right = sum(&g);
+        assert!(!g.confirm(right ^ 1, 0.0).unwrap());
+        assert!(!store.expert_requested((layer, 1)), "damaged bytes leave the pool");
+        assert_eq!(holders(), 0, "the guard's hold released once");
+        assert_eq!(store.stats().expert_reads_damaged, 1);
+        let reads = store.stats().expert_reads;
+        drop(store.expert(layer, 1).unwrap());
+        assert_eq!(store.stats().expert_reads, reads + 1, "read again");
+        // Two mismatches in a row: the second is an error naming the expert.
+        let g = store.expert_unchecked(layer, 2).unwrap();
+        let right = sum(&g);
+        assert!(!g.confirm(right ^ 1, 0.0).unwrap());
+        let g = store.expert_unchecked(layer, 2).unwrap();
+        assert!(g.unchecked(), "read again, unchecked");
+        let err = g.confirm(right ^ 1, 0.0).unwrap_err().to_string();
+        assert!(err.contains(&format!("layer {layer} expert 2 in ")) && err.contains("fails its checksum"), "{err}");
+        assert_eq!(holders(), 0);
     }
 }

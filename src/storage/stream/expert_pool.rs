@@ -145,10 +145,12 @@ impl ExpertPool {
 
 /// One expert held in a pool slot until dropped.
 pub struct ExpertGuard<'a> {
-    store: &'a Store,
-    slot: usize,
+    pub(super) store: &'a Store,
+    pub(super) slot: usize,
     filled: Filled,
     parts: PartPlaces,
+    /// Handed out before its check ([`Store::expert_unchecked`]).
+    pub(super) unchecked: bool,
 }
 
 /// What one attempt to make an expert resident gave.
@@ -161,6 +163,14 @@ enum Fetch<'a> {
 impl ExpertView for ExpertGuard<'_> {
     fn parts(&self) -> ExpertBytes<'_> {
         ExpertBytes::from_parts(self.store.part_bytes(self.filled, &self.parts))
+    }
+
+    fn unchecked(&self) -> bool {
+        self.unchecked
+    }
+
+    fn confirm(self, sum: u64, hashing_seconds: f64) -> Result<bool, SourceError> {
+        self.store.confirm_expert(self, sum, hashing_seconds)
     }
 }
 
@@ -315,10 +325,22 @@ impl Store {
     /// heals, damaged bytes on the device fail the run (exit 3) naming the file. Two failed
     /// reads in a row (the first may be a wait's check) stop it.
     pub fn expert(&self, layer: usize, expert: usize) -> Result<ExpertGuard<'_>, SourceError> {
-        match self.fetch_expert(layer, expert)? {
+        self.fetch_healed(layer, expert, false)
+    }
+
+    /// [`Store::expert`], but an expert not checked yet is handed out unchecked (unless a wait
+    /// began its check, which is then finished here): its products hash it in cache and
+    /// [`Store::confirm_expert`] settles it.
+    pub fn expert_unchecked(&self, layer: usize, expert: usize) -> Result<ExpertGuard<'_>, SourceError> {
+        self.fetch_healed(layer, expert, true)
+    }
+
+    /// [`Store::expert`], its check deferred if `defer`.
+    fn fetch_healed(&self, layer: usize, expert: usize, defer: bool) -> Result<ExpertGuard<'_>, SourceError> {
+        match self.fetch_expert(layer, expert, defer)? {
             Fetch::Ready(guard) => Ok(guard),
             Fetch::Damaged(e) if !self.note_damaged_read((layer, expert)) => Err(e),
-            Fetch::Damaged(_) => match self.fetch_expert(layer, expert)? {
+            Fetch::Damaged(_) => match self.fetch_expert(layer, expert, false)? {
                 Fetch::Ready(guard) => Ok(guard),
                 Fetch::Damaged(e) => Err(e),
             },
@@ -326,8 +348,8 @@ impl Store {
     }
 
     /// One attempt of [`Store::expert`]: its bytes, or the checksum mismatch that took them out
-    /// of the pool.
-    fn fetch_expert(&self, layer: usize, expert: usize) -> Result<Fetch<'_>, SourceError> {
+    /// of the pool. With `defer`, an expert whose check has not begun comes out unchecked.
+    fn fetch_expert(&self, layer: usize, expert: usize, defer: bool) -> Result<Fetch<'_>, SourceError> {
         let key = (layer, expert);
         let (slot, ticket) = {
             let mut pool = self.make_resident(key)?;
@@ -372,6 +394,9 @@ impl Store {
             // evicted or re-read while its bytes are hashed. A check that waits for reads began
             // is finished here, and its own hold on the slot released.
             let begun = self.take_waiting_check(slot);
+            if begun.is_none() && defer {
+                return Ok(Fetch::Ready(ExpertGuard { store: self, slot, filled, parts, unchecked: true }));
+            }
             let held_by_check = begun.is_some();
             let checked = self.verify_expert(key, filled, &parts, begun.map(|c| c.sum).unwrap_or_default());
             let mut pool = lock(&self.pool);
@@ -385,7 +410,7 @@ impl Store {
             pool.slots[slot].verified = true;
             pool.damaged.remove(&key);
         }
-        Ok(Fetch::Ready(ExpertGuard { store: self, slot, filled, parts }))
+        Ok(Fetch::Ready(ExpertGuard { store: self, slot, filled, parts, unchecked: false }))
     }
 
     /// Whether `key` is resident or being read.
