@@ -242,7 +242,7 @@ impl Kernels {
     }
 
     /// [`Kernels::par_matmul_mxfp4`] with the rows split in `watch`'s segments (each computed
-    /// on one thread, its blocks in order, `watch` told of each block before it is computed);
+    /// on one thread, its blocks in order, `watch` told of each block once it is computed);
     /// `busy`, when given, as [`Kernels::par_matmul_mxfp4_busy`]. The same bits and the same
     /// error as the plain product, for any segments and thread count.
     ///

@@ -66,11 +66,12 @@ where
 }
 
 /// A product's output rows cut into segments, each computed whole, in order, on one thread,
-/// with the watch told of each block of rows just before the kernel reads its weights. For a
+/// with the watch told of each block of rows just after the kernel has read its weights. For a
 /// caller that must see every weight byte in order on the thread that computes with it while the
-/// bytes are in that core's cache (an expert's checksum hashed as its products read it). The
-/// split never changes the bits: each row is computed whole by the same code, whatever block
-/// holds it.
+/// bytes are in that core's cache (an expert's checksum hashed as its products read it: the
+/// kernel's first touch from memory is hidden by its arithmetic, the hash's second from cache is
+/// not slowed by memory). The split never changes the bits: each row is computed whole by the
+/// same code, whatever block holds it.
 pub trait RowWatch: Sync {
     /// What one segment keeps from block to block.
     type State;
@@ -79,8 +80,8 @@ pub trait RowWatch: Sync {
     fn segment_starts(&self) -> &[usize];
     /// Called on the thread that computes `segment`, before its first block.
     fn begin(&self, segment: usize) -> Self::State;
-    /// Called before the kernel computes `rows`: at most [`ROWS_PER_BLOCK`] rows of the
-    /// segment, consecutive from its first.
+    /// Called after the kernel has computed `rows` (whether or not it failed): at most
+    /// [`ROWS_PER_BLOCK`] rows of the segment, consecutive from its first.
     fn rows(&self, state: &mut Self::State, rows: Range<usize>);
     /// Called after the segment's last block, whether or not a block failed.
     fn end(&self, segment: usize, state: Self::State);
@@ -120,8 +121,8 @@ where
         let n = ROWS_PER_BLOCK.min(rest.rows());
         let (head, tail) = rest.split_at(n);
         let first = head.row_begin();
-        watch.rows(&mut state, first..first + n);
         let block = f(head);
+        watch.rows(&mut state, first..first + n);
         if result.is_ok() {
             result = block;
         }

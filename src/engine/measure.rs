@@ -54,6 +54,9 @@ pub struct Measurement {
     /// the bytes checked (on either path).
     pub expert_verify_seconds_per_token: f64,
     pub expert_verified_bytes_per_token: f64,
+    /// Of the time on the compute path, the hashing the experts' own products did (in cache;
+    /// the time it added to them if the threads hashed evenly).
+    pub expert_verify_in_products_seconds_per_token: f64,
     /// Time spent hashing experts while compute waited for a read (inside the stalls).
     pub expert_verify_waiting_seconds_per_token: f64,
     /// Resident runs: the compute per token that a layer's expert reads could overlap without
@@ -324,6 +327,9 @@ pub fn measure_streaming_drafted(
         spec_wasted_bytes_per_token: (after.spec_wasted_bytes - before.spec_wasted_bytes) as f64 / n,
         expert_verify_seconds_per_token: (after.expert_verify_seconds - before.expert_verify_seconds) / n,
         expert_verified_bytes_per_token: (after.expert_verified_bytes - before.expert_verified_bytes) as f64 / n,
+        expert_verify_in_products_seconds_per_token: (after.expert_verify_in_products_seconds
+            - before.expert_verify_in_products_seconds)
+            / n,
         expert_verify_waiting_seconds_per_token: (after.expert_verify_waiting_seconds
             - before.expert_verify_waiting_seconds)
             / n,

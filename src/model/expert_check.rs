@@ -2,8 +2,10 @@
 //! expert's bytes before checking them ([`WeightSource::expert_unchecked`]); the MoE block then
 //! computes the expert's three products under a [`ProductChecksum`]: each block of a packed
 //! weight ([`EXPERT_BLOCK`]) is hashed by the thread that computes the rows starting in it, a
-//! row block at a time just before the kernel reads those bytes, so that they are hashed from
-//! that core's cache rather than from memory in a pass of their own. What the products did not
+//! row block at a time just after the kernel has read those bytes, so that they are hashed from
+//! that core's cache rather than from memory in a pass of their own (the kernel's arithmetic
+//! hides its own first touch from memory; a hash that touched first would wait on memory
+//! itself). What the products did not
 //! hash (the scales, 1/16 of the bytes) is hashed by [`ProductChecksum::finish`]. No result of
 //! the products is used before the source has accepted the checksum ([`ExpertView::confirm`]).
 //!

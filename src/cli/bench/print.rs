@@ -6,9 +6,10 @@ use crate::cli::bench::BenchArgs;
 use crate::config::Config;
 
 /// The cost of checking experts against their checksums (on by default): the check's time on
-/// the compute path over s/token, the median and the worst over the cells; the share hashed
-/// inside waits for reads (time the cores would otherwise idle, but for a step past a read's
-/// end); and the rate at which it hashed.
+/// the compute path over s/token, the median and the worst over the cells, and the share of it
+/// the experts' products hashed in cache; the share hashed inside waits for reads (time the
+/// cores would otherwise idle, but for a step past a read's end); and the rate at which it
+/// hashed.
 fn verify_cost_line(cells: &[Cell]) -> String {
     let mut ratios: Vec<f64> = cells
         .iter()
@@ -21,16 +22,20 @@ fn verify_cost_line(cells: &[Cell]) -> String {
     };
     let on_path: f64 = cells.iter().map(|c| c.m.expert_verify_seconds_per_token).sum();
     let waiting: f64 = cells.iter().map(|c| c.m.expert_verify_waiting_seconds_per_token).sum();
+    let in_products: f64 = cells.iter().map(|c| c.m.expert_verify_in_products_seconds_per_token).sum();
     let all: f64 = cells.iter().map(|c| c.m.seconds_per_token).sum();
     let bytes: f64 = cells.iter().map(|c| c.m.expert_verified_bytes_per_token).sum();
     let seconds = on_path + waiting;
     let rate = if seconds > 0.0 { format!("{:.1} GB/s", bytes / seconds / 1e9) } else { "-".to_owned() };
+    let share = |x: f64| if all > 0.0 { 100.0 * x / all } else { 0.0 };
     format!(
         "expert checksums (on by default): {:.2}% of s/token on the compute path (median over the cells; worst \
-         {:.2}%), and {:.2}% hashed while compute waited for reads (over all cells); hashed at {rate}",
+         {:.2}%; {:.2}% over all cells hashed in cache by the experts' own products), and {:.2}% hashed while \
+         compute waited for reads; hashed at {rate}",
         100.0 * median,
         100.0 * worst,
-        if all > 0.0 { 100.0 * waiting / all } else { 0.0 }
+        share(in_products),
+        share(waiting)
     )
 }
 
