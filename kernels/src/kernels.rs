@@ -7,7 +7,6 @@ use std::sync::atomic::AtomicU64;
 use crate::error::KernelError;
 use crate::isa::Isa;
 use crate::mxfp4::Avx2Mxfp4;
-use crate::par::RowWatch;
 use crate::{bf16, dot, kda, math, mxfp4, softmax, vector};
 
 /// The kernels of one ISA, as a table of function pointers filled once by [`Kernels::detect`]
@@ -241,19 +240,17 @@ impl Kernels {
         self.mxfp4.par_matmul(&mxfp4::Args { packed, scales, rows, cols, x, t }, y, Some(busy))
     }
 
-    /// [`Kernels::par_matmul_mxfp4`] with the rows split in `watch`'s segments (each computed
-    /// on one thread, its blocks in order, `watch` told of each block once it is computed);
-    /// `busy`, when given, as [`Kernels::par_matmul_mxfp4_busy`]. The same bits and the same
-    /// error as the plain product, for any segments and thread count.
+    /// [`Kernels::par_matmul_mxfp4`] (`busy` as [`Kernels::par_matmul_mxfp4_busy`] when
+    /// given) that calls `watch` with the rows of each block (of [`ROWS_PER_BLOCK`](crate::ROWS_PER_BLOCK))
+    /// once the kernel has computed it, on the thread that computed it, whether or not it
+    /// failed: for a caller that must see the weight bytes while they are in that core's cache
+    /// (an expert's checksum hashed as its products read it). The same bits and error as the
+    /// plain product.
     ///
     /// # Errors
     /// As [`Kernels::matmul_mxfp4`].
-    ///
-    /// # Panics
-    /// If the segments' starts break [`RowWatch::segment_starts`]'s rules, or the shapes are
-    /// wrong (as the plain product).
     #[allow(clippy::too_many_arguments)]
-    pub fn par_matmul_mxfp4_watched<W: RowWatch>(
+    pub fn par_matmul_mxfp4_watched<W>(
         &self,
         packed: &[u8],
         scales: &[u8],
@@ -264,7 +261,10 @@ impl Kernels {
         y: &mut [f32],
         busy: Option<&AtomicU64>,
         watch: &W,
-    ) -> Result<(), KernelError> {
+    ) -> Result<(), KernelError>
+    where
+        W: Fn(Range<usize>) + Sync,
+    {
         self.mxfp4.par_matmul_watched(&mxfp4::Args { packed, scales, rows, cols, x, t }, y, busy, watch)
     }
 

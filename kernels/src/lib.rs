@@ -69,7 +69,6 @@ pub use error::KernelError;
 pub use isa::Isa;
 pub use kernels::Kernels;
 pub use mxfp4::{mxfp4_value, Avx2Mxfp4};
-pub use par::RowWatch;
 /// Rows per block of the parallel products: callers that hand the weights over in row blocks
 /// use multiples of it so that a block splits over threads as the whole product does.
 pub use par::ROWS_PER_BLOCK;

@@ -324,13 +324,14 @@ impl Meter<'_> {
         })
     }
 
-    /// [`Meter::mxfp4`] in `watch`'s segments ([`Kernels::par_matmul_mxfp4_watched`]).
+    /// [`Meter::mxfp4`] that calls `watch` with each block's rows once computed
+    /// ([`Kernels::par_matmul_mxfp4_watched`]).
     ///
     /// # Errors
     /// As [`Kernels::par_matmul_mxfp4`].
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    pub fn mxfp4_watched<W: kernels::RowWatch>(
+    pub fn mxfp4_watched<W: Fn(std::ops::Range<usize>) + Sync>(
         self,
         k: &Kernels,
         (packed, scales): (&[u8], &[u8]),

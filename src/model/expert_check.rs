@@ -1,149 +1,142 @@
 //! An expert's checksum hashed as its products read it. A streaming store may hand out an
 //! expert's bytes before checking them ([`WeightSource::expert_unchecked`]); the MoE block then
-//! computes the expert's three products under a [`ProductChecksum`]: each block of a packed
-//! weight ([`EXPERT_BLOCK`]) is hashed by the thread that computes the rows starting in it, a
-//! row block at a time just after the kernel has read those bytes, so that they are hashed from
-//! that core's cache rather than from memory in a pass of their own (the kernel's arithmetic
-//! hides its own first touch from memory; a hash that touched first would wait on memory
-//! itself). What the products did not
-//! hash (the scales, 1/16 of the bytes) is hashed by [`ProductChecksum::finish`]. No result of
+//! computes the expert's three products under a [`ProductChecksum`]: once the kernel has
+//! computed a block of rows, the thread that computed it feeds the rows' packed bytes to the
+//! hash of the checksum block ([`EXPERT_BLOCK`]) they lie in, so that they are hashed from that
+//! core's cache rather than from memory in a pass of their own (the kernel's arithmetic hides its
+//! own first touch of memory; a hash that touched first would wait on memory itself). A block's
+//! hash takes its bytes in order: where the threads' halves of a product split a block, the
+//! thread whose rows come later first hashes the bytes before them that no thread has fed yet
+//! (from memory), and the other thread's rows then find them hashed. [`ProductChecksum::finish`]
+//! hashes the scales (1/16 of the bytes) and whatever the products did not read. No result of
 //! the products is used before the source has accepted the checksum ([`ExpertView::confirm`]).
+//!
+//! Allocation: the blocks' hash states live in the MoE scratch ([`CheckScratch`]), sized once
+//! for the config's experts.
 //!
 //! [`WeightSource::expert_unchecked`]: super::weights::WeightSource::expert_unchecked
 //! [`ExpertView::confirm`]: super::weights::ExpertView::confirm
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use kernels::RowWatch;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
+use super::buffers::Buffers;
 use super::weights::ExpertBytes;
 use crate::checkpoint::expert_sums::{combine, EXPERT_BLOCK};
+use crate::config::Config;
+
+/// How far one checksum block's hash has got.
+pub struct BlockHash {
+    /// Bytes of the block fed so far, in order from its start.
+    fed: usize,
+    hasher: Xxh3,
+    /// Its digest, once every byte was fed.
+    digest: Option<u64>,
+}
+
+impl BlockHash {
+    fn new() -> BlockHash {
+        BlockHash { fed: 0, hasher: Xxh3::new(), digest: None }
+    }
+
+    fn reset(&mut self) {
+        self.fed = 0;
+        self.hasher.reset();
+        self.digest = None;
+    }
+}
+
+/// The hash states of one expert's blocks, per part in
+/// [`EXPERT_PARTS`](crate::checkpoint::EXPERT_PARTS) order; reused from expert to expert.
+pub struct CheckScratch {
+    blocks: [Vec<Mutex<BlockHash>>; 6],
+}
+
+impl CheckScratch {
+    pub fn new(cfg: &Config, b: &mut impl Buffers) -> CheckScratch {
+        let (lat, f) = (cfg.moe.latent, cfg.moe.expert_hidden);
+        let (packed, scales) = (f * lat / 2, f * lat / 32);
+        let lens = [packed, scales, packed, scales, packed, scales];
+        CheckScratch { blocks: lens.map(|len| b.each(len.div_ceil(EXPERT_BLOCK), |_| Mutex::new(BlockHash::new()))) }
+    }
+
+    /// Starts the checksum of the expert `b`. Parts longer than the config's (a checkpoint the
+    /// config does not describe) get more block states, the one allocation here.
+    pub fn begin<'a>(&'a mut self, b: ExpertBytes<'a>) -> ProductChecksum<'a> {
+        let parts = b.parts();
+        for (blocks, part) in self.blocks.iter_mut().zip(parts) {
+            let n = part.len().div_ceil(EXPERT_BLOCK);
+            if blocks.len() < n {
+                blocks.resize_with(n, || Mutex::new(BlockHash::new()));
+            }
+            for block in &mut blocks[..n] {
+                block.get_mut().unwrap_or_else(PoisonError::into_inner).reset();
+            }
+        }
+        ProductChecksum { parts, blocks: &self.blocks, nanos: AtomicU64::new(0) }
+    }
+}
+
+fn lock(m: &Mutex<BlockHash>) -> MutexGuard<'_, BlockHash> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// The checksum of one expert's six tensors, hashed by its products as they read them.
 pub struct ProductChecksum<'a> {
     parts: [&'a [u8]; 6],
-    /// Per part, the digest of each block once hashed.
-    digests: [Vec<OnceLock<u64>>; 6],
-    /// Nanoseconds spent hashing, summed over the threads.
+    blocks: &'a [Vec<Mutex<BlockHash>>; 6],
+    /// Nanoseconds the products spent hashing, summed over the threads.
     nanos: AtomicU64,
 }
 
-impl<'a> ProductChecksum<'a> {
-    pub fn new(b: ExpertBytes<'a>) -> ProductChecksum<'a> {
-        let parts = b.parts();
-        let digests = parts.map(|p| (0..p.len().div_ceil(EXPERT_BLOCK)).map(|_| OnceLock::new()).collect());
-        ProductChecksum { parts, digests, nanos: AtomicU64::new(0) }
-    }
-
-    /// The watch for the product of part `part` (a packed weight in
-    /// [`EXPERT_PARTS`](crate::checkpoint::EXPERT_PARTS) order) with `rows` rows: its segments
-    /// are the rows that start in each block.
-    pub fn watch(&self, part: usize, rows: usize) -> PartWatch<'_> {
+impl ProductChecksum<'_> {
+    /// Rows `rows` of part `part` (a packed weight of `row_len`-byte rows) were just read by the
+    /// kernel: feeds their blocks' hashes up to the rows' end, from where each block's hash had
+    /// got (bytes another thread has not fed yet included; bytes already fed skipped).
+    pub fn rows_read(&self, part: usize, row_len: usize, rows: Range<usize>) {
+        let start = Instant::now();
         let bytes = self.parts[part];
-        let row_len = bytes.len().checked_div(rows).unwrap_or(0);
-        let blocks = self.digests[part].len();
-        let (mut starts, mut first_blocks) = (vec![0], vec![0]);
-        for block in 1..blocks {
-            // The first row starting at or after the block's first byte, if it starts inside it.
-            let row = (block * EXPERT_BLOCK).div_ceil(row_len.max(1));
-            if row < rows && row * row_len < (block + 1) * EXPERT_BLOCK && Some(&row) > starts.last() {
-                starts.push(row);
-                first_blocks.push(block);
+        let (from, to) = ((rows.start * row_len).min(bytes.len()), (rows.end * row_len).min(bytes.len()));
+        let mut at = from;
+        while at < to {
+            let block = at / EXPERT_BLOCK;
+            let block_start = block * EXPERT_BLOCK;
+            let block_end = (block_start + EXPERT_BLOCK).min(bytes.len());
+            let end = to.min(block_end);
+            let mut h = lock(&self.blocks[part][block]);
+            let fed_to = block_start + h.fed;
+            if fed_to < end {
+                h.hasher.update(&bytes[fed_to..end]);
+                h.fed = end - block_start;
+                if end == block_end {
+                    h.digest = Some(h.hasher.digest());
+                }
             }
-        }
-        PartWatch { sum: self, bytes, row_len, digests: &self.digests[part], starts, first_blocks }
-    }
-
-    /// Hashes what the products did not and returns the expert's checksum
-    /// ([`expert_checksum`](crate::checkpoint::expert_sums::expert_checksum)'s value), with the
-    /// seconds spent hashing summed over the threads.
-    pub fn finish(self) -> (u64, f64) {
-        let start = Instant::now();
-        let mut digests = Vec::new();
-        for (part, blocks) in self.parts.iter().zip(&self.digests) {
-            for (i, d) in blocks.iter().enumerate() {
-                let block = || &part[i * EXPERT_BLOCK..((i + 1) * EXPERT_BLOCK).min(part.len())];
-                digests.push(*d.get_or_init(|| xxh3_64(block())));
-            }
-        }
-        let sum = combine(digests);
-        let nanos = self.nanos.load(Ordering::Relaxed) as f64 + start.elapsed().as_nanos() as f64;
-        (sum, nanos / 1e9)
-    }
-}
-
-/// Hashes one packed weight's blocks as its product computes the rows: segment `k` owns the
-/// blocks from `first_blocks[k]` to the next segment's, and computes the rows starting in them.
-pub struct PartWatch<'a> {
-    sum: &'a ProductChecksum<'a>,
-    bytes: &'a [u8],
-    row_len: usize,
-    digests: &'a [OnceLock<u64>],
-    starts: Vec<usize>,
-    first_blocks: Vec<usize>,
-}
-
-/// A segment's hashing: the block being hashed and the next byte to feed it.
-pub struct Feed {
-    block: usize,
-    at: usize,
-    /// End of the segment's bytes.
-    end: usize,
-    hasher: Xxh3,
-}
-
-impl PartWatch<'_> {
-    /// Feeds the segment's bytes up to `upto` (at most its end), ending each block it fills.
-    fn feed(&self, f: &mut Feed, upto: usize) {
-        let upto = upto.min(f.end);
-        if f.at >= upto {
-            return;
-        }
-        let start = Instant::now();
-        while f.at < upto {
-            let block_end = ((f.block + 1) * EXPERT_BLOCK).min(self.bytes.len());
-            let to = upto.min(block_end);
-            f.hasher.update(&self.bytes[f.at..to]);
-            f.at = to;
-            if to == block_end {
-                // Each block belongs to one segment, which ends it once.
-                let _ = self.digests[f.block].set(f.hasher.digest());
-                f.hasher.reset();
-                f.block += 1;
-            }
+            at = end;
         }
         let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.sum.nanos.fetch_add(nanos, Ordering::Relaxed);
-    }
-}
-
-impl RowWatch for PartWatch<'_> {
-    type State = Feed;
-
-    fn segment_starts(&self) -> &[usize] {
-        &self.starts
+        self.nanos.fetch_add(nanos, Ordering::Relaxed);
     }
 
-    fn begin(&self, segment: usize) -> Feed {
-        let first = self.first_blocks[segment];
-        let end = self.first_blocks.get(segment + 1).map_or(self.bytes.len(), |&b| b * EXPERT_BLOCK);
-        let mut f = Feed { block: first, at: first * EXPERT_BLOCK, end, hasher: Xxh3::new() };
-        // The block's first bytes may end the previous segment's last row.
-        self.feed(&mut f, self.starts[segment] * self.row_len);
-        f
-    }
-
-    fn rows(&self, f: &mut Feed, rows: Range<usize>) {
-        self.feed(f, rows.end * self.row_len);
-    }
-
-    fn end(&self, _segment: usize, mut f: Feed) {
-        let end = f.end;
-        self.feed(&mut f, end);
+    /// Hashes what the products did not (whole blocks) and returns the expert's checksum
+    /// ([`expert_checksum`](crate::checkpoint::expert_sums::expert_checksum)'s value), with the
+    /// time the hashing added: the products' share over the `threads` that shared it, plus this
+    /// call's own.
+    pub fn finish(self, threads: usize) -> (u64, f64) {
+        let start = Instant::now();
+        let digests = self.parts.iter().zip(self.blocks).flat_map(|(part, blocks)| {
+            (0..part.len().div_ceil(EXPERT_BLOCK)).map(move |i| {
+                let h = lock(&blocks[i]);
+                h.digest.unwrap_or_else(|| xxh3_64(&part[i * EXPERT_BLOCK..((i + 1) * EXPERT_BLOCK).min(part.len())]))
+            })
+        });
+        let sum = combine(digests);
+        let in_products = self.nanos.load(Ordering::Relaxed) as f64 / 1e9 / threads.max(1) as f64;
+        (sum, in_products + start.elapsed().as_secs_f64())
     }
 }
 
@@ -154,7 +147,7 @@ mod tests {
     use crate::checkpoint::expert_sums::expert_checksum;
 
     /// Six parts shaped like an expert's: three packed weights of `rows x row_len` bytes (rows
-    /// that do and do not divide a block, one row longer than a block) and their scales.
+    /// that do and do not divide a block, rows longer than two blocks) and their scales.
     fn parts(shapes: [(usize, usize); 3]) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
         for (k, (rows, row_len)) in shapes.into_iter().enumerate() {
@@ -168,62 +161,55 @@ mod tests {
         ExpertBytes::from_parts([&p[0], &p[1], &p[2], &p[3], &p[4], &p[5]])
     }
 
-    /// Runs a watch's segments as the kernel would, each on its own, blocks of `step` rows.
-    fn run(w: &PartWatch<'_>, rows: usize, step: usize, order: &[usize]) {
-        for &s in order {
-            let mut f = w.begin(s);
-            let end = w.starts.get(s + 1).copied().unwrap_or(rows);
-            let mut r = w.starts[s];
-            while r < end {
-                let to = (r + step).min(end);
-                w.rows(&mut f, r..to);
-                r = to;
-            }
-            w.end(s, f);
-        }
+    /// A scratch sized for no expert: `begin` grows it for these parts.
+    fn scratch() -> CheckScratch {
+        CheckScratch { blocks: Default::default() }
     }
+
+    const SHAPES: [(usize, usize); 3] = [(700, 3584), (1000, 1536), (5, 2 * EXPERT_BLOCK + 77)];
 
     #[test]
     fn hashing_as_the_products_read_gives_the_experts_checksum() {
-        let shapes = [(700, 3584), (1000, 1536), (5, 2 * EXPERT_BLOCK + 77)];
-        let p = parts(shapes);
+        let p = parts(SHAPES);
         let want = expert_checksum(&p.iter().map(Vec::as_slice).collect::<Vec<_>>());
-        for step in [1, 64] {
-            let sum = ProductChecksum::new(bytes(&p));
-            for (part, (rows, _)) in [0, 2, 4].into_iter().zip(shapes) {
-                let w = sum.watch(part, rows);
-                assert!(w.starts.windows(2).all(|s| s[0] < s[1]) && w.starts.last() < Some(&rows));
-                // The segments in reverse: each hashes its own blocks whatever runs first.
-                let order: Vec<usize> = (0..w.starts.len()).rev().collect();
-                run(&w, rows, step, &order);
-                assert!(sum.digests[part].iter().all(|d| d.get().is_some()), "part {part} step {step}");
+        let mut scratch = scratch();
+        for step in [1, 64, 1000] {
+            let sum = scratch.begin(bytes(&p));
+            for (part, (rows, row_len)) in [0, 2, 4].into_iter().zip(SHAPES) {
+                for r in (0..rows).step_by(step) {
+                    sum.rows_read(part, row_len, r..(r + step).min(rows));
+                }
+                let blocks = &sum.blocks[part][..p[part].len().div_ceil(EXPERT_BLOCK)];
+                assert!(blocks.iter().all(|b| lock(b).digest.is_some()), "part {part} step {step}: hashed in order");
             }
-            assert!(sum.digests[1].iter().all(|d| d.get().is_none()), "scales are left to finish");
-            assert_eq!(sum.finish().0, want, "step {step}");
+            assert!(lock(&sum.blocks[1][0]).digest.is_none(), "scales are left to finish");
+            assert_eq!(sum.finish(2).0, want, "step {step}");
         }
+        // Two threads' halves, the second first, in blocks of 64 rows: the second hashes the
+        // split block's bytes before its rows, the first finds them hashed.
+        let sum = scratch.begin(bytes(&p));
+        for (part, (rows, row_len)) in [0, 2, 4].into_iter().zip(SHAPES) {
+            let half = rows / 2;
+            for r in (half..rows).step_by(64).chain((0..half).step_by(64)) {
+                let end = if r < half { (r + 64).min(half) } else { (r + 64).min(rows) };
+                sum.rows_read(part, row_len, r..end);
+            }
+            let blocks = &sum.blocks[part][..p[part].len().div_ceil(EXPERT_BLOCK)];
+            assert!(blocks.iter().all(|b| lock(b).digest.is_some()), "part {part}: every block hashed");
+        }
+        assert_eq!(sum.finish(2).0, want);
         // Products that never ran (an earlier one failed): finish hashes their blocks.
-        let sum = ProductChecksum::new(bytes(&p));
-        run(&sum.watch(2, 1000), 1000, 64, &[0, 1]);
-        assert_eq!(sum.finish().0, want);
-        // Other bytes, another checksum.
+        let sum = scratch.begin(bytes(&p));
+        sum.rows_read(2, 1536, 0..1000);
+        assert_eq!(sum.finish(2).0, want);
+        // Other bytes, another checksum, through the same (reset) scratch.
         let mut other = p.clone();
         other[2][EXPERT_BLOCK + 3] ^= 1;
-        let sum = ProductChecksum::new(bytes(&other));
-        run(&sum.watch(2, 1000), 1000, 64, &[0, 1]);
-        assert_ne!(sum.finish().0, want);
-    }
-
-    #[test]
-    fn a_weights_segments_are_the_rows_starting_in_each_block() {
-        let p = parts([(700, 3584), (1000, 1536), (5, 2 * EXPERT_BLOCK + 77)]);
-        let sum = ProductChecksum::new(bytes(&p));
-        // 3584-byte rows: block 1 starts inside row 292, so row 293 is its first.
-        let w = sum.watch(0, 700);
-        assert_eq!(w.starts, vec![0, 293, 586]);
-        assert_eq!(w.first_blocks, vec![0, 1, 2]);
-        // Rows longer than a block: every row starts in a block of its own, some blocks hold none.
-        let w = sum.watch(4, 5);
-        assert_eq!(w.starts, vec![0, 1, 2, 3, 4]);
-        assert_eq!(w.first_blocks, vec![0, 2, 4, 6, 8]);
+        let sum = scratch.begin(bytes(&other));
+        sum.rows_read(2, 1536, 0..1000);
+        assert_ne!(sum.finish(2).0, want);
+        let sum = scratch.begin(bytes(&p));
+        sum.rows_read(2, 1536, 0..1000);
+        assert_eq!(sum.finish(2).0, want, "nothing of the last expert left in the scratch");
     }
 }

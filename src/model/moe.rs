@@ -12,7 +12,7 @@ use kernels::{KernelError, Kernels};
 use super::attribution::{Meter, OpClass};
 use super::buffers::Buffers;
 use super::dense::{self, GluScratch};
-use super::expert_check::ProductChecksum;
+use super::expert_check::{CheckScratch, ProductChecksum};
 use super::weights::{
     f32_at, vector_into, ExpertBytes, ExpertView, MoeWeights, SourceError, Streamed, TrunkView, WeightSource,
 };
@@ -39,17 +39,14 @@ pub struct Route {
 
 /// Buffers for a chunk of up to `chunk` tokens.
 pub struct MoeScratch {
-    scores: Vec<f32>,           // [T, E] sigmoid router scores
-    biased: Vec<f32>,           // [E]
-    bias: Vec<f32>,             // [E]
-    pub routes: Vec<Route>,     // [T]
-    u: Vec<f32>,                // [T, LAT]
-    slot_out: Vec<f32>,         // [T, k, LAT] expert outputs per (token, slot)
-    gathered: Vec<f32>,         // [T, LAT] inputs of the tokens that chose one expert
-    h1: Vec<f32>,               // [T, F]
-    h3: Vec<f32>,               // [T, F]
-    act: Vec<f32>,              // [T, F]
-    eo: Vec<f32>,               // [T, LAT]
+    scores: Vec<f32>,       // [T, E] sigmoid router scores
+    biased: Vec<f32>,       // [E]
+    bias: Vec<f32>,         // [E]
+    pub routes: Vec<Route>, // [T]
+    u: Vec<f32>,            // [T, LAT]
+    slot_out: Vec<f32>,     // [T, k, LAT] expert outputs per (token, slot)
+    expert: ExpertBuffers,
+    check: CheckScratch,
     users: Vec<(usize, usize)>, // (token, slot) pairs for one expert
     distinct: Vec<usize>,
     y: Vec<f32>,      // [T, LAT]
@@ -57,6 +54,15 @@ pub struct MoeScratch {
     norm_w: Vec<f32>, // [LAT]
     up: Vec<f32>,     // [T, D]
     glu: GluScratch,
+}
+
+/// One expert's products' buffers.
+struct ExpertBuffers {
+    gathered: Vec<f32>, // [T, LAT] inputs of the tokens that chose the expert
+    h1: Vec<f32>,       // [T, F]
+    h3: Vec<f32>,       // [T, F]
+    act: Vec<f32>,      // [T, F]
+    eo: Vec<f32>,       // [T, LAT]
 }
 
 impl MoeScratch {
@@ -70,11 +76,14 @@ impl MoeScratch {
             routes: b.each(chunk, |b| Route { experts: b.with_capacity(m.top_k), weights: b.with_capacity(m.top_k) }),
             u: b.zeros(chunk * lat),
             slot_out: b.zeros(chunk * m.top_k * lat),
-            gathered: b.zeros(chunk * lat),
-            h1: b.zeros(chunk * f),
-            h3: b.zeros(chunk * f),
-            act: b.zeros(chunk * f),
-            eo: b.zeros(chunk * lat),
+            expert: ExpertBuffers {
+                gathered: b.zeros(chunk * lat),
+                h1: b.zeros(chunk * f),
+                h3: b.zeros(chunk * f),
+                act: b.zeros(chunk * f),
+                eo: b.zeros(chunk * lat),
+            },
+            check: CheckScratch::new(cfg, b),
             users: b.with_capacity(chunk * m.top_k),
             distinct: b.with_capacity(chunk * m.top_k),
             y: b.zeros(chunk * lat),
@@ -268,8 +277,9 @@ fn run_expert<S: WeightSource>(
     // Wait for the bytes first, so that the span holds all of this expert's compute and none
     // of the wait (`k3ring bench` sums these spans as the compute expert reads can overlap).
     let guard = src.expert_unchecked(layer, expert)?;
-    let _span =
-        tracer.map(|t| t.span_args(ComputeOp::Expert, SpanArgs::new().layer(layer as u32).expert(expert as u32)));
+    let span =
+        || tracer.map(|t| t.span_args(ComputeOp::Expert, SpanArgs::new().layer(layer as u32).expert(expert as u32)));
+    let mut span_guard = span();
     s.users.clear();
     for tok in 0..t {
         if let Some(slot) = s.routes[tok].experts.iter().position(|&e| e == expert) {
@@ -278,52 +288,56 @@ fn run_expert<S: WeightSource>(
     }
     let n = s.users.len();
     for (i, &(tok, _)) in s.users.iter().enumerate() {
-        s.gathered[i * lat..(i + 1) * lat].copy_from_slice(&s.u[tok * lat..(tok + 1) * lat]);
+        s.expert.gathered[i * lat..(i + 1) * lat].copy_from_slice(&s.u[tok * lat..(tok + 1) * lat]);
     }
     let bad = |source| ModelError::Expert { layer, expert, source };
     if guard.unchecked() {
-        let sum = ProductChecksum::new(guard.parts());
-        let computed = expert_products(k, cfg, guard.parts(), n, s, meter, Some(&sum));
-        let (got, hashing_seconds) = sum.finish();
+        let sum = s.check.begin(guard.parts());
+        let computed = expert_products(k, cfg, guard.parts(), n, &mut s.expert, meter, Some(&sum));
+        let (got, hashing_seconds) = sum.finish(rayon::current_num_threads());
         if guard.confirm(got, hashing_seconds)? {
             computed.map_err(bad)?;
         } else {
+            // The results are dropped; the bytes are read again (outside the span: a wait).
+            drop(span_guard);
             let guard = src.expert(layer, expert)?;
-            expert_products(k, cfg, guard.parts(), n, s, meter, None).map_err(bad)?;
+            span_guard = span();
+            expert_products(k, cfg, guard.parts(), n, &mut s.expert, meter, None).map_err(bad)?;
         }
     } else {
-        expert_products(k, cfg, guard.parts(), n, s, meter, None).map_err(bad)?;
+        expert_products(k, cfg, guard.parts(), n, &mut s.expert, meter, None).map_err(bad)?;
         drop(guard);
     }
     for (i, &(tok, slot)) in s.users.iter().enumerate() {
         let base = (tok * m.top_k + slot) * lat;
-        s.slot_out[base..base + lat].copy_from_slice(&s.eo[i * lat..(i + 1) * lat]);
+        s.slot_out[base..base + lat].copy_from_slice(&s.expert.eo[i * lat..(i + 1) * lat]);
     }
+    drop(span_guard);
     Ok(())
 }
 
-/// The expert `b`'s three products for the `n` gathered tokens, into `s.eo`; each packed
+/// The expert `b`'s three products for the `n` gathered tokens, into `e.eo`; each packed
 /// weight hashed into `check` as its product reads it, when given.
 fn expert_products(
     k: &Kernels,
     cfg: &Config,
     b: ExpertBytes<'_>,
     n: usize,
-    s: &mut MoeScratch,
+    e: &mut ExpertBuffers,
     meter: Meter<'_>,
     check: Option<&ProductChecksum<'_>>,
 ) -> Result<(), KernelError> {
     let (lat, f) = (cfg.moe.latent, cfg.moe.expert_hidden);
     // `part`: the packed weight's place in `EXPERT_PARTS`.
     let product = |w: (&[u8], &[u8]), part: usize, rows: usize, cols: usize, x: &[f32], y: &mut [f32]| match check {
-        Some(c) => meter.mxfp4_watched(k, w, rows, cols, x, n, y, &c.watch(part, rows)),
+        Some(c) => meter.mxfp4_watched(k, w, rows, cols, x, n, y, &|r| c.rows_read(part, cols / 2, r)),
         None => meter.mxfp4(k, w, rows, cols, x, n, y),
     };
-    let gathered = &s.gathered[..n * lat];
-    product((b.w1_packed, b.w1_scale), 0, f, lat, gathered, &mut s.h1[..n * f])?;
-    product((b.w3_packed, b.w3_scale), 2, f, lat, gathered, &mut s.h3[..n * f])?;
+    let gathered = &e.gathered[..n * lat];
+    product((b.w1_packed, b.w1_scale), 0, f, lat, gathered, &mut e.h1[..n * f])?;
+    product((b.w3_packed, b.w3_scale), 2, f, lat, gathered, &mut e.h3[..n * f])?;
     meter.time(OpClass::NormsActivations, 0, || {
-        k.situ_glu(&s.h1[..n * f], &s.h3[..n * f], cfg.situ_beta, cfg.situ_linear_beta, &mut s.act[..n * f])
+        k.situ_glu(&e.h1[..n * f], &e.h3[..n * f], cfg.situ_beta, cfg.situ_linear_beta, &mut e.act[..n * f])
     });
-    product((b.w2_packed, b.w2_scale), 4, lat, f, &s.act[..n * f], &mut s.eo[..n * lat])
+    product((b.w2_packed, b.w2_scale), 4, lat, f, &e.act[..n * f], &mut e.eo[..n * lat])
 }

@@ -269,8 +269,8 @@ pub trait ExpertView {
         false
     }
 
-    /// Settles an unchecked expert's check with `sum`, its bytes' checksum, which took
-    /// `hashing_seconds` (summed over the threads). `Ok(true)`: the bytes match and the expert
+    /// Settles an unchecked expert's check with `sum`, its bytes' checksum, whose hashing added
+    /// `hashing_seconds` to the products. `Ok(true)`: the bytes match and the expert
     /// is checked. `Ok(false)`: they do not; the expert has left the source, every result
     /// computed from it must be dropped, and [`WeightSource::expert`] reads it again. `Err`: its
     /// previous read failed too, and the run stops. A checked expert's view accepts any sum.

@@ -22,6 +22,7 @@ mod avx2_xmm;
 pub(crate) mod avx512;
 pub(crate) mod scalar;
 
+use std::ops::Range;
 use std::sync::atomic::AtomicU64;
 
 use crate::error::KernelError;
@@ -220,19 +221,25 @@ impl Fns {
         par::par_blocks(RowsOut::new(y, a.t, a.rows), &|out| par::timed(busy, || self.block(a, out)))
     }
 
-    /// [`Fns::par_matmul`] in `watch`'s segments.
-    pub(crate) fn par_matmul_watched<W: par::RowWatch>(
+    /// [`Fns::par_matmul`] calling `watch` with each block's rows once the block is computed,
+    /// on the thread that computed it.
+    pub(crate) fn par_matmul_watched<W>(
         &self,
         a: &Args<'_>,
         y: &mut [f32],
         busy: Option<&AtomicU64>,
         watch: &W,
-    ) -> Result<(), KernelError> {
+    ) -> Result<(), KernelError>
+    where
+        W: Fn(Range<usize>) + Sync,
+    {
         a.check_shapes(y);
-        let starts = watch.segment_starts();
-        par::check_segment_starts(starts, a.rows);
-        let out = RowsOut::new(y, a.t, a.rows);
-        par::par_segments(out, watch, 0..starts.len(), &|out| par::timed(busy, || self.block(a, out)))
+        par::par_blocks(RowsOut::new(y, a.t, a.rows), &|out| {
+            let rows = out.row_begin()..out.row_begin() + out.rows();
+            let computed = par::timed(busy, || self.block(a, out));
+            watch(rows);
+            computed
+        })
     }
 }
 

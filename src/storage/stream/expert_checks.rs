@@ -1,16 +1,20 @@
-//! Expert checksum checks. Every expert read is checked before a guard hands its bytes out
-//! (unless `--no-verify-experts`): on its first use ([`Store::verify_expert`]), or earlier,
-//! while the scheduler waits for some read: it then hashes experts whose reads have landed but
-//! are not checked yet (the current layer's first), a step of one block per compute thread at a
-//! time, until the read it waits for is done. A check left part-way is kept and finished by the
-//! next wait or by the expert's first use ([`Store::take_waiting_check`]). Hashing in a wait
-//! costs the cores what the wait leaves idle, plus at most one step past the read's end.
+//! Expert checksum checks. Every expert read is checked before anything computed from its
+//! bytes is used (unless `--no-verify-experts`): while the scheduler waits for some read, it
+//! hashes experts whose reads have landed but are not checked yet (the current layer's first), a
+//! step of one block per compute thread at a time, until the read it waits for is done; a check
+//! left part-way is kept and finished by the next wait or by the expert's first use
+//! ([`Store::take_waiting_check`], [`Store::verify_expert`]). Hashing in a wait costs the cores
+//! what the wait leaves idle, plus at most one step past the read's end. An expert no wait began
+//! to check is handed out unchecked to a caller that hashes it in its products
+//! ([`Store::expert_unchecked`], `model::expert_check`), and settled by the sum they hashed
+//! ([`Store::confirm_expert`]).
 //!
-//! Nothing unchecked is ever handed out: a guard requires the expert's `verified` flag, which
-//! only a finished, matching check sets. Bytes that fail their check, in a wait or on first use,
-//! leave the pool and are read once more ([`Store::note_damaged_read`]; a warning says so):
-//! a damaged transfer heals, and a second failure in a row fails the run (exit 3) naming the
-//! file.
+//! A guard hands out checked bytes ([`Store::expert`]: the expert's `verified` flag, which only
+//! a finished, matching check sets), or unchecked bytes marked so, whose results the caller
+//! keeps only once [`Store::confirm_expert`] accepts them. Bytes that fail their check, in a
+//! wait, on first use or in the products, leave the pool and are read once more
+//! ([`Store::note_damaged_read`]; a warning says so): a damaged transfer heals, and a second
+//! failure in a row fails the run (exit 3) naming the file.
 //!
 //! Threads: the scheduler thread. The check in progress holds a guard count on its slot, so the
 //! slot is neither evicted nor read into until the check ends or
@@ -180,7 +184,7 @@ impl Store {
     }
 
     /// Settles the check of an expert handed out unchecked ([`Store::expert_unchecked`]) with
-    /// `got`, the checksum its products hashed in `hashing_seconds` (summed over the threads):
+    /// `got`, the checksum its products hashed, which added `hashing_seconds` to them:
     /// as [`ExpertView::confirm`](crate::model::weights::ExpertView::confirm). Bytes that fail
     /// leave the pool, as a failed check on first use does.
     pub(super) fn confirm_expert(
@@ -201,13 +205,12 @@ impl Store {
         let key =
             key.ok_or_else(|| SourceError::Internal(format!("slot {slot} of an expert being checked holds nothing")))?;
         {
-            let threads = rayon::current_num_threads().max(1) as f64;
             let mut stats = lock(&self.stats);
             stats.experts_verified += 1;
             stats.experts_verified_in_products += 1;
             stats.expert_verified_bytes += bytes;
-            stats.expert_verify_seconds += hashing_seconds / threads;
-            stats.expert_verify_in_products_seconds += hashing_seconds / threads;
+            stats.expert_verify_seconds += hashing_seconds;
+            stats.expert_verify_in_products_seconds += hashing_seconds;
         }
         match self.match_checksum(key, got) {
             Ok(()) => {
@@ -549,13 +552,13 @@ pub(crate) mod tests {
     /// in a row stops the run naming it.
     #[test]
     fn an_expert_handed_out_unchecked_is_settled_by_the_sum_its_products_hashed() {
-        use crate::model::expert_check::ProductChecksum;
+        use crate::checkpoint::expert_sums::expert_checksum;
         use crate::model::weights::ExpertView;
         let (_tmp, model) = tiny_copy();
         let layer = first_moe_layer(&model);
         let opened = open(&model);
         let store = opened.engine.src.store();
-        let sum = |g: &super::super::ExpertGuard<'_>| ProductChecksum::new(g.parts()).finish().0;
+        let sum = |g: &super::super::ExpertGuard<'_>| expert_checksum(&g.parts().parts());
         let holders = || super::super::lock(&store.pool).slots.iter().map(|s| s.users).sum::<usize>();
         // A match: the expert is checked, and its next use is too.
         let g = store.expert_unchecked(layer, 0).unwrap();

@@ -82,7 +82,7 @@ pub(super) struct ExpertSlot {
     pub(super) bytes: u64,
     window_bytes: u64,
     /// The bytes read have matched the expert's checksum (or checking is off): only then are
-    /// they handed out.
+    /// they handed out as checked (before, only unchecked: [`Store::expert_unchecked`]).
     pub(super) verified: bool,
 }
 

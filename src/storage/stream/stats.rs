@@ -44,11 +44,12 @@ pub struct StreamStats {
     pub expert_verify_waiting_seconds: f64,
     /// Of the checks on the compute path, the experts hashed by their own products as they read
     /// them ([`Store::expert_unchecked`](super::Store::expert_unchecked)), and the time the
-    /// hashing added to them: its seconds summed over the threads, over the thread count.
+    /// hashing added to them (in the products, its seconds summed over the threads over the
+    /// thread count; after them, what was left: the scales, and blocks split between threads).
     pub experts_verified_in_products: u64,
     pub expert_verify_in_products_seconds: f64,
-    /// Expert reads whose bytes failed their checksum (in a wait or on first use) and were read
-    /// again; a second failure in a row stops the run.
+    /// Expert reads whose bytes failed their checksum (in a wait, on first use or in their
+    /// products) and were read again; a second failure in a row stops the run.
     pub expert_reads_damaged: u64,
     /// Experts read on a prediction, and their bytes.
     pub spec_reads: u64,
