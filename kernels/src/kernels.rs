@@ -241,11 +241,13 @@ impl Kernels {
     }
 
     /// [`Kernels::par_matmul_mxfp4`] (`busy` as [`Kernels::par_matmul_mxfp4_busy`] when
-    /// given) that calls `watch` with the rows of each block (of [`ROWS_PER_BLOCK`](crate::ROWS_PER_BLOCK))
-    /// once the kernel has computed it, on the thread that computed it, whether or not it
-    /// failed: for a caller that must see the weight bytes while they are in that core's cache
-    /// (an expert's checksum hashed as its products read it). The same bits and error as the
-    /// plain product.
+    /// given) that calls `watch` with the rows of each block (of
+    /// [`ROWS_PER_BLOCK`](crate::ROWS_PER_BLOCK)) once the kernel has computed it, on the thread
+    /// that computed it, whether or not it failed: for a caller that must see the weight bytes
+    /// while they are in that core's cache (an expert's checksum hashed as its products read
+    /// it). The blocks are cut into one stretch of consecutive blocks per thread, each run in
+    /// order, so that the caller sees each thread's rows as one stretch. The same bits and
+    /// error as the plain product.
     ///
     /// # Errors
     /// As [`Kernels::matmul_mxfp4`].

@@ -63,3 +63,36 @@ where
     // The left half holds the lower rows, so its error comes first in row-major order.
     left_res.and(right_res)
 }
+
+/// Runs `f` on every block of [`ROWS_PER_BLOCK`] rows, the blocks cut into `runs` stretches of
+/// consecutive blocks (as even as whole blocks allow), each stretch in order on one thread of the
+/// current rayon pool: one stretch per thread, so that a caller following the weight bytes
+/// block by block sees each thread's rows as one stretch, not as the pieces work stealing would
+/// cut. Every block runs even if another fails; the error returned is the lowest block's, as
+/// [`par_blocks`].
+pub(crate) fn par_runs<F>(out: RowsOut<'_>, runs: usize, f: &F) -> Result<(), KernelError>
+where
+    F: Fn(RowsOut<'_>) -> Result<(), KernelError> + Sync,
+{
+    let blocks = out.rows().div_ceil(ROWS_PER_BLOCK);
+    if runs > 1 && blocks > 1 {
+        let left_runs = runs / 2;
+        let mid = (blocks * left_runs / runs).max(1) * ROWS_PER_BLOCK;
+        let (left, right) = out.split_at(mid);
+        let (left_res, right_res) =
+            rayon::join(|| par_runs(left, left_runs, f), || par_runs(right, runs - left_runs, f));
+        return left_res.and(right_res);
+    }
+    let mut result = Ok(());
+    let mut rest = out;
+    while rest.rows() > 0 {
+        let n = ROWS_PER_BLOCK.min(rest.rows());
+        let (head, tail) = rest.split_at(n);
+        let block = f(head);
+        if result.is_ok() {
+            result = block;
+        }
+        rest = tail;
+    }
+    result
+}

@@ -221,8 +221,9 @@ impl Fns {
         par::par_blocks(RowsOut::new(y, a.t, a.rows), &|out| par::timed(busy, || self.block(a, out)))
     }
 
-    /// [`Fns::par_matmul`] calling `watch` with each block's rows once the block is computed,
-    /// on the thread that computed it.
+    /// [`Fns::par_matmul`] in one stretch of blocks per thread ([`par::par_runs`]), calling
+    /// `watch` with each block's rows once the block is computed, on the thread that computed
+    /// it.
     pub(crate) fn par_matmul_watched<W>(
         &self,
         a: &Args<'_>,
@@ -234,7 +235,8 @@ impl Fns {
         W: Fn(Range<usize>) + Sync,
     {
         a.check_shapes(y);
-        par::par_blocks(RowsOut::new(y, a.t, a.rows), &|out| {
+        let runs = rayon::current_num_threads();
+        par::par_runs(RowsOut::new(y, a.t, a.rows), runs, &|out| {
             let rows = out.row_begin()..out.row_begin() + out.rows();
             let computed = par::timed(busy, || self.block(a, out));
             watch(rows);
