@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicU64;
 use crate::error::KernelError;
 use crate::isa::Isa;
 use crate::mxfp4::Avx2Mxfp4;
-use crate::{bf16, dot, kda, math, mxfp4, softmax, vector};
+use crate::{bf16, dot, hash, kda, math, mxfp4, softmax, vector};
 
 /// The kernels of one ISA, as a table of function pointers filled once by [`Kernels::detect`]
 /// or [`Kernels::with_isa`]. Cheap to copy; share it freely across threads.
@@ -25,6 +25,7 @@ pub struct Kernels {
     vector: vector::Fns,
     softmax: softmax::Fns,
     kda: kda::Fns,
+    hash: hash::Fns,
 }
 
 impl fmt::Debug for Kernels {
@@ -67,6 +68,7 @@ impl Kernels {
                 vector: vector::Fns::for_isa(isa),
                 softmax: softmax::Fns::for_isa(isa),
                 kda: kda::Fns::for_isa(isa),
+                hash: hash::Fns::for_isa(isa),
             }
         }
     }
@@ -370,5 +372,16 @@ impl Kernels {
     ) {
         let step = kda::Step { dk, dv, alpha, beta, k, v, q };
         self.kda.step(&step, s, out, scratch);
+    }
+
+    /// XXH3-64 of `bytes` ([`hash`](crate::hash) module docs) on this ISA: the same value on
+    /// every ISA. [`hash::xxh3_64`] uses the best ISA without a table.
+    pub fn xxh3_64(&self, bytes: &[u8]) -> u64 {
+        self.hash.xxh3_64(bytes)
+    }
+
+    /// A streaming XXH3-64 on this ISA ([`hash::Xxh3`]).
+    pub fn xxh3(&self) -> hash::Xxh3 {
+        hash::Xxh3::with_fns(self.hash)
     }
 }

@@ -1,4 +1,5 @@
-//! Deterministic CPU kernels for k3ring, the Kimi K3 inference engine.
+//! Deterministic CPU kernels for k3ring, the Kimi K3 inference engine, and the checksum its reads
+//! are checked with.
 //!
 //! Every kernel has a scalar version, which is its definition, and an AVX2+FMA version chosen
 //! at run time ([`Kernels::detect`], [`Kernels::with_isa`]); the bf16 and MXFP4 matmuls also
@@ -41,7 +42,9 @@
 //!
 //! `src/<op>/{mod.rs, scalar.rs, avx2.rs[, avx512.rs]}`: `mod.rs` holds the contract, shape
 //! checks and the dispatch; `scalar.rs` is the definition; `avx2.rs` and `avx512.rs` hold
-//! `#[target_feature]` functions, reached only through a [`Kernels`] built after detection.
+//! `#[target_feature]` functions, reached only through a [`Kernels`] built after detection (the
+//! checksum [`hash`] also through its free functions, which detect once per process; a hash is
+//! integer arithmetic, so its ISAs agree with the reference by construction and by test).
 //! This machine class has no AVX-512: `tools/avx512-bochs` runs the twin tests on an emulated
 //! AVX-512 CPU. Spec sections refer to the model contract, `docs/MODEL.md` at the workspace
 //! root.
@@ -51,6 +54,7 @@
 pub mod bf16;
 pub mod dot;
 mod error;
+pub mod hash;
 mod isa;
 pub mod kda;
 mod kernels;

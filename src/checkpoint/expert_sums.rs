@@ -7,7 +7,7 @@
 //! (`storage::pack::experts`); the streaming store checks each expert it reads before a result
 //! computed from it is used; `k3ring pack --verify` checks them all against the shards.
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use kernels::hash::{xxh3_64, Xxh3};
 
 /// Bytes per hashed block of an expert's tensor.
 pub const EXPERT_BLOCK: usize = 1 << 20;

@@ -84,8 +84,7 @@ fn materialize(dir: &Path, files: &[(&'static str, &[u8])]) -> anyhow::Result<Ve
 /// (a copy of the same size with damaged bytes must not run).
 fn same_file(path: &Path, bytes: &[u8]) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.len() == bytes.len() as u64)
-        && std::fs::read(path)
-            .is_ok_and(|on_disk| xxhash_rust::xxh3::xxh3_64(&on_disk) == xxhash_rust::xxh3::xxh3_64(bytes))
+        && std::fs::read(path).is_ok_and(|on_disk| kernels::hash::xxh3_64(&on_disk) == kernels::hash::xxh3_64(bytes))
 }
 
 /// Whether `dir` holds a model with random weights: a `k3ring synth` output (it has

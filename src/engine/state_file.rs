@@ -13,7 +13,7 @@
 
 use std::path::{Path, PathBuf};
 
-use xxhash_rust::xxh3::xxh3_64;
+use kernels::hash::xxh3_64;
 
 use super::chat::ChatSession;
 use super::{Engine, EngineError};

@@ -7,9 +7,12 @@
 //! own first touch of memory; a hash that touched first would wait on memory itself). A block's
 //! hash takes its bytes in order: where the threads' halves of a product split a block, the
 //! thread whose rows come later first hashes the bytes before them that no thread has fed yet
-//! (from memory), and the other thread's rows then find them hashed. [`ProductChecksum::finish`]
-//! hashes the scales (1/16 of the bytes) and whatever the products did not read. No result of
-//! the products is used before the source has accepted the checksum ([`ExpertView::confirm`]).
+//! (from memory), and the other thread's rows then find them hashed. The rows' scales (1/16 of
+//! the bytes, read by the kernel with the rows) are fed the same way.
+//! [`ProductChecksum::finish`] hashes whatever the products did not read (products that never
+//! ran). No result of the products is used before the source has accepted the checksum
+//! ([`ExpertView::confirm`]). The hash's loop is the kernels crate's ([`kernels::hash`]), picked
+//! by ISA at run time.
 //!
 //! Allocation: the blocks' hash states live in the MoE scratch ([`CheckScratch`]), sized once
 //! for the config's experts.
@@ -22,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use kernels::hash::{xxh3_64, Xxh3};
 
 use super::buffers::Buffers;
 use super::weights::ExpertBytes;
@@ -94,8 +97,8 @@ pub struct ProductChecksum<'a> {
 }
 
 impl ProductChecksum<'_> {
-    /// Rows `rows` of part `part` (a packed weight of `row_len`-byte rows) were just read by the
-    /// kernel: feeds their blocks' hashes up to the rows' end, from where each block's hash had
+    /// Rows `rows` of part `part` (a packed weight or its scales, of `row_len`-byte rows) were
+    /// just read by the kernel: feeds their blocks' hashes up to the rows' end, from where each block's hash had
     /// got (bytes another thread has not fed yet included; bytes already fed skipped).
     pub fn rows_read(&self, part: usize, row_len: usize, rows: Range<usize>) {
         let start = Instant::now();
@@ -182,7 +185,7 @@ mod tests {
                 let blocks = &sum.blocks[part][..p[part].len().div_ceil(EXPERT_BLOCK)];
                 assert!(blocks.iter().all(|b| lock(b).digest.is_some()), "part {part} step {step}: hashed in order");
             }
-            assert!(lock(&sum.blocks[1][0]).digest.is_none(), "scales are left to finish");
+            assert!(lock(&sum.blocks[1][0]).digest.is_none(), "scales not fed are left to finish");
             assert_eq!(sum.finish(2).0, want, "step {step}");
         }
         // Two threads' halves, the second first, in blocks of 64 rows: the second hashes the
@@ -211,5 +214,31 @@ mod tests {
         let sum = scratch.begin(bytes(&p));
         sum.rows_read(2, 1536, 0..1000);
         assert_eq!(sum.finish(2).0, want, "nothing of the last expert left in the scratch");
+    }
+
+    #[test]
+    fn the_products_hash_the_scales_of_the_rows_they_read_too() {
+        // As `moe::expert_products` feeds them: each block of rows, its packed bytes then its
+        // scale bytes (a sixteenth of a row), two threads' halves, the second half first.
+        // Rows of whole scale groups, as the kernel's are (a row of `cols` values has `cols / 2`
+        // packed bytes and `cols / 32` scale bytes).
+        const SHAPES: [(usize, usize); 3] = [(700, 3584), (1000, 1536), (5, 2 * EXPERT_BLOCK + 80)];
+        let p = parts(SHAPES);
+        let want = expert_checksum(&p.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        let mut scratch = scratch();
+        let sum = scratch.begin(bytes(&p));
+        for (part, (rows, row_len)) in [0, 2, 4].into_iter().zip(SHAPES) {
+            let half = rows / 2;
+            for r in (half..rows).step_by(64).chain((0..half).step_by(64)) {
+                let end = if r < half { (r + 64).min(half) } else { (r + 64).min(rows) };
+                sum.rows_read(part, row_len, r..end);
+                sum.rows_read(part + 1, row_len / 16, r..end);
+            }
+        }
+        for (part, bytes) in p.iter().enumerate() {
+            let blocks = &sum.blocks[part][..bytes.len().div_ceil(EXPERT_BLOCK)];
+            assert!(blocks.iter().all(|b| lock(b).digest.is_some()), "part {part}: every block hashed by the products");
+        }
+        assert_eq!(sum.finish(2).0, want);
     }
 }

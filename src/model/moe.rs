@@ -7,6 +7,8 @@
 //! bit for bit). Each token's sum still runs in its own top-k order, whatever order the experts
 //! were fetched or computed in.
 
+use std::ops::Range;
+
 use kernels::{KernelError, Kernels};
 
 use super::attribution::{Meter, OpClass};
@@ -328,9 +330,13 @@ fn expert_products(
     check: Option<&ProductChecksum<'_>>,
 ) -> Result<(), KernelError> {
     let (lat, f) = (cfg.moe.latent, cfg.moe.expert_hidden);
-    // `part`: the packed weight's place in `EXPERT_PARTS`.
+    // `part`: the packed weight's place in `EXPERT_PARTS`; its scales follow it. A block of rows
+    // read both: two values per packed byte, one scale byte per 32 values.
     let product = |w: (&[u8], &[u8]), part: usize, rows: usize, cols: usize, x: &[f32], y: &mut [f32]| match check {
-        Some(c) => meter.mxfp4_watched(k, w, rows, cols, x, n, y, &|r| c.rows_read(part, cols / 2, r)),
+        Some(c) => meter.mxfp4_watched(k, w, rows, cols, x, n, y, &|r: Range<usize>| {
+            c.rows_read(part, cols / 2, r.clone());
+            c.rows_read(part + 1, cols / 32, r);
+        }),
         None => meter.mxfp4(k, w, rows, cols, x, n, y),
     };
     let gathered = &e.gathered[..n * lat];

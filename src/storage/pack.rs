@@ -24,8 +24,8 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use kernels::hash::Xxh3;
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::Xxh3;
 
 pub use self::experts::LayerExpertSums;
 pub use self::fingerprint::fingerprint;
@@ -459,7 +459,7 @@ pub(crate) fn row_checksums(unit: &UnitEntry, row_len: Option<usize>, at: u64, c
     match (row_len, unit.tensors.first()) {
         (Some(r), Some(t)) => {
             let end = (t.offset + t.len).saturating_sub(at).min(chunk.len() as u64) as usize;
-            chunk[..end].chunks(r).map(xxhash_rust::xxh3::xxh3_64).collect()
+            chunk[..end].chunks(r).map(kernels::hash::xxh3_64).collect()
         }
         _ => Vec::new(),
     }
@@ -531,7 +531,7 @@ fn create_pack_file(path: &Path) -> Result<File, PackError> {
 
 /// xxh3-64 of a unit's bytes, as stored in the manifest.
 pub fn checksum(bytes: &[u8]) -> String {
-    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+    format!("{:016x}", kernels::hash::xxh3_64(bytes))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), PackError> {

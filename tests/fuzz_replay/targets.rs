@@ -323,7 +323,7 @@ pub fn state_file(data: &[u8]) -> Result<(), ExitCode> {
         bytes[12..20].copy_from_slice(&total.to_le_bytes());
         bytes[20..28].copy_from_slice(&fp.config.to_le_bytes());
         bytes[28..36].copy_from_slice(&fp.checkpoint.to_le_bytes());
-        let sum = xxhash_rust::xxh3::xxh3_64(&bytes);
+        let sum = kernels::hash::xxh3_64(&bytes);
         bytes.extend_from_slice(&sum.to_le_bytes());
     }
     TINY_ENGINE.with(|o| {

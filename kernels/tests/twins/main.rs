@@ -8,6 +8,7 @@ mod bf16;
 mod common;
 mod dot;
 mod elementwise;
+mod hash;
 mod kda;
 mod matvec_t;
 mod mxfp4;

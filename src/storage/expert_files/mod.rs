@@ -23,8 +23,8 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use kernels::hash::Xxh3;
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::checkpoint::{CheckpointIndex, ExpertImage};
 use crate::storage::pack::{io_err, Manifest, PackError};

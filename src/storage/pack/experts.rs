@@ -5,8 +5,8 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
+use kernels::hash::xxh3_64;
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::xxh3_64;
 
 use super::{io_err, PackError, COPY_CHUNK};
 use crate::checkpoint::expert_sums::{combine, EXPERT_BLOCK};

@@ -11,7 +11,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use xxhash_rust::xxh3::Xxh3;
+use kernels::hash::Xxh3;
 
 use super::{io_err, PackError};
 use crate::checkpoint::{CheckpointIndex, Shard, INDEX_FILE};

@@ -9,7 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Mutex;
 
-use xxhash_rust::xxh3::Xxh3;
+use kernels::hash::Xxh3;
 
 use super::experts::{expert_len, experts_in_disk_order, open_shards, read_expert_checksum};
 use super::{

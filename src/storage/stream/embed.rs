@@ -50,7 +50,7 @@ impl Store {
         for ((dst, &s), &id) in out.chunks_exact_mut(row).zip(&starts).zip(ids) {
             let bytes = &buf[s..s + row];
             let want = unit.row_checksums.get(id as usize).copied();
-            if want != Some(xxhash_rust::xxh3::xxh3_64(bytes)) {
+            if want != Some(kernels::hash::xxh3_64(bytes)) {
                 return Err(SourceError::Corrupt {
                     what: format!("embedding row {id} read from {}", self.pack.pack_path.display()),
                     message:

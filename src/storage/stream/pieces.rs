@@ -364,9 +364,8 @@ impl super::Store {
             let place = &self.pack.units[u];
             let pieces = self.items.pieces_by_offset(u, place.file_offset);
             let small = self.items.split[u].as_ref().map(|s| s.small.clone()).unwrap_or_default();
-            let mut whole = xxhash_rust::xxh3::Xxh3::new();
-            let mut piece_hash: Vec<xxhash_rust::xxh3::Xxh3> =
-                pieces.iter().map(|_| xxhash_rust::xxh3::Xxh3::new()).collect();
+            let mut whole = kernels::hash::Xxh3::new();
+            let mut piece_hash: Vec<kernels::hash::Xxh3> = pieces.iter().map(|_| kernels::hash::Xxh3::new()).collect();
             let mut at = 0u64;
             while at < place.len {
                 let n = chunk.min(place.len - at);

@@ -261,7 +261,7 @@ impl Store {
             let checked = match &it.rows {
                 None => self.verify_unit(unit, base).map_err(|e| e.to_string()),
                 Some(piece) => {
-                    let got = xxhash_rust::xxh3::xxh3_64(&self.arena.bytes(base)[data.clone()]);
+                    let got = kernels::hash::xxh3_64(&self.arena.bytes(base)[data.clone()]);
                     if got == piece.checksum {
                         Ok(())
                     } else {
