@@ -171,6 +171,13 @@ mod tests {
 
     const SHAPES: [(usize, usize); 3] = [(700, 3584), (1000, 1536), (5, 2 * EXPERT_BLOCK + 77)];
 
+    /// Two threads' stretches of `rows` in blocks of 64 rows, the second stretch's first.
+    fn halves_second_first(rows: usize) -> impl Iterator<Item = Range<usize>> {
+        let half = rows / 2;
+        let blocks = |from: usize, to: usize| (from..to).step_by(64).map(move |r| r..(r + 64).min(to));
+        blocks(half, rows).chain(blocks(0, half))
+    }
+
     #[test]
     fn hashing_as_the_products_read_gives_the_experts_checksum() {
         let p = parts(SHAPES);
@@ -192,10 +199,8 @@ mod tests {
         // split block's bytes before its rows, the first finds them hashed.
         let sum = scratch.begin(bytes(&p));
         for (part, (rows, row_len)) in [0, 2, 4].into_iter().zip(SHAPES) {
-            let half = rows / 2;
-            for r in (half..rows).step_by(64).chain((0..half).step_by(64)) {
-                let end = if r < half { (r + 64).min(half) } else { (r + 64).min(rows) };
-                sum.rows_read(part, row_len, r..end);
+            for r in halves_second_first(rows) {
+                sum.rows_read(part, row_len, r);
             }
             let blocks = &sum.blocks[part][..p[part].len().div_ceil(EXPERT_BLOCK)];
             assert!(blocks.iter().all(|b| lock(b).digest.is_some()), "part {part}: every block hashed");
@@ -228,11 +233,9 @@ mod tests {
         let mut scratch = scratch();
         let sum = scratch.begin(bytes(&p));
         for (part, (rows, row_len)) in [0, 2, 4].into_iter().zip(SHAPES) {
-            let half = rows / 2;
-            for r in (half..rows).step_by(64).chain((0..half).step_by(64)) {
-                let end = if r < half { (r + 64).min(half) } else { (r + 64).min(rows) };
-                sum.rows_read(part, row_len, r..end);
-                sum.rows_read(part + 1, row_len / 16, r..end);
+            for r in halves_second_first(rows) {
+                sum.rows_read(part, row_len, r.clone());
+                sum.rows_read(part + 1, row_len / 16, r);
             }
         }
         for (part, bytes) in p.iter().enumerate() {
