@@ -33,7 +33,7 @@ use crate::checkpoint::expert_sums::{combine, EXPERT_BLOCK};
 use crate::config::Config;
 
 /// How far one checksum block's hash has got.
-pub struct BlockHash {
+struct BlockHash {
     /// Bytes of the block fed so far, in order from its start.
     fed: usize,
     hasher: Xxh3,
@@ -98,8 +98,9 @@ pub struct ProductChecksum<'a> {
 
 impl ProductChecksum<'_> {
     /// Rows `rows` of part `part` (a packed weight or its scales, of `row_len`-byte rows) were
-    /// just read by the kernel: feeds their blocks' hashes up to the rows' end, from where each block's hash had
-    /// got (bytes another thread has not fed yet included; bytes already fed skipped).
+    /// just read by the kernel: feeds their blocks' hashes up to the rows' end, from where each
+    /// block's hash had got (bytes another thread has not fed yet included; bytes already fed
+    /// skipped).
     pub fn rows_read(&self, part: usize, row_len: usize, rows: Range<usize>) {
         let start = Instant::now();
         let bytes = self.parts[part];
@@ -123,6 +124,15 @@ impl ProductChecksum<'_> {
         }
         let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    /// Whether every block of every part has its digest (what the products fed, all of it).
+    #[cfg(test)]
+    pub(crate) fn fully_fed(&self) -> bool {
+        self.parts
+            .iter()
+            .zip(self.blocks)
+            .all(|(part, blocks)| blocks[..part.len().div_ceil(EXPERT_BLOCK)].iter().all(|b| lock(b).digest.is_some()))
     }
 
     /// Hashes what the products did not (whole blocks) and returns the expert's checksum

@@ -347,3 +347,43 @@ fn expert_products(
     });
     product((b.w2_packed, b.w2_scale), 4, lat, f, &e.act[..n * f], &mut e.eo[..n * lat])
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::checkpoint::expert_sums::expert_checksum;
+    use crate::model::buffers::Allocate;
+
+    #[test]
+    fn the_products_feed_every_byte_of_the_expert_to_its_checksum() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-k3");
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let cfg = Config::from_json_str(&text, &dir.join("config.json")).unwrap();
+        let (lat, f) = (cfg.moe.latent, cfg.moe.expert_hidden);
+        // Packed nibbles of any value; scales near 2^0 (E8M0 127), never the reserved 0xFF.
+        let packed = |len: usize, salt: usize| -> Vec<u8> { (0..len).map(|i| ((i * 37 + salt) % 256) as u8).collect() };
+        let scales = |len: usize, salt: usize| -> Vec<u8> { (0..len).map(|i| 124 + ((i + salt) % 6) as u8).collect() };
+        let p = [
+            packed(f * lat / 2, 1),
+            scales(f * lat / 32, 2),
+            packed(f * lat / 2, 3),
+            scales(f * lat / 32, 4),
+            packed(lat * f / 2, 5),
+            scales(lat * f / 32, 6),
+        ];
+        let b = ExpertBytes::from_parts([&p[0], &p[1], &p[2], &p[3], &p[4], &p[5]]);
+        let want = expert_checksum(&p.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        let mut s = MoeScratch::new(&cfg, 4, &mut Allocate);
+        let n = 3;
+        for (i, x) in s.expert.gathered[..n * lat].iter_mut().enumerate() {
+            *x = (i % 7) as f32 * 0.25 - 0.5;
+        }
+        let sum = s.check.begin(b);
+        expert_products(&Kernels::detect(), &cfg, b, n, &mut s.expert, Meter::new(None), Some(&sum)).unwrap();
+        assert!(sum.fully_fed(), "the products fed every packed and scale byte to the hash");
+        assert_eq!(sum.finish(1).0, want);
+    }
+}

@@ -95,7 +95,7 @@ impl Fns {
     /// Accumulates the whole stripes of `stripes`, `in_block` of the current block's stripes
     /// being done already, scrambling at each block's end; returns the new `in_block`.
     fn consume(self, acc: &mut [u64; 8], mut in_block: usize, stripes: &[u8]) -> usize {
-        debug_assert_eq!(stripes.len() % STRIPE, 0);
+        assert!(stripes.len().is_multiple_of(STRIPE), "whole stripes only, got {} bytes", stripes.len());
         let mut rest = stripes;
         while !rest.is_empty() {
             let n = (STRIPES_PER_BLOCK - in_block).min(rest.len() / STRIPE);

@@ -11,7 +11,7 @@ fn word(bytes: &[u8], i: usize) -> u64 {
 /// Stripe `i` of `stripes` with the secret's bytes `8i..8i + 64`.
 pub(crate) fn accumulate(acc: &mut [u64; 8], stripes: &[u8], secret: &[u8]) {
     let (stripes, rest) = stripes.as_chunks::<STRIPE>();
-    debug_assert!(rest.is_empty());
+    assert!(rest.is_empty(), "whole stripes only");
     for (i, stripe) in stripes.iter().enumerate() {
         let key = &secret[8 * i..8 * i + STRIPE];
         for lane in 0..8 {
