@@ -8,19 +8,11 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kernels::{Isa, Kernels};
 
 // The other benches use the rest of the shared helpers.
 #[allow(dead_code)]
 mod common;
-use common::Lcg;
-
-fn kernels_under_test() -> Kernels {
-    match std::env::var("K3_BENCH_ISA") {
-        Ok(name) => Kernels::with_isa(Isa::from_name(&name).expect("K3_BENCH_ISA: scalar|avx2|avx512")).unwrap(),
-        Err(_) => Kernels::detect(),
-    }
-}
+use common::{kernels_under_test, Lcg};
 
 fn bench_xxh3(c: &mut Criterion) {
     let k = kernels_under_test();

@@ -1,5 +1,16 @@
 //! Shared by the kernel benches.
 
+use kernels::{Isa, Kernels};
+
+/// The host's best kernels, or those of the ISA `K3_BENCH_ISA` names.
+#[allow(dead_code)] // the roofline bench times every ISA instead
+pub fn kernels_under_test() -> Kernels {
+    match std::env::var("K3_BENCH_ISA") {
+        Ok(name) => Kernels::with_isa(Isa::from_name(&name).expect("K3_BENCH_ISA: scalar|avx2|avx512")).unwrap(),
+        Err(_) => Kernels::detect(),
+    }
+}
+
 /// Deterministic filler: normal-range bf16 values or random bytes.
 pub struct Lcg(pub u64);
 
