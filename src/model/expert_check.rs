@@ -142,10 +142,7 @@ impl ProductChecksum<'_> {
     pub fn finish(self, threads: usize) -> (u64, f64) {
         let start = Instant::now();
         let digests = self.parts.iter().zip(self.blocks).flat_map(|(part, blocks)| {
-            (0..part.len().div_ceil(EXPERT_BLOCK)).map(move |i| {
-                let h = lock(&blocks[i]);
-                h.digest.unwrap_or_else(|| xxh3_64(&part[i * EXPERT_BLOCK..((i + 1) * EXPERT_BLOCK).min(part.len())]))
-            })
+            part.chunks(EXPERT_BLOCK).zip(blocks).map(|(bytes, h)| lock(h).digest.unwrap_or_else(|| xxh3_64(bytes)))
         });
         let sum = combine(digests);
         let in_products = self.nanos.load(Ordering::Relaxed) as f64 / 1e9 / threads.max(1) as f64;

@@ -147,6 +147,7 @@ fn last_64(bytes: &[u8]) -> &[u8; STRIPE] {
     }
 }
 
+/// The little-endian u64 at byte `at` of `bytes`.
 fn read64(bytes: &[u8], at: usize) -> u64 {
     let mut word = [0u8; 8];
     word.copy_from_slice(&bytes[at..at + 8]);

@@ -1,11 +1,10 @@
 //! The long-input loops in portable Rust, the definition the SIMD loops are tested against.
 
-use super::{PRIME32_1, STRIPE};
+use super::{read64, PRIME32_1, STRIPE};
 
+/// Little-endian word `i` of `bytes`.
 fn word(bytes: &[u8], i: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&bytes[8 * i..8 * i + 8]);
-    u64::from_le_bytes(w)
+    read64(bytes, 8 * i)
 }
 
 /// Stripe `i` of `stripes` with the secret's bytes `8i..8i + 64`.

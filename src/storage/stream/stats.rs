@@ -45,7 +45,8 @@ pub struct StreamStats {
     /// Of the checks on the compute path, the experts hashed by their own products as they read
     /// them ([`Store::expert_unchecked`](super::Store::expert_unchecked)), and the time the
     /// hashing added to them (in the products, its seconds summed over the threads over the
-    /// thread count; after them, what was left: the scales, and blocks split between threads).
+    /// thread count; after them, the blocks of products that never ran, which is none unless a
+    /// product failed).
     pub experts_verified_in_products: u64,
     pub expert_verify_in_products_seconds: f64,
     /// Expert reads whose bytes failed their checksum (in a wait, on first use or in their
