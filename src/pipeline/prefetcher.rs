@@ -668,3 +668,8 @@ mod tests {
         assert!(at_block_start.admit(0, Victim { key: (2, 0), pending_guess: None }), "layer 2 has had its turn");
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+#[path = "prefetcher_window_tests.rs"]
+mod window_tests;

@@ -141,6 +141,13 @@ impl Trials {
         }
     }
 
+    /// The seconds compute waited for `layer`'s experts in each of its timed windows without
+    /// guesses in this trial.
+    #[cfg(test)]
+    pub(crate) fn waited_without(&self, layer: usize) -> &[f64] {
+        self.layers.get(layer).map_or(&[], |l| &l.waited_without)
+    }
+
     /// `layer`'s window opens (its experts are about to be predicted).
     pub fn window_start(&mut self, layer: usize, now: Mark) {
         let guessing = self.guessing(layer);

@@ -30,6 +30,10 @@ pub mod arena;
 pub mod cache_sim;
 pub mod embed;
 mod expert_checks;
+/// The tiny model copied with its pack, and opened as a streaming pipeline, for tests elsewhere
+/// in the crate.
+#[cfg(test)]
+pub(crate) use expert_checks::tests::{open as open_tiny_pipeline, tiny_copy};
 pub mod expert_pool;
 pub mod layout;
 pub mod pieces;
@@ -546,8 +550,14 @@ impl Store {
         self.check_while_waiting(t);
         let r = self.reads.wait(t);
         drop(stall);
-        let waited_us = self.tracer.now_us() - start;
-        if let Some(l) = layer {
+        self.count_wait(what, self.tracer.now_us() - start);
+        r
+    }
+
+    /// Counts `waited_us` of compute waiting for `what` in its layer's stall, and in the layer's
+    /// expert waits when it waited for experts (the prefetcher's trials read those apart).
+    pub(crate) fn count_wait(&self, what: WaitFor, waited_us: f64) {
+        if let Some(l) = what.layer() {
             let mut stats = lock(&self.stats);
             let l = stats.layer(l);
             l.stall_us += waited_us;
@@ -555,7 +565,6 @@ impl Store {
                 l.expert_stall_us += waited_us;
             }
         }
-        r
     }
 
     /// Seconds compute has waited for `layer`'s experts so far.
