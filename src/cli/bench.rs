@@ -99,7 +99,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub no_verify_experts: bool,
     /// How every cell holds the trunk its budget pins (as `run --trunk-pins`).
-    #[arg(long, value_name = "HOW", value_enum, default_value_t = super::TrunkPins::Units)]
+    #[arg(long, value_name = "HOW", value_enum, default_value_t = super::TrunkPins::Spread)]
     pub trunk_pins: super::TrunkPins,
     /// Expert cache policy of every cell (as `run --policy`).
     #[arg(long, value_name = "NAME", default_value = DEFAULT_POLICY, value_parser = PossibleValuesParser::new(POLICY_NAMES))]

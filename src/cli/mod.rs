@@ -248,10 +248,10 @@ pub struct StorageArgs {
     /// are still pinned (default: whole units or pieces of up to 32 MiB, whichever pins more).
     #[arg(long, value_name = "MB", value_parser = parse_gb)]
     pub piece_mb: Option<f64>,
-    /// Where units stream in pieces: hold the trunk the budget pins as whole units, largest
-    /// first (`units`), or as pieces of every unit spread over the token, every router's first
-    /// (`spread`), so the drive reads the streamed rest while any layer computes.
-    #[arg(long, value_name = "HOW", value_enum, default_value_t = TrunkPins::Units)]
+    /// Where units stream in pieces: hold the trunk the budget pins as pieces of every unit
+    /// spread over the token, every router's first (`spread`, the default), so the drive reads
+    /// the streamed rest while any layer computes, or as whole units, largest first (`units`).
+    #[arg(long, value_name = "HOW", value_enum, default_value_t = TrunkPins::Spread)]
     pub trunk_pins: TrunkPins,
 }
 

@@ -58,7 +58,10 @@ pub struct Row {
     pub budget_bytes: u64,
     pub pinned_units: usize,
     pub streamed_units: usize,
+    /// Trunk bytes held in memory: whole units and pieces of split units.
     pub pinned_bytes: u64,
+    /// Of `pinned_bytes`, pieces of split units (spread over the token, `--trunk-pins spread`).
+    pub pinned_piece_bytes: u64,
     /// Trunk bytes read per generated token: a step's, shared by its sequences.
     pub trunk_read_bytes_per_token: u64,
     /// Sequences the budget holds (at most `--max-batch`); each step makes a token for each.
@@ -196,7 +199,8 @@ fn row(cfg: &Config, plan: &Plan, experts: usize, rates: &[f64]) -> Row {
         budget_bytes: plan.budget_bytes,
         pinned_units: plan.pinned.len(),
         streamed_units: plan.streamed.len(),
-        pinned_bytes: plan.pinned_bytes,
+        pinned_bytes: plan.pinned_bytes + plan.pinned_piece_bytes,
+        pinned_piece_bytes: plan.pinned_piece_bytes,
         trunk_read_bytes_per_token: trunk_read,
         sequences: plan.sequences,
         expert_slots: plan.expert_slots,
@@ -275,13 +279,18 @@ fn print(t: &Table) {
     for r in &t.rows {
         let times: Vec<String> = r.read_seconds_per_token.iter().map(|s| format!("{s:.2}")).collect();
         println!(
-            "| {} | {} | {} | {} ({} of {} units) | {} | {} ({}) | {:.1}% | {} | {} | {} |",
+            "| {} | {} | {} | {} ({} of {} units{}) | {} | {} ({}) | {:.1}% | {} | {} | {} |",
             fmt_gb(r.budget_bytes),
             r.sequences,
             if r.drafting { "on" } else { "off" },
             fmt_gb(r.pinned_bytes),
             r.pinned_units,
             r.pinned_units + r.streamed_units,
+            if r.pinned_piece_bytes > 0 {
+                format!(" whole, {} in pieces", fmt_gb(r.pinned_piece_bytes))
+            } else {
+                String::new()
+            },
             fmt_gb(r.trunk_read_bytes_per_token),
             fmt_gb(r.expert_pool_bytes),
             r.expert_slots,

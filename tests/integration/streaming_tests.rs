@@ -75,7 +75,8 @@ fn streamed_output_is_bit_identical_at_every_budget() {
         assert!(same(&g, &base), "budget {budget}: output differs from the resident run ({})", plan.describe());
         assert!(plan.planned_bytes <= budget);
         assert_eq!(stats.trunk_streamed_units, plan.streamed.len());
-        pinned_counts.push(plan.pinned.len());
+        // Whole units and, with spread pins (the default), bytes of pieces pinned.
+        pinned_counts.push((plan.pinned.len(), plan.pinned_piece_bytes));
         // Experts checked on the compute path are hashed by their products (those a wait began
         // are finished apart), to the checksum of the pack: a wrong sum would heal by reading
         // again, keeping the output, so no read may have been judged damaged.
@@ -85,8 +86,9 @@ fn streamed_output_is_bit_identical_at_every_budget() {
     assert!(hashed_by_products > 0, "no expert was hashed by its products");
     pinned_counts.dedup();
     assert!(pinned_counts.len() >= 3, "budgets should span streamed to pinned: {pinned_counts:?}");
-    assert_eq!(pinned_counts.first(), Some(&0), "the minimum budget streams every unit");
-    assert_eq!(*pinned_counts.last().unwrap(), 14, "a large budget pins every unit");
+    assert_eq!(pinned_counts.first(), Some(&(0, 0)), "the minimum budget streams every unit");
+    assert!(pinned_counts.iter().any(|&(_, pieces)| pieces > 0), "no budget pinned pieces: {pinned_counts:?}");
+    assert_eq!(*pinned_counts.last().unwrap(), (14, 0), "a large budget pins every unit");
 }
 
 #[test]

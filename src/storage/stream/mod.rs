@@ -108,7 +108,7 @@ impl Default for StoreOptions {
             numa_node: None,
             policy: policy::DEFAULT_POLICY.to_owned(),
             piece_bytes: None,
-            spread_pins: false,
+            spread_pins: true,
         }
     }
 }
