@@ -76,3 +76,4 @@ pub use mxfp4::{mxfp4_value, Avx2Mxfp4};
 /// Rows per block of the parallel products: callers that hand the weights over in row blocks
 /// use multiples of it so that a block splits over threads as the whole product does.
 pub use par::ROWS_PER_BLOCK;
+pub use par::{while_blocked, with_workers_awake};

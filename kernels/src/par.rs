@@ -1,11 +1,13 @@
-//! Row-block splitting for the matmuls, serial and on the current rayon pool.
+//! Row-block splitting for the matmuls, serial and on the current rayon pool, and the pool's
+//! workers kept awake through a forward step ([`with_workers_awake`]).
 //!
 //! Threads split output ROWS in fixed blocks of [`ROWS_PER_BLOCK`]; a row's value is computed
 //! entirely by one thread with the same code as the serial path, so results never depend on the
 //! thread count. Splitting is a `rayon::join` recursion at block-aligned midpoints, which
 //! allocates nothing.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::error::KernelError;
 use crate::out::RowsOut;
@@ -95,4 +97,228 @@ where
         rest = tail;
     }
     result
+}
+
+/// Runs `f` on the current thread while every other worker of the current rayon pool waits for
+/// work awake: spinning (and yielding its core to any other runnable thread) instead of
+/// sleeping. A rayon worker that finds no work falls asleep within about 20 us and takes 15-45
+/// us to wake (a VM's inter-processor interrupt), which every parallel product started after a
+/// serial stretch (norms, router, attention) paid: on an Intel Xeon VM (Emerald Rapids, 2 vCPUs)
+/// a `rayon::join` of two halves lost 30-90 us of wall time after a gap of 20 us or more, and
+/// 1-3 us with the workers kept awake (docs/BENCHMARKS.md, "Workers kept awake through a step").
+/// They nap between looks while the step waits for the device ([`while_blocked`]) or has had
+/// no work for them for a while ([`NAP_AFTER`]). Scheduling only: which thread runs a block never changes its bits. Outside a pool, or in a
+/// pool of one thread, `f` just runs.
+pub fn with_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    with_keepers(&Keepers::default(), |_| f())
+}
+
+/// The workers [`with_workers_awake`] keeps: set to stop, how many are awake now, how many
+/// naps they took, and how long they look for work before napping.
+struct Keepers {
+    stop: AtomicBool,
+    awake: AtomicUsize,
+    naps: AtomicUsize,
+    nap_after: Duration,
+}
+
+impl Default for Keepers {
+    fn default() -> Keepers {
+        Keepers {
+            stop: AtomicBool::new(false),
+            awake: AtomicUsize::new(0),
+            naps: AtomicUsize::new(0),
+            nap_after: NAP_AFTER,
+        }
+    }
+}
+
+fn with_keepers<R: Send>(keepers: &Keepers, f: impl FnOnce(&Keepers) -> R + Send) -> R {
+    match rayon::current_thread_index() {
+        Some(owner) => nest_keepers(rayon::current_num_threads().saturating_sub(1), keepers, owner, f),
+        None => f(keepers),
+    }
+}
+
+/// `n` nested joins, each offering one [`keep_awake`] job for another worker to steal; the
+/// innermost runs `f` (on the calling thread: inside a worker, a join's first closure runs
+/// where it is called) and then stops them, also when `f` panics.
+fn nest_keepers<R: Send>(n: usize, keepers: &Keepers, owner: usize, f: impl FnOnce(&Keepers) -> R + Send) -> R {
+    if n == 0 {
+        let _stop = StopOnDrop(&keepers.stop);
+        return f(keepers);
+    }
+    rayon::join(|| nest_keepers(n - 1, keepers, owner, f), || keep_awake(keepers, owner)).0
+}
+
+/// Sets the flag when dropped: the keepers stop however `f` ends.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// How long a keeper looks for work without finding any before it naps between looks: longer
+/// than the serial stretches between a step's products (attention and the recurrence run up
+/// to about a millisecond a layer). Napping after 200 us gave back part of the resident gain
+/// (docs/BENCHMARKS.md, "Workers kept awake through a step").
+const NAP_AFTER: Duration = Duration::from_millis(1);
+
+/// A nap between looks: the first product after it starts within about one nap (plus the
+/// timer's slack), as a sleeping worker's would.
+const NAP: Duration = Duration::from_micros(20);
+
+/// Threads inside [`while_blocked`] now. Keepers nap while there are any: a keeper spinning
+/// through the step's waits for the device took the core from the threads that a modeled drive
+/// copies on (`--io sim`), and those cells ran 3-8% slower. Global, not per pool: a wait in
+/// one engine only makes another engine's keepers nap, which changes no result.
+static BLOCKED: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f`, which blocks (a wait for the device), with the keepers of
+/// [`with_workers_awake`] napping meanwhile instead of spinning.
+pub fn while_blocked<R>(f: impl FnOnce() -> R) -> R {
+    BLOCKED.fetch_add(1, Ordering::Relaxed);
+    let _unblock = Unblock;
+    f()
+}
+
+/// Leaves [`while_blocked`]'s count however `f` ends.
+struct Unblock;
+
+impl Drop for Unblock {
+    fn drop(&mut self) {
+        BLOCKED.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Until told to stop: runs any job the pool has, else yields the core and looks again; naps
+/// between looks instead while some thread is [`while_blocked`] or once idle past the
+/// keepers' `nap_after`. The calling worker itself returns at once if it pops its own keeper
+/// (nothing to keep awake).
+fn keep_awake(keepers: &Keepers, owner: usize) {
+    if rayon::current_thread_index() == Some(owner) {
+        return;
+    }
+    keepers.awake.fetch_add(1, Ordering::Relaxed);
+    let mut idle_since = Instant::now();
+    while !keepers.stop.load(Ordering::Acquire) {
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            idle_since = Instant::now();
+        } else if BLOCKED.load(Ordering::Relaxed) == 0 && idle_since.elapsed() < keepers.nap_after {
+            std::thread::yield_now();
+        } else {
+            keepers.naps.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(NAP);
+        }
+    }
+    keepers.awake.fetch_sub(1, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+#[allow(clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("test pool")
+    }
+
+    /// Waits (a liveness bound, not a timing) until `done`, false after 20 s.
+    fn eventually(done: impl Fn() -> bool) -> bool {
+        let start = Instant::now();
+        while !done() {
+            if start.elapsed() > Duration::from_secs(20) {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
+    }
+
+    #[test]
+    fn every_other_worker_stays_awake_until_f_returns() {
+        for threads in [2, 3, 4] {
+            let keepers = Keepers::default();
+            let seen = AtomicUsize::new(0);
+            let (awake_during, value) = pool(threads).install(|| {
+                with_keepers(&keepers, |k| {
+                    assert!(eventually(|| k.awake.load(Ordering::Relaxed) == threads - 1), "{threads} threads");
+                    // Work offered meanwhile is still taken: both halves run.
+                    rayon::join(|| seen.fetch_add(1, Ordering::Relaxed), || seen.fetch_add(1, Ordering::Relaxed));
+                    (k.awake.load(Ordering::Relaxed), 7)
+                })
+            });
+            assert_eq!((awake_during, value, seen.into_inner()), (threads - 1, 7, 2), "{threads} threads");
+            assert_eq!(keepers.awake.into_inner(), 0, "every keeper has returned: {threads} threads");
+        }
+    }
+
+    #[test]
+    fn a_napping_keeper_still_takes_work() {
+        let keepers = Keepers::default();
+        let (b_started, a_saw_b) = (AtomicBool::new(false), AtomicBool::new(false));
+        pool(2).install(|| {
+            with_keepers(&keepers, |k| {
+                assert!(eventually(|| k.awake.load(Ordering::Relaxed) == 1));
+                // Idle past NAP_AFTER: the keeper naps between looks.
+                std::thread::sleep(NAP_AFTER * 10);
+                // The second half can only run on the keeper while the first waits for it.
+                rayon::join(
+                    || a_saw_b.store(eventually(|| b_started.load(Ordering::Acquire)), Ordering::Relaxed),
+                    || b_started.store(true, Ordering::Release),
+                );
+            })
+        });
+        assert!(a_saw_b.into_inner(), "the napping keeper took the job");
+        assert_eq!(keepers.awake.into_inner(), 0);
+    }
+
+    #[test]
+    fn keepers_nap_while_the_step_is_blocked_and_look_again_after() {
+        // Never idle long enough to nap on their own: only a blocked thread makes them.
+        let keepers = Keepers { nap_after: Duration::from_secs(3600), ..Keepers::default() };
+        let (b_started, a_saw_b) = (AtomicBool::new(false), AtomicBool::new(false));
+        let napped = pool(2).install(|| {
+            with_keepers(&keepers, |k| {
+                assert!(eventually(|| k.awake.load(Ordering::Relaxed) == 1));
+                let napped = while_blocked(|| eventually(|| k.naps.load(Ordering::Relaxed) > 0));
+                rayon::join(
+                    || a_saw_b.store(eventually(|| b_started.load(Ordering::Acquire)), Ordering::Relaxed),
+                    || b_started.store(true, Ordering::Release),
+                );
+                napped
+            })
+        });
+        assert!(napped, "the keeper napped while the step was blocked");
+        assert!(a_saw_b.into_inner(), "and took work after");
+    }
+
+    #[test]
+    fn a_panic_stops_the_keepers_and_reaches_the_caller() {
+        let p = pool(2);
+        let keepers = Keepers::default();
+        let was_awake = AtomicBool::new(false);
+        let caught = p.install(|| {
+            std::panic::catch_unwind(|| {
+                with_keepers(&keepers, |k| {
+                    was_awake.store(eventually(|| k.awake.load(Ordering::Relaxed) == 1), Ordering::Relaxed);
+                    panic!("inside the step")
+                })
+            })
+        });
+        assert!(caught.is_err());
+        assert!(was_awake.into_inner(), "the other worker was kept awake");
+        assert_eq!(keepers.awake.into_inner(), 0);
+        assert_eq!(p.install(|| with_workers_awake(|| 7)), 7, "the pool still works after a panic");
+    }
+
+    #[test]
+    fn outside_a_pool_or_alone_f_just_runs() {
+        let keepers = Keepers::default();
+        assert_eq!(with_keepers(&keepers, |k| k.awake.load(Ordering::Relaxed)), 0);
+        assert_eq!(pool(1).install(|| with_keepers(&keepers, |k| k.awake.load(Ordering::Relaxed))), 0);
+        assert_eq!(with_workers_awake(|| 5), 5);
+    }
 }

@@ -263,8 +263,28 @@ impl Model {
     /// over all rows; only the attention's recurrence and cache are per sequence, so a row's
     /// result is the one it has in a solo run. Advances each segment's state by its row count.
     /// Logits of the rows `logit_rows` go to `logits` ([logit_rows.len(), V]).
+    /// The pool's other workers stay awake through the step, so that no parallel product waits
+    /// for one to wake ([`kernels::with_workers_awake`]).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_batch<S: WeightSource>(
+        &self,
+        src: &S,
+        hook: &dyn LayerHook,
+        states: &mut [ModelState],
+        segments: &[Segment],
+        sc: &mut Scratch,
+        tokens: &[u32],
+        logit_rows: &[usize],
+        logits: &mut [f32],
+        probe: Option<&mut (dyn Probe + '_)>,
+    ) -> Result<(), ModelError> {
+        kernels::with_workers_awake(|| {
+            self.step_awake(src, hook, states, segments, sc, tokens, logit_rows, logits, probe)
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn step_awake<S: WeightSource>(
         &self,
         src: &S,
         hook: &dyn LayerHook,

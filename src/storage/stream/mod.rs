@@ -548,7 +548,7 @@ impl Store {
         let start = self.tracer.now_us();
         let stall = self.tracer.span_args(SpanKind::Wait, args);
         self.check_while_waiting(t);
-        let r = self.reads.wait(t);
+        let r = kernels::while_blocked(|| self.reads.wait(t));
         drop(stall);
         self.count_wait(what, self.tracer.now_us() - start);
         r
