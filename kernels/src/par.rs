@@ -6,6 +6,7 @@
 //! thread count. Splitting is a `rayon::join` recursion at block-aligned midpoints, which
 //! allocates nothing.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -101,46 +102,79 @@ where
 
 /// Runs `f` on the current thread while every other worker of the current rayon pool waits for
 /// work awake: spinning (and yielding its core to any other runnable thread) instead of
-/// sleeping. A rayon worker that finds no work falls asleep within about 20 us and takes 15-45
+/// sleeping. A rayon worker that finds no work falls asleep within about 20 us and takes 15-50
 /// us to wake (a VM's inter-processor interrupt), which every parallel product started after a
 /// serial stretch (norms, router, attention) paid: on an Intel Xeon VM (Emerald Rapids, 2 vCPUs)
 /// a `rayon::join` of two halves lost 30-90 us of wall time after a gap of 20 us or more, and
 /// 1-3 us with the workers kept awake (docs/BENCHMARKS.md, "Workers kept awake through a step").
 /// They nap between looks while the step waits for the device ([`while_blocked`]) or has had
-/// no work for them for a while ([`NAP_AFTER`]). Scheduling only: which thread runs a block never changes its bits. Outside a pool, or in a
-/// pool of one thread, `f` just runs.
+/// no work for them for a while ([`NAP_AFTER`]). Scheduling only: which thread runs a block
+/// never changes its bits. Outside a pool, in a pool of one thread, or while another step of
+/// the process keeps workers, `f` just runs.
 pub fn with_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    // One step with keepers at a time: two on one pool could each end up running the other's
+    // keeper beneath its own step (a worker waiting for a product runs any pending job) and
+    // wait for the other's end forever. Per process, as rayon names no pool: a second engine's
+    // steps meanwhile only run without keepers.
+    if STEP_KEEPING.swap(true, Ordering::Acquire) {
+        return f();
+    }
+    let _done = ClearOnDrop(&STEP_KEEPING);
     with_keepers(&Keepers::default(), |_| f())
 }
 
-/// The workers [`with_workers_awake`] keeps: set to stop, how many are awake now, how many
-/// naps they took, and how long they look for work before napping.
+/// Whether some step of the process runs [`with_workers_awake`]'s keepers now.
+static STEP_KEEPING: AtomicBool = AtomicBool::new(false);
+
+/// Clears the flag when dropped, however the step ends.
+struct ClearOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for ClearOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// The workers [`with_workers_awake`] keeps: set to stop, how many keepers it offers and how
+/// many are awake now, which workers keep (bit `i` for worker `i < 64`), how many naps they
+/// took, how long they look for work before napping, and how long a started keeper waits for
+/// the others ([`GATHER`]).
 struct Keepers {
     stop: AtomicBool,
+    wanted: AtomicUsize,
     awake: AtomicUsize,
+    workers: AtomicU64,
     naps: AtomicUsize,
     nap_after: Duration,
+    gather: Duration,
 }
 
 impl Default for Keepers {
     fn default() -> Keepers {
         Keepers {
             stop: AtomicBool::new(false),
+            wanted: AtomicUsize::new(0),
             awake: AtomicUsize::new(0),
+            workers: AtomicU64::new(0),
             naps: AtomicUsize::new(0),
             nap_after: NAP_AFTER,
+            gather: GATHER,
         }
     }
 }
 
 fn with_keepers<R: Send>(keepers: &Keepers, f: impl FnOnce(&Keepers) -> R + Send) -> R {
     match rayon::current_thread_index() {
-        Some(owner) => nest_keepers(rayon::current_num_threads().saturating_sub(1), keepers, owner, f),
+        Some(owner) => {
+            let n = rayon::current_num_threads().saturating_sub(1);
+            keepers.wanted.store(n, Ordering::Relaxed);
+            nest_keepers(n, keepers, owner, f)
+        }
         None => f(keepers),
     }
 }
 
-/// `n` nested joins, each offering one [`keep_awake`] job for another worker to steal; the
+/// `n` nested joins, each offering one [`keep_awake`] job for another worker to take; the
 /// innermost runs `f` (on the calling thread: inside a worker, a join's first closure runs
 /// where it is called) and then stops them, also when `f` panics.
 fn nest_keepers<R: Send>(n: usize, keepers: &Keepers, owner: usize, f: impl FnOnce(&Keepers) -> R + Send) -> R {
@@ -193,15 +227,39 @@ impl Drop for Unblock {
     }
 }
 
+/// How long a keeper that has started waits for the others to start before it looks for work:
+/// a keeper looking for work would run the next keeper itself (nested, one thread for two)
+/// before a sleeping worker woke to take it.
+const GATHER: Duration = Duration::from_micros(200);
+
+thread_local! {
+    /// Whether this thread runs a keeper now.
+    static KEEPING: Cell<bool> = const { Cell::new(false) };
+}
+
 /// Until told to stop: runs any job the pool has, else yields the core and looks again; naps
 /// between looks instead while some thread is [`while_blocked`] or once idle past the
-/// keepers' `nap_after`. The calling worker itself returns at once if it pops its own keeper
-/// (nothing to keep awake).
+/// keepers' `nap_after`. Returns at once on the calling worker itself, if it pops its own
+/// keeper while it waits for a product, and on a worker that keeps already: such a keeper is
+/// lost for the rest of the step (a worker kept asleep), nothing worse.
 fn keep_awake(keepers: &Keepers, owner: usize) {
-    if rayon::current_thread_index() == Some(owner) {
+    let index = rayon::current_thread_index();
+    if index == Some(owner) || KEEPING.get() {
         return;
     }
+    KEEPING.set(true);
+    let _keeping = NotKeeping;
     keepers.awake.fetch_add(1, Ordering::Relaxed);
+    if let Some(bit) = index.and_then(|i| 1u64.checked_shl(u32::try_from(i).unwrap_or(u32::MAX))) {
+        keepers.workers.fetch_or(bit, Ordering::Relaxed);
+    }
+    let start = Instant::now();
+    while keepers.awake.load(Ordering::Relaxed) < keepers.wanted.load(Ordering::Relaxed)
+        && !keepers.stop.load(Ordering::Acquire)
+        && start.elapsed() < keepers.gather
+    {
+        std::thread::yield_now();
+    }
     let mut idle_since = Instant::now();
     while !keepers.stop.load(Ordering::Acquire) {
         if rayon::yield_now() == Some(rayon::Yield::Executed) {
@@ -214,6 +272,15 @@ fn keep_awake(keepers: &Keepers, owner: usize) {
         }
     }
     keepers.awake.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Clears this thread's [`KEEPING`] when its keeper ends.
+struct NotKeeping;
+
+impl Drop for NotKeeping {
+    fn drop(&mut self) {
+        KEEPING.set(false);
+    }
 }
 
 #[cfg(test)]
@@ -240,17 +307,22 @@ mod tests {
     #[test]
     fn every_other_worker_stays_awake_until_f_returns() {
         for threads in [2, 3, 4] {
-            let keepers = Keepers::default();
+            // Waiting as long as it takes for the others (a loaded machine may start a worker
+            // later than GATHER allows).
+            let keepers = Keepers { gather: Duration::from_secs(20), ..Keepers::default() };
             let seen = AtomicUsize::new(0);
-            let (awake_during, value) = pool(threads).install(|| {
+            let (awake_during, workers, owner, value) = pool(threads).install(|| {
                 with_keepers(&keepers, |k| {
                     assert!(eventually(|| k.awake.load(Ordering::Relaxed) == threads - 1), "{threads} threads");
                     // Work offered meanwhile is still taken: both halves run.
                     rayon::join(|| seen.fetch_add(1, Ordering::Relaxed), || seen.fetch_add(1, Ordering::Relaxed));
-                    (k.awake.load(Ordering::Relaxed), 7)
+                    let owner = rayon::current_thread_index().expect("in the pool");
+                    (k.awake.load(Ordering::Relaxed), k.workers.load(Ordering::Relaxed), owner, 7)
                 })
             });
             assert_eq!((awake_during, value, seen.into_inner()), (threads - 1, 7, 2), "{threads} threads");
+            // One keeper on each worker but the caller's, not several nested on one.
+            assert_eq!(workers, ((1u64 << threads) - 1) & !(1 << owner), "{threads} threads");
             assert_eq!(keepers.awake.into_inner(), 0, "every keeper has returned: {threads} threads");
         }
     }
@@ -264,6 +336,7 @@ mod tests {
                 assert!(eventually(|| k.awake.load(Ordering::Relaxed) == 1));
                 // Idle past NAP_AFTER: the keeper naps between looks.
                 std::thread::sleep(NAP_AFTER * 10);
+                assert!(k.naps.load(Ordering::Relaxed) > 0 && k.awake.load(Ordering::Relaxed) == 1);
                 // The second half can only run on the keeper while the first waits for it.
                 rayon::join(
                     || a_saw_b.store(eventually(|| b_started.load(Ordering::Acquire)), Ordering::Relaxed),
@@ -312,6 +385,50 @@ mod tests {
         assert!(was_awake.into_inner(), "the other worker was kept awake");
         assert_eq!(keepers.awake.into_inner(), 0);
         assert_eq!(p.install(|| with_workers_awake(|| 7)), 7, "the pool still works after a panic");
+    }
+
+    #[test]
+    fn the_caller_running_its_own_keeper_returns_at_once() {
+        let keepers = Keepers::default();
+        let returned_before_stop = pool(2).install(|| {
+            let owner = rayon::current_thread_index().expect("in the pool");
+            let returned = AtomicBool::new(false);
+            std::thread::scope(|scope| {
+                // Ends a keeper that wrongly kept the caller, so that the test fails, not hangs.
+                scope.spawn(|| {
+                    if !eventually(|| returned.load(Ordering::Acquire)) {
+                        keepers.stop.store(true, Ordering::Release);
+                    }
+                });
+                keep_awake(&keepers, owner);
+                let before = !keepers.stop.load(Ordering::Acquire);
+                returned.store(true, Ordering::Release);
+                before
+            })
+        });
+        assert!(returned_before_stop && keepers.workers.into_inner() == 0);
+    }
+
+    #[test]
+    fn steps_at_once_on_one_pool_all_end() {
+        let p = pool(2);
+        let done = AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for _ in 0..50 {
+                        let sum = p.install(|| {
+                            with_workers_awake(|| {
+                                let (a, b) = rayon::join(|| 1, || 2);
+                                a + b
+                            })
+                        });
+                        done.fetch_add(sum, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        assert_eq!(done.into_inner(), 4 * 50 * 3);
     }
 
     #[test]
