@@ -3,12 +3,13 @@
 //! as GFLOP/s over the FMA peak (independent `vfmadd` chains on every thread).
 //!
 //! `cargo bench -p k3ring-kernels --bench roofline [-- --threads N --repeats N --isa NAME
-//! --only bf16|mxfp4 --tokens 1,2,... --hot --avx2-mxfp4 ymm|xmm]` (`--only` restricts the
+//! --only bf16|mxfp4 --tokens 1,2,... --hot --avx2-mxfp4 ymm|xmm --avx512-many tiles|passes]` (`--only` restricts the
 //! kernel rows and `--tokens` sets their token counts, any of them; the limits are always
 //! measured; `--hot` adds rows of an MXFP4 256x3584 and a bf16 128x2048 matrix that stay in L2,
 //! 100 products per timing: the kernels' rate when memory is not the limit, on one thread (the
 //! bf16 one has only two 64-row blocks, so its multi-thread rows mostly show fork and join);
-//! `--avx2-mxfp4` runs that AVX2 one-token MXFP4 kernel instead of this CPU's choice).
+//! `--avx2-mxfp4` runs that AVX2 one-token MXFP4 kernel instead of this CPU's choice,
+//! `--avx512-many` that AVX-512 loop for 8 tokens and more).
 //!
 //! Every number is the median of `--repeats` timings (default 9); the triad and the FMA peak are
 //! measured before and after the kernels and the better of the two medians is the limit, so a
@@ -21,7 +22,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use kernels::{Avx2Mxfp4, Isa, Kernels};
+use kernels::{Avx2Mxfp4, Avx512Many, Isa, Kernels};
 
 mod common;
 use common::Lcg;
@@ -38,11 +39,21 @@ struct Options {
     hot: bool,
     /// `--avx2-mxfp4 ymm|xmm`: the AVX2 one-token MXFP4 kernel instead of this CPU's choice.
     avx2_mxfp4: Option<Avx2Mxfp4>,
+    /// `--avx512-many tiles|passes`: the AVX-512 many-token loop instead of this CPU's choice.
+    avx512_many: Option<Avx512Many>,
 }
 
 fn options() -> Options {
-    let mut o =
-        Options { threads: 2, repeats: 9, isa: Isa::best(), only: None, tokens: None, hot: false, avx2_mxfp4: None };
+    let mut o = Options {
+        threads: 2,
+        repeats: 9,
+        isa: Isa::best(),
+        only: None,
+        tokens: None,
+        hot: false,
+        avx2_mxfp4: None,
+        avx512_many: None,
+    };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
@@ -58,6 +69,9 @@ fn options() -> Options {
                         .find(|v| value.is_some_and(|s| s == v.name()))
                         .expect("--avx2-mxfp4 ymm|xmm"),
                 )
+            }
+            "--avx512-many" => {
+                o.avx512_many = Some(value.and_then(|v| Avx512Many::from_name(v)).expect("--avx512-many tiles|passes"))
             }
             "--only" => {
                 o.only = Some(value.filter(|v| *v == "bf16" || *v == "mxfp4").expect("--only bf16|mxfp4").clone())
@@ -231,6 +245,9 @@ fn main() {
     if let Some(v) = o.avx2_mxfp4 {
         k = k.with_avx2_mxfp4(v);
     }
+    if let Some(v) = o.avx512_many {
+        k = k.with_avx512_many(v);
+    }
     let pool = rayon::ThreadPoolBuilder::new().num_threads(o.threads).build().unwrap();
     let single = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     eprintln!("measuring limits, then kernels ({} repeats, isa {}, {} threads)...", o.repeats, k.isa(), o.threads);
@@ -253,6 +270,9 @@ fn main() {
     let peak = [peak_before[0].max(peak_after[0]), peak_before[1].max(peak_after[1])];
     if let Some(v) = k.avx2_mxfp4() {
         println!("avx2 one-token mxfp4 kernel: {}", v.name());
+    }
+    if let Some(v) = k.avx512_many() {
+        println!("avx-512 many-token loop: {}", v.name());
     }
     println!("isa {}  triad GB/s: 1 thread {:.1}, {} threads {:.1}", k.isa(), bw[0], o.threads, bw[1]);
     let width = if zmm { "zmm" } else { "ymm" };

@@ -106,12 +106,8 @@ pub(crate) fn splits_256_bit_operations() -> bool {
     #[allow(unused_unsafe)]
     // SAFETY: every x86-64 CPU has CPUID (leaf 0, and leaf 1 whenever leaf 0 reports it).
     let cpuid = |leaf: u32| -> CpuidResult { unsafe { __cpuid(leaf) } };
-    let vendor = cpuid(0);
-    let mut name = [0u8; 12];
-    for (i, r) in [vendor.ebx, vendor.edx, vendor.ecx].into_iter().enumerate() {
-        name[4 * i..4 * i + 4].copy_from_slice(&r.to_le_bytes());
-    }
-    if vendor.eax < 1 {
+    let name = cpu_vendor();
+    if cpuid(0).eax < 1 {
         return false;
     }
     let (family, model) = family_model(cpuid(1).eax);
@@ -125,6 +121,66 @@ pub(crate) fn splits_256_bit_operations() -> bool {
 #[cfg(not(target_arch = "x86_64"))]
 pub(crate) fn splits_256_bit_operations() -> bool {
     false
+}
+
+/// How the AVX-512 bf16 and MXFP4 products run many tokens at once; both give the same bits
+/// (the twin tests run both on every AVX-512 host).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Avx512Many {
+    /// Passes of a few tokens over every 4 rows, the weights widened or decoded in registers
+    /// once per pass: 0.85-0.92 of the FMA peak at 16 tokens on a Zen 4 host, whose zmm FMAs
+    /// issue one a cycle.
+    Passes,
+    /// Tiles of 8 rows decoded once into L1 for up to 16 tokens (bf16 from 5 tokens, MXFP4 from
+    /// 10): on an Intel core, whose two zmm FMA ports also run the widening shifts and
+    /// shuffles, bf16 at 1.3x and MXFP4 at 1.1x the passes at 16 tokens (docs/BENCHMARKS.md,
+    /// "Tiles for many tokens on AVX-512").
+    Tiles,
+}
+
+impl Avx512Many {
+    /// [`Avx512Many::Tiles`] on Intel CPUs, where they were measured faster, else
+    /// [`Avx512Many::Passes`].
+    pub fn for_this_cpu() -> Avx512Many {
+        if cpu_vendor() == *b"GenuineIntel" {
+            Avx512Many::Tiles
+        } else {
+            Avx512Many::Passes
+        }
+    }
+
+    /// `"passes"` or `"tiles"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Avx512Many::Passes => "passes",
+            Avx512Many::Tiles => "tiles",
+        }
+    }
+
+    /// The variant named `name` (as [`Avx512Many::name`] gives it).
+    pub fn from_name(name: &str) -> Option<Avx512Many> {
+        [Avx512Many::Passes, Avx512Many::Tiles].into_iter().find(|v| v.name() == name)
+    }
+}
+
+/// CPUID's 12-byte vendor string ("GenuineIntel", "AuthenticAMD", ...).
+#[cfg(target_arch = "x86_64")]
+fn cpu_vendor() -> [u8; 12] {
+    use std::arch::x86_64::__cpuid;
+    // `__cpuid` is a safe function from Rust 1.94; the workspace's rust-version is older.
+    #[allow(unused_unsafe)]
+    // SAFETY: every x86-64 CPU has CPUID leaf 0.
+    let vendor = unsafe { __cpuid(0) };
+    let mut name = [0u8; 12];
+    for (i, r) in [vendor.ebx, vendor.edx, vendor.ecx].into_iter().enumerate() {
+        name[4 * i..4 * i + 4].copy_from_slice(&r.to_le_bytes());
+    }
+    name
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn cpu_vendor() -> [u8; 12] {
+    [0; 12]
 }
 
 /// (display family, display model) from CPUID leaf 1's EAX, as the vendors define them.

@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::atomic::AtomicU64;
 
 use crate::error::KernelError;
-use crate::isa::Isa;
+use crate::isa::{Avx512Many, Isa};
 use crate::mxfp4::Avx2Mxfp4;
 use crate::{bf16, dot, hash, kda, math, mxfp4, softmax, vector};
 
@@ -18,6 +18,7 @@ use crate::{bf16, dot, hash, kda, math, mxfp4, softmax, vector};
 pub struct Kernels {
     isa: Isa,
     avx2_mxfp4: Avx2Mxfp4,
+    avx512_many: Avx512Many,
     dot: dot::Fns,
     bf16: bf16::Fns,
     mxfp4: mxfp4::Fns,
@@ -30,7 +31,11 @@ pub struct Kernels {
 
 impl fmt::Debug for Kernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Kernels").field("isa", &self.isa).field("avx2_mxfp4", &self.avx2_mxfp4).finish_non_exhaustive()
+        f.debug_struct("Kernels")
+            .field("isa", &self.isa)
+            .field("avx2_mxfp4", &self.avx2_mxfp4)
+            .field("avx512_many", &self.avx512_many)
+            .finish_non_exhaustive()
     }
 }
 
@@ -58,12 +63,14 @@ impl Kernels {
         // to be available.
         unsafe {
             let avx2_mxfp4 = Avx2Mxfp4::for_this_cpu();
+            let avx512_many = Avx512Many::for_this_cpu();
             Kernels {
                 isa,
                 avx2_mxfp4,
+                avx512_many,
                 dot: dot::Fns::for_isa(isa),
-                bf16: bf16::Fns::for_isa(isa),
-                mxfp4: mxfp4::Fns::for_isa(isa, avx2_mxfp4),
+                bf16: bf16::Fns::for_isa(isa, avx512_many),
+                mxfp4: mxfp4::Fns::for_isa(isa, avx2_mxfp4, avx512_many),
                 math: math::Fns::for_isa(isa),
                 vector: vector::Fns::for_isa(isa),
                 softmax: softmax::Fns::for_isa(isa),
@@ -84,8 +91,24 @@ impl Kernels {
     #[must_use]
     pub fn with_avx2_mxfp4(self, v: Avx2Mxfp4) -> Kernels {
         // SAFETY: `self` was built for `self.isa`, so that ISA is available.
-        let mxfp4 = unsafe { mxfp4::Fns::for_isa(self.isa, v) };
+        let mxfp4 = unsafe { mxfp4::Fns::for_isa(self.isa, v, self.avx512_many) };
         Kernels { avx2_mxfp4: v, mxfp4, ..self }
+    }
+
+    /// These kernels with `v` as the many-token loop of the [`Isa::Avx512`] bf16 and MXFP4
+    /// products (built with [`Avx512Many::for_this_cpu`]); the same bits, only the speed
+    /// differs. Other ISAs do not use it.
+    #[must_use]
+    pub fn with_avx512_many(self, v: Avx512Many) -> Kernels {
+        // SAFETY: `self` was built for `self.isa`, so that ISA is available.
+        let (bf16, mxfp4) =
+            unsafe { (bf16::Fns::for_isa(self.isa, v), mxfp4::Fns::for_isa(self.isa, self.avx2_mxfp4, v)) };
+        Kernels { avx512_many: v, bf16, mxfp4, ..self }
+    }
+
+    /// The many-token loop in use: `Some` on [`Isa::Avx512`], `None` on other ISAs.
+    pub fn avx512_many(&self) -> Option<Avx512Many> {
+        (self.isa == Isa::Avx512).then_some(self.avx512_many)
     }
 
     /// The one-token MXFP4 kernel in use: `Some` on [`Isa::Avx2`], `None` on other ISAs (each has

@@ -66,11 +66,13 @@ mod peak;
 pub mod softmax;
 #[cfg(target_arch = "x86_64")]
 mod tiled;
+#[cfg(target_arch = "x86_64")]
+mod tiles512;
 pub mod vector;
 
 pub use bf16::bf16_to_f32;
 pub use error::KernelError;
-pub use isa::Isa;
+pub use isa::{Avx512Many, Isa};
 pub use kernels::Kernels;
 pub use mxfp4::{mxfp4_value, Avx2Mxfp4};
 /// Rows per block of the parallel products: callers that hand the weights over in row blocks

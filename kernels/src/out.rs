@@ -130,6 +130,12 @@ impl<'a> RowsOut<'a> {
         RowsOut { ptr, t: n, _borrow: PhantomData, ..*self }
     }
 
+    /// Rows `r0..` of this piece, borrowed: the rows a kernel leaves to another loop.
+    pub(crate) fn rows_from(&mut self, r0: usize) -> RowsOut<'_> {
+        assert!(r0 <= self.rows(), "rows from {r0} past {}", self.rows());
+        RowsOut { row_begin: self.row_begin + r0, _borrow: PhantomData, ..*self }
+    }
+
     /// Writes output `(token, row)`, `row` counted from this piece's first row.
     #[inline]
     pub(crate) fn set(&mut self, token: usize, row: usize, value: f32) {

@@ -21,7 +21,7 @@ pub(crate) mod scalar;
 
 use std::sync::atomic::AtomicU64;
 
-use crate::isa::Isa;
+use crate::isa::{Avx512Many, Isa};
 use crate::out::RowsOut;
 use crate::par;
 
@@ -60,14 +60,18 @@ fn check_matmul_shapes(w: &[u8], rows: usize, cols: usize, x: &[f32], t: usize, 
 }
 
 impl Fns {
+    /// `many` chooses the many-token loop of [`Isa::Avx512`]; other ISAs ignore it.
+    ///
     /// # Safety
     /// `isa` must be available on this host ([`Isa::is_available`]).
-    pub(crate) unsafe fn for_isa(isa: Isa) -> Fns {
-        match isa {
+    pub(crate) unsafe fn for_isa(isa: Isa, many: Avx512Many) -> Fns {
+        match (isa, many) {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Fns { matmul: avx2::matmul, matvec_t: avx2::matvec_t },
+            (Isa::Avx2, _) => Fns { matmul: avx2::matmul, matvec_t: avx2::matvec_t },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => Fns { matmul: avx512::matmul, matvec_t: avx512::matvec_t },
+            (Isa::Avx512, Avx512Many::Passes) => Fns { matmul: avx512::matmul, matvec_t: avx512::matvec_t },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, Avx512Many::Tiles) => Fns { matmul: avx512::matmul_tiles, matvec_t: avx512::matvec_t },
             _ => Fns { matmul: scalar::matmul, matvec_t: scalar::matvec_t },
         }
     }

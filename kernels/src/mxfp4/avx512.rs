@@ -9,14 +9,15 @@
 //! from registers. More tokens run in passes of at most four over each block of rows.
 
 use std::arch::x86_64::{
-    _mm512_fmadd_ps, _mm512_load_ps, _mm512_loadu_ps, _mm512_permutexvar_ps, _mm512_set1_epi64, _mm512_setr_epi32,
-    _mm512_setr_epi64, _mm512_setzero_ps, _mm512_srlv_epi64, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
+    __m512, _mm512_fmadd_ps, _mm512_load_ps, _mm512_loadu_ps, _mm512_permutexvar_ps, _mm512_set1_epi64,
+    _mm512_setr_epi32, _mm512_setr_epi64, _mm512_setzero_ps, _mm512_srlv_epi64, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
 };
 
 use super::{GROUP, SCALED};
 use crate::dot::avx512::reduce16z;
 use crate::dot::scalar::LANES;
 use crate::out::{token_passes, RowsOut};
+use crate::tiles512::{self, TileRows, TILE_CHUNKS};
 
 /// Bytes of packed data per group of 32 elements.
 const GROUP_BYTES: usize = GROUP / 2;
@@ -58,6 +59,80 @@ pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: us
             for (t0, n) in token_passes(t) {
                 matmul(packed, scales, cols, &x[t0 * cols..(t0 + n) * cols], n, &mut out.tokens_mut(t0, n));
             }
+        }
+    }
+}
+
+/// Fewest tokens [`matmul_tiles`] runs as tiles. A group's decode costs three shuffles and a
+/// shift, more than a bf16 widening, and is paid once per block of tokens: on one thread of the
+/// Intel host a 3072x3584 product ran at 0.52-0.53 of the FMA peak as tiles and 0.55 as passes
+/// at 8 tokens, 0.53-0.54 against 0.52 at 10, 0.60-0.61 against 0.55 at 16.
+const TILES_MIN_TOKENS: usize = 10;
+
+/// [`matmul`] with [`tiles512`] from [`TILES_MIN_TOKENS`] tokens ([`crate::Avx512Many::Tiles`]);
+/// the rows past the last whole tile run [`matmul`]'s passes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) fn matmul_tiles(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
+    if t < TILES_MIN_TOKENS {
+        return matmul(packed, scales, cols, x, t, out);
+    }
+    let done = tiles512::many_tokens(&Mxfp4Rows { packed, scales, cols }, cols, x, t, out);
+    if done < out.rows() {
+        let (pb, groups) = (cols / 2, cols / GROUP);
+        matmul(&packed[done * pb..], &scales[done * groups..], cols, x, t, &mut out.rows_from(done));
+    }
+}
+
+/// The rows of an MXFP4 matrix for [`tiles512`]: each group decoded as [`rows_dot_tokens`]
+/// does, then put back in canonical lane order (the tile's FMAs take x as it is).
+struct Mxfp4Rows<'a> {
+    /// `[rows, cols / 2]` packed nibbles.
+    packed: &'a [u8],
+    /// `[rows, cols / 32]` validated scales.
+    scales: &'a [u8],
+    cols: usize,
+}
+
+impl TileRows for Mxfp4Rows<'_> {
+    /// The tile's packed bytes (8 a chunk: two lines) and its scales (one line at most).
+    const TILE_LINES: usize = TILE_CHUNKS * 8 / 64 + 1;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    unsafe fn decode(&self, row: usize, c0: usize, dst: &mut [__m512]) {
+        let n = dst.len();
+        // cols is a multiple of GROUP (checked with the shapes) and TILE_CHUNKS is even, so a
+        // tile holds whole groups: chunks 2g and 2g + 1 are group g's halves.
+        let (pb, groups) = (self.cols / 2, self.cols / GROUP);
+        let (g0, gn) = (c0 / 2, n / 2);
+        assert!(c0.is_multiple_of(2) && n.is_multiple_of(2), "mxfp4 tile: chunks {c0}..+{n} split a group");
+        let bytes = &self.packed[row * pb + g0 * GROUP_BYTES..][..gn * GROUP_BYTES];
+        let scales = &self.scales[row * groups + g0..][..gn];
+        let shifts = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+        let back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        let (groups_bytes, _) = bytes.as_chunks::<GROUP_BYTES>();
+        for ((d, b), &scale) in dst.chunks_exact_mut(2).zip(groups_bytes).zip(scales) {
+            let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+            let hi = u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
+            // SAFETY: a `SCALED` row is 16 floats in an `Aligned64`, 64-byte aligned (checked at
+            // compile time in mxfp4/mod.rs), as `_mm512_load_ps` requires.
+            let values = unsafe { _mm512_load_ps(SCALED[usize::from(scale)].0.as_ptr()) };
+            let w0 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(lo as i64), shifts), values);
+            let w1 = _mm512_permutexvar_ps(_mm512_srlv_epi64(_mm512_set1_epi64(hi as i64), shifts), values);
+            d[0] = _mm512_permutexvar_ps(back, w0);
+            d[1] = _mm512_permutexvar_ps(back, w1);
+        }
+    }
+
+    unsafe fn decode_tail(&self, _row: usize) -> __m512 {
+        unreachable!("MXFP4 rows have no tail: cols = {} is a multiple of {GROUP}", self.cols)
+    }
+
+    fn tile_line(&self, row: usize, c0: usize, line: usize) -> *const u8 {
+        let (pb, groups) = (self.cols / 2, self.cols / GROUP);
+        if line + 1 < Self::TILE_LINES {
+            self.packed.as_ptr().wrapping_add(row * pb + c0 * 8 + line * 64)
+        } else {
+            self.scales.as_ptr().wrapping_add(row * groups + c0 / 2)
         }
     }
 }

@@ -26,7 +26,7 @@ use std::ops::Range;
 use std::sync::atomic::AtomicU64;
 
 use crate::error::KernelError;
-use crate::isa::Isa;
+use crate::isa::{Avx512Many, Isa};
 use crate::out::RowsOut;
 use crate::par;
 
@@ -182,18 +182,21 @@ pub(crate) fn check_scales(scales: &[u8], groups: usize, row_begin: usize) -> Re
 }
 
 impl Fns {
-    /// `avx2` chooses the one-token kernel of [`Isa::Avx2`]; other ISAs ignore it.
+    /// `avx2` chooses the one-token kernel of [`Isa::Avx2`], `many` the many-token loop of
+    /// [`Isa::Avx512`]; other ISAs ignore them.
     ///
     /// # Safety
     /// `isa` must be available on this host ([`Isa::is_available`]).
-    pub(crate) unsafe fn for_isa(isa: Isa, avx2: Avx2Mxfp4) -> Fns {
-        match (isa, avx2) {
+    pub(crate) unsafe fn for_isa(isa: Isa, avx2: Avx2Mxfp4, many: Avx512Many) -> Fns {
+        match (isa, avx2, many) {
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, Avx2Mxfp4::Ymm) => Fns { matmul: avx2::matmul },
+            (Isa::Avx2, Avx2Mxfp4::Ymm, _) => Fns { matmul: avx2::matmul },
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, Avx2Mxfp4::Xmm) => Fns { matmul: avx2_xmm::matmul },
+            (Isa::Avx2, Avx2Mxfp4::Xmm, _) => Fns { matmul: avx2_xmm::matmul },
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, _) => Fns { matmul: avx512::matmul },
+            (Isa::Avx512, _, Avx512Many::Passes) => Fns { matmul: avx512::matmul },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, _, Avx512Many::Tiles) => Fns { matmul: avx512::matmul_tiles },
             _ => Fns { matmul: scalar::matmul },
         }
     }

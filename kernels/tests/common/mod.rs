@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use kernels::{Isa, Kernels};
+use kernels::{Avx512Many, Isa, Kernels};
 
 /// SplitMix64: tiny, seedable, good enough to drive test inputs. The root crate's `src/rng.rs`
 /// is the one SplitMix64 of k3ring; this crate may not depend on the root crate, so its tests keep
@@ -172,9 +172,16 @@ pub fn scalar() -> Kernels {
     Kernels::with_isa(Isa::Scalar).unwrap()
 }
 
-/// Every ISA this host can run, Scalar first.
+/// Every ISA this host can run, Scalar first; on AVX-512 also with the many-token loop this CPU
+/// did not choose, so the twins cover both [`kernels::Avx512Many`] loops on any AVX-512 host.
 pub fn all_kernels() -> Vec<Kernels> {
-    let ks: Vec<Kernels> = Isa::available().into_iter().map(|i| Kernels::with_isa(i).unwrap()).collect();
+    let mut ks: Vec<Kernels> = Isa::available().into_iter().map(|i| Kernels::with_isa(i).unwrap()).collect();
+    for k in ks.clone() {
+        if let Some(v) = k.avx512_many() {
+            let other = if v == Avx512Many::Tiles { Avx512Many::Passes } else { Avx512Many::Tiles };
+            ks.push(k.with_avx512_many(other));
+        }
+    }
     if ks.len() == 1 {
         #[allow(clippy::print_stderr)]
         {

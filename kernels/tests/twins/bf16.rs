@@ -2,7 +2,7 @@
 
 use super::*;
 
-/// (rows, cols) pairs: row counts around the 4-row and 64-row blocks, columns around 16 and
+/// (rows, cols) pairs: row counts around the 4-, 8- and 64-row blocks, columns around 16 and
 /// the 256-column tile.
 fn bf16_shapes() -> Vec<(usize, usize)> {
     let mut v = Vec::new();
@@ -11,7 +11,7 @@ fn bf16_shapes() -> Vec<(usize, usize)> {
             v.push((rows, cols));
         }
     }
-    v.extend([(65, 40), (130, 33), (64, 7168)]);
+    v.extend([(65, 40), (130, 33), (64, 7168), (17, 513), (23, 257), (8, 1030)]);
     v
 }
 
