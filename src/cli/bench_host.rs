@@ -21,6 +21,8 @@ pub struct Host {
     pub cpu_model: String,
     /// The kernels' instruction set.
     pub isa: String,
+    /// How the AVX-512 products run many tokens (`tiles` or `passes`), on AVX-512 only.
+    pub many_tokens: Option<String>,
     pub cores: usize,
     /// The backend the cells read through (`uring`, or the modeled device's spec).
     pub io: String,
@@ -40,6 +42,7 @@ impl Host {
         Host {
             cpu_model,
             isa: kernels.isa().name().to_owned(),
+            many_tokens: kernels.avx512_many().map(|v| v.name().to_owned()),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             io: io.display_name(),
         }
@@ -373,7 +376,8 @@ pub fn shared_floor(bytes: f64, compute: f64, device_rate: f64, tax: &ReadTax) -
 
 /// The host line and the tax line of the report.
 pub fn print_host(host: &Host, tax: Option<&ReadTax>) {
-    println!("host: {} ({}, {} cores), cells read through {}", host.cpu_model, host.isa, host.cores, host.io);
+    let many = host.many_tokens.as_ref().map_or(String::new(), |v| format!(", many tokens as {v}"));
+    println!("host: {} ({}{many}, {} cores), cells read through {}", host.cpu_model, host.isa, host.cores, host.io);
     match tax {
         Some(t) => println!(
             "read tax (resident decode quiet vs with a stream of reads through {} at {:.2} GB/s, {} alternated pairs): \
