@@ -9,7 +9,7 @@
 //! 100 products per timing: the kernels' rate when memory is not the limit, on one thread (the
 //! bf16 one has only two 64-row blocks, so its multi-thread rows mostly show fork and join);
 //! `--avx2-mxfp4` runs that AVX2 one-token MXFP4 kernel instead of this CPU's choice,
-//! `--avx512-many` that AVX-512 loop for 8 tokens and more).
+//! `--avx512-many` that AVX-512 many-token loop: tiles from 5 bf16 or 10 MXFP4 tokens, or passes).
 //!
 //! Every number is the median of `--repeats` timings (default 9); the triad and the FMA peak are
 //! measured before and after the kernels and the better of the two medians is the limit, so a

@@ -128,19 +128,20 @@ pub(crate) fn splits_256_bit_operations() -> bool {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Avx512Many {
     /// Passes of a few tokens over every 4 rows, the weights widened or decoded in registers
-    /// once per pass: 0.85-0.92 of the FMA peak at 16 tokens on a Zen 4 host, whose zmm FMAs
-    /// issue one a cycle.
+    /// once per pass: bf16 at 0.85-0.92 of the FMA peak at 16 tokens on a Zen 4 host, whose zmm
+    /// FMAs issue one a cycle.
     Passes,
     /// Tiles of 8 rows decoded once into L1 for up to 16 tokens (bf16 from 5 tokens, MXFP4 from
-    /// 10): on an Intel core, whose two zmm FMA ports also run the widening shifts and
-    /// shuffles, bf16 at 1.3x and MXFP4 at 1.1x the passes at 16 tokens (docs/BENCHMARKS.md,
-    /// "Tiles for many tokens on AVX-512").
+    /// 10): on an Intel core (an Emerald Rapids VM), whose two zmm FMA ports also run the
+    /// widening shifts and shuffles, bf16 ran at 1.3x the passes at 16 tokens and MXFP4 at
+    /// 1.1x on one thread, level to slower on two in one shape (docs/BENCHMARKS.md, "Tiles for
+    /// many tokens on AVX-512").
     Tiles,
 }
 
 impl Avx512Many {
-    /// [`Avx512Many::Tiles`] on Intel CPUs, where they were measured faster, else
-    /// [`Avx512Many::Passes`].
+    /// [`Avx512Many::Tiles`] on Intel CPUs (measured on Emerald Rapids only), else
+    /// [`Avx512Many::Passes`] (measured on Zen 4 and Zen 5).
     pub fn for_this_cpu() -> Avx512Many {
         if cpu_vendor() == *b"GenuineIntel" {
             Avx512Many::Tiles

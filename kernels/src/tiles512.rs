@@ -5,16 +5,17 @@
 //! decoded once into f32 canonical lanes on the stack (8 KiB, in L1), then the block's tokens
 //! run over it in passes of [`PASS`] tokens, 8 rows x 3 tokens = 24 zmm accumulators, their
 //! lanes kept on the stack between tiles (8 KiB). Each FMA reads its weight from L1 and the
-//! decode happens once per 8 to 16 tokens, where the few-token loops decode (or widen) once per
-//! pass in the FMA ports' own cycles: on an Intel core, whose two zmm FMA ports also run the
-//! widening shifts and shuffles, passes of six tokens over four rows held 16-token bf16 products
-//! at 0.44-0.51 of the FMA peak and these tiles run at 0.67-0.71 (docs/BENCHMARKS.md, "Tiles for
-//! many tokens on AVX-512"). Eight rows a pass, not four, since x is read from L2 once per
-//! pass and eight rows halve that traffic.
+//! decode happens once per block of tokens (5 to 16), where the few-token loops decode (or
+//! widen) once per pass in the FMA ports' own cycles: on an Intel core, whose two zmm FMA ports
+//! also run the widening shifts and shuffles, passes of six tokens over four rows held 16-token
+//! bf16 products at 0.44-0.51 of the FMA peak on one thread and these tiles at 0.61-0.67
+//! (docs/BENCHMARKS.md, "Tiles for many tokens on AVX-512"). Eight rows a pass, not four, since
+//! x is read from L2 once per pass and eight rows halve that traffic.
 //!
 //! The passes prefetch what comes next, spread over their chunks (a burst of prefetches at the
 //! decode would wait for the line fill buffers like the loads themselves): the next tile of
-//! the encoded weights into L1, one or two lines a chunk, and the next pass's x.
+//! the encoded weights into L1, its lines dealt over all the passes' chunks (a bf16 tile's 64
+//! lines over 96 chunks at 16 tokens), and the next pass's x.
 //!
 //! Bits: every (row, token) keeps its 16 canonical lanes from +0.0 in increasing column order
 //! (tiles in order, chunks in order within a tile, the zero-padded tail last), one FMA per
@@ -27,16 +28,16 @@ use crate::dot::scalar::{pad16, LANES};
 use crate::out::{even_runs, RowsOut};
 
 /// Rows decoded per tile.
-pub(crate) const ROWS: usize = 8;
+const ROWS: usize = 8;
 /// Chunks of 16 columns per tile: 8 rows x 16 chunks of f32 = 8 KiB.
 pub(crate) const TILE_CHUNKS: usize = 16;
 /// Most tokens sharing the tiles (the lanes buffer's size).
-pub(crate) const BLOCK: usize = 16;
+const BLOCK: usize = 16;
 /// Tokens per pass over a tile: 8 x 3 accumulators, 3 registers of x, 1 of weights.
 const PASS: usize = 3;
 
 /// One decoded row of a tile: [`TILE_CHUNKS`] chunks of canonical lanes.
-pub(crate) type TileRow = [__m512; TILE_CHUNKS];
+type TileRow = [__m512; TILE_CHUNKS];
 
 /// The rows of a weight matrix in their encoded form, as the tiles need them.
 pub(crate) trait TileRows {
@@ -50,7 +51,8 @@ pub(crate) trait TileRows {
     /// AVX-512 F + BW + VL must be available.
     unsafe fn decode(&self, row: usize, c0: usize, dst: &mut [__m512]);
 
-    /// The row's last `cols % 16` columns, zero-padded to a chunk.
+    /// The row's last `cols % 16` columns, zero-padded to a chunk; called only when `cols` is
+    /// not a multiple of 16.
     ///
     /// # Safety
     /// AVX-512 F + BW + VL must be available.
@@ -66,9 +68,12 @@ pub(crate) trait TileRows {
 /// from the first; the caller computes the rest) for all `t` tokens of `x` (`[t, cols]`),
 /// in blocks of up to [`BLOCK`] tokens. Returns the rows filled.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-pub(crate) fn many_tokens<S: TileRows>(src: &S, cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) -> usize {
+pub(crate) fn run<S: TileRows>(src: &S, cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) -> usize {
     assert_eq!(Some(x.len()), t.checked_mul(cols), "tiles: {t} tokens of {cols} floats");
     let rows = out.rows() / ROWS * ROWS;
+    if rows == 0 {
+        return 0;
+    }
     let chunks = cols / LANES;
     let mut tile = [[_mm512_setzero_ps(); TILE_CHUNKS]; ROWS];
     for (b0, bn) in even_runs(t, BLOCK) {
@@ -110,6 +115,7 @@ pub(crate) fn many_tokens<S: TileRows>(src: &S, cols: usize, x: &[f32], t: usize
                         slots,
                     };
                     let lanes = &mut lanes[t0..t0 + tn];
+                    // Blocks of 5 or more tokens make passes of 2 and 3; 1 only for smaller blocks.
                     match tn {
                         3 => pass.run::<3>(lanes),
                         2 => pass.run::<2>(lanes),

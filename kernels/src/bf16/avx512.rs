@@ -4,7 +4,8 @@
 //! `vpmovzxwd` + `vpslld 16`. `t == 1` streams 4 rows at once (4 independent FMA chains; the
 //! kernel is DRAM-bound) and prefetches the next 4 rows into L1 and the 4 after those into L2,
 //! like the AVX2 kernel; `t` of 2 to 4 widen each chunk once for every token; more tokens run
-//! passes of up to six tokens over every 4 rows (`many_tokens`).
+//! passes of up to six tokens over every 4 rows (`many_tokens`), or, with
+//! [`crate::Avx512Many::Tiles`], tiles widened once into L1 ([`crate::tiles512`]).
 
 use std::arch::x86_64::{
     __m256i, __m512, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
@@ -78,15 +79,15 @@ pub(crate) fn matmul(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsO
 const TILES_MIN_TOKENS: usize = 5;
 
 /// [`matmul`] with [`tiles512`] from [`TILES_MIN_TOKENS`] tokens ([`crate::Avx512Many::Tiles`]);
-/// the rows past the last whole tile run [`many_tokens`].
+/// the rows past the last whole block of 8 run [`matmul`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(crate) fn matmul_tiles(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
     if t < TILES_MIN_TOKENS {
         return matmul(w, cols, x, t, out);
     }
-    let done = tiles512::many_tokens(&Bf16Rows { w, cols }, cols, x, t, out);
+    let done = tiles512::run(&Bf16Rows { w, cols }, cols, x, t, out);
     if done < out.rows() {
-        many_tokens(&w[done * 2 * cols..], cols, x, t, &mut out.rows_from(done));
+        matmul(&w[done * 2 * cols..], cols, x, t, &mut out.rows_from(done));
     }
 }
 

@@ -6,7 +6,9 @@
 //! scale's row of [`super::SCALED`] (the decoded values `(sign * E2M1[mag]) * 2^(s - 127)`,
 //! built by the definition's own f32 product, -0.0 for nibble 8 included). The lanes come out
 //! in a permuted order, undone once per accumulator; each decoded group serves every token
-//! from registers. More tokens run in passes of at most four over each block of rows.
+//! from registers. More tokens run in passes of at most four over each block of rows, or, with
+//! [`crate::Avx512Many::Tiles`] from 10 tokens, tiles decoded once into L1
+//! ([`crate::tiles512`]).
 
 use std::arch::x86_64::{
     __m512, _mm512_fmadd_ps, _mm512_load_ps, _mm512_loadu_ps, _mm512_permutexvar_ps, _mm512_set1_epi64,
@@ -52,9 +54,10 @@ pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: us
         3 => few_tokens::<3>(packed, scales, cols, x, out),
         4 => few_tokens::<4>(packed, scales, cols, x, out),
         // Passes over the block: its weights come from DRAM once and from L2 after, and each
-        // group is decoded in registers once per pass. The tile loop, which decodes each group
-        // once per 16 tokens into a stack tile, ran 5-75% slower at every count from 5 to 256
-        // tokens on a Zen 5 host (docs/BENCHMARKS.md, "MXFP4 beyond four tokens").
+        // group is decoded in registers once per pass. The AVX2 tile loop, which decodes each
+        // group once per 16 tokens into a stack tile, ran 5-75% slower at every count from 5 to
+        // 256 tokens on a Zen 5 host (docs/BENCHMARKS.md, "MXFP4 beyond four tokens"); on Intel
+        // the AVX-512 tiles win from 10 tokens ([`matmul_tiles`]).
         _ => {
             for (t0, n) in token_passes(t) {
                 matmul(packed, scales, cols, &x[t0 * cols..(t0 + n) * cols], n, &mut out.tokens_mut(t0, n));
@@ -63,20 +66,21 @@ pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: us
     }
 }
 
-/// Fewest tokens [`matmul_tiles`] runs as tiles. A group's decode costs three shuffles and a
-/// shift, more than a bf16 widening, and is paid once per block of tokens: on one thread of the
+/// Fewest tokens [`matmul_tiles`] runs as tiles. A 16-column chunk's decode costs a shift and
+/// two shuffles (the lookup and the un-permute) against a bf16 chunk's two operations, and is
+/// paid once per block of tokens: on one thread of the
 /// Intel host a 3072x3584 product ran at 0.52-0.53 of the FMA peak as tiles and 0.55 as passes
 /// at 8 tokens, 0.53-0.54 against 0.52 at 10, 0.60-0.61 against 0.55 at 16.
 const TILES_MIN_TOKENS: usize = 10;
 
 /// [`matmul`] with [`tiles512`] from [`TILES_MIN_TOKENS`] tokens ([`crate::Avx512Many::Tiles`]);
-/// the rows past the last whole tile run [`matmul`]'s passes.
+/// the rows past the last whole block of 8 run [`matmul`]'s passes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(crate) fn matmul_tiles(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
     if t < TILES_MIN_TOKENS {
         return matmul(packed, scales, cols, x, t, out);
     }
-    let done = tiles512::many_tokens(&Mxfp4Rows { packed, scales, cols }, cols, x, t, out);
+    let done = tiles512::run(&Mxfp4Rows { packed, scales, cols }, cols, x, t, out);
     if done < out.rows() {
         let (pb, groups) = (cols / 2, cols / GROUP);
         matmul(&packed[done * pb..], &scales[done * groups..], cols, x, t, &mut out.rows_from(done));
@@ -124,6 +128,8 @@ impl TileRows for Mxfp4Rows<'_> {
     }
 
     unsafe fn decode_tail(&self, _row: usize) -> __m512 {
+        // The driver asks for a tail only when cols % 16 != 0, and check_shapes asserts
+        // cols % 32 == 0 before any kernel runs.
         unreachable!("MXFP4 rows have no tail: cols = {} is a multiple of {GROUP}", self.cols)
     }
 

@@ -41,7 +41,7 @@ fn matmul_bf16_twins_unaligned() {
                     let (buf, off) = unaligned(&w);
                     let w_odd = &buf[off..off + w.len()];
                     let want = run_bf16(&s, false, &w, rows, cols, &x, t);
-                    let ctx = format!("{:?} {rows}x{cols} t={t} specials={specials}", k.isa());
+                    let ctx = format!("{k:?} {rows}x{cols} t={t} specials={specials}");
                     assert_bits(&ctx, &want, &run_bf16(&k, false, w_odd, rows, cols, &x, t));
                 }
             }
@@ -64,7 +64,7 @@ fn matmul_bf16_batch_invariance() {
                 let batched = run_bf16(&k, false, &w, rows, cols, &x, t);
                 for tok in 0..t {
                     let single = run_bf16(&k, false, &w, rows, cols, &x[tok * cols..][..cols], 1);
-                    let ctx = format!("{:?} {rows}x{cols} t={t} tok={tok}", k.isa());
+                    let ctx = format!("{k:?} {rows}x{cols} t={t} tok={tok}");
                     assert_bits_strict(&ctx, &single, &batched[tok * rows..][..rows]);
                 }
             }
@@ -83,7 +83,7 @@ fn matmul_bf16_thread_invariance() {
             let serial = run_bf16(&k, false, &w, rows, cols, &x, t);
             for p in &pools {
                 let par = p.install(|| run_bf16(&k, true, &w, rows, cols, &x, t));
-                let ctx = format!("{:?} {rows}x{cols} t={t} threads={}", k.isa(), p.current_num_threads());
+                let ctx = format!("{k:?} {rows}x{cols} t={t} threads={}", p.current_num_threads());
                 assert_bits_strict(&ctx, &serial, &par);
             }
         }
@@ -142,7 +142,7 @@ fn matmul_bf16_rows_equal_the_whole_product() {
                                 k.par_matmul_bf16_rows(part, r0..r1, rows, cols, &x, t, &mut y);
                             }
                         });
-                        let ctx = format!("{:?} {rows}x{cols} t={t} rows {r0}..{r1} busy={busy}", k.isa());
+                        let ctx = format!("{k:?} {rows}x{cols} t={t} rows {r0}..{r1} busy={busy}");
                         for tok in 0..t {
                             let (got, want) = (&y[tok * rows..(tok + 1) * rows], &whole[tok * rows..(tok + 1) * rows]);
                             assert_bits(&format!("{ctx} tok {tok}"), &want[r0..r1], &got[r0..r1]);

@@ -58,7 +58,7 @@ fn matmul_mxfp4_twins_unaligned() {
     for k in mxfp4_kernels() {
         for cols in [32usize, 64, 96, 256, 288, 512, 544] {
             for rows in [1usize, 2, 3, 4, 5, 9, 65] {
-                for t in [1usize, 2, 3, 4, 5, 17] {
+                for t in [1usize, 2, 3, 4, 5, 10, 12, 17] {
                     for edge in [false, true] {
                         let (packed, scales) = mxfp4_data(&mut rng, rows, cols, edge);
                         let x = if edge { rng.specials(t * cols) } else { rng.adversarials(t * cols) };
