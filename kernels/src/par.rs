@@ -108,7 +108,7 @@ where
 /// a `rayon::join` of two halves lost 30-90 us of wall time after a gap of 20 us or more, and
 /// 1-3 us with the workers kept awake (docs/BENCHMARKS.md, "Workers kept awake through a step").
 /// They nap between looks while the step waits for the device ([`while_blocked`]) or has had
-/// no work for them for a while ([`NAP_AFTER`]). Scheduling only: which thread runs a block
+/// no work for them for a millisecond. Scheduling only: which thread runs a block
 /// never changes its bits. Outside a pool, in a pool of one thread, or while another step of
 /// the process keeps workers, `f` just runs.
 pub fn with_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {

@@ -21,9 +21,9 @@
 //! (tiles in order, chunks in order within a tile, the zero-padded tail last), one FMA per
 //! chunk, and reduces them with the canonical tree: the bits of every other path.
 
-use std::arch::x86_64::{__m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_setzero_ps, _mm_prefetch, _MM_HINT_T0};
+use std::arch::x86_64::{__m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_setzero_ps};
 
-use crate::dot::avx512::{load16z, reduce16z};
+use crate::dot::avx512::{load16z, prefetch, reduce16z};
 use crate::dot::scalar::{pad16, LANES};
 use crate::out::{even_runs, RowsOut};
 
@@ -197,12 +197,4 @@ impl<F: Fn(usize) -> *const u8> Pass<'_, F> {
             *l = a;
         }
     }
-}
-
-/// Hints the cache to fetch the line holding `p` into L1; any address is fine (a prefetch never
-/// faults and reads nothing architecturally).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn prefetch(p: *const u8) {
-    _mm_prefetch::<_MM_HINT_T0>(p.cast());
 }

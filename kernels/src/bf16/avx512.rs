@@ -9,10 +9,10 @@
 
 use std::arch::x86_64::{
     __m256i, __m512, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
-    _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
+    _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps,
 };
 
-use crate::dot::avx512::{load16z, reduce16z};
+use crate::dot::avx512::{load16z, prefetch, prefetch_l2, reduce16z};
 use crate::dot::scalar::{pad16, LANES};
 use crate::out::{even_runs, RowsOut};
 use crate::tiles512::{self, TileRows, TILE_CHUNKS};
@@ -41,26 +41,11 @@ fn bf16_tail(tail: &[u8]) -> __m512 {
     bf16x16(&padded)
 }
 
-/// Hints the cache to fetch the line holding `p`; any address is fine (a prefetch never faults
-/// and reads nothing architecturally).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn prefetch(p: *const u8) {
-    _mm_prefetch::<_MM_HINT_T0>(p.cast());
-}
-
 /// Blocks of `R` rows ahead whose lines a second prefetch asks into L2, beside the next block's
 /// into L1. With the next block alone one thread streamed 18-20 GB/s on a Zen 4 host (two:
 /// 29-37); with this too, 26-31 (two: 34-39); three or four blocks ahead were slower than two
 /// (docs/BENCHMARKS.md, "Prefetch into L2").
 const L2_AHEAD: usize = 2;
-
-/// Like [`prefetch`], into L2 only.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn prefetch_l2(p: *const u8) {
-    _mm_prefetch::<_MM_HINT_T1>(p.cast());
-}
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(crate) fn matmul(w: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {

@@ -12,11 +12,11 @@
 
 use std::arch::x86_64::{
     __m512, _mm512_fmadd_ps, _mm512_load_ps, _mm512_loadu_ps, _mm512_permutexvar_ps, _mm512_set1_epi64,
-    _mm512_setr_epi32, _mm512_setr_epi64, _mm512_setzero_ps, _mm512_srlv_epi64, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
+    _mm512_setr_epi32, _mm512_setr_epi64, _mm512_setzero_ps, _mm512_srlv_epi64,
 };
 
 use super::{GROUP, SCALED};
-use crate::dot::avx512::reduce16z;
+use crate::dot::avx512::{prefetch, prefetch_l2, reduce16z};
 use crate::dot::scalar::LANES;
 use crate::out::{token_passes, RowsOut};
 use crate::tiles512::{self, TileRows, TILE_CHUNKS};
@@ -24,27 +24,12 @@ use crate::tiles512::{self, TileRows, TILE_CHUNKS};
 /// Bytes of packed data per group of 32 elements.
 const GROUP_BYTES: usize = GROUP / 2;
 
-/// Hints the cache to fetch the line holding `p`; any address is fine (a prefetch never faults
-/// and reads nothing architecturally).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn prefetch(p: *const u8) {
-    _mm_prefetch::<_MM_HINT_T0>(p.cast());
-}
-
 /// Blocks of `R` rows ahead whose lines a second prefetch asks into L2, beside the block after
 /// next's into L1: on a Zen 4 host one thread streamed 9.6-12.4 GB/s without it and 10.3-13.9
 /// with it (medians 11.3 and 12.3; in L2 14.5 either way), and the expert products of a
 /// resident decode 26.3 GB/s against 23.6 (medians of six runs each; docs/BENCHMARKS.md,
 /// "Prefetch into L2"). Six and 24 blocks ahead did no better.
 const L2_AHEAD: usize = 12;
-
-/// Like [`prefetch`], into L2 only.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn prefetch_l2(p: *const u8) {
-    _mm_prefetch::<_MM_HINT_T1>(p.cast());
-}
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(crate) fn matmul(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], t: usize, out: &mut RowsOut<'_>) {
