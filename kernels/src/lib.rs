@@ -52,6 +52,7 @@
 #![warn(missing_docs)]
 
 pub mod bf16;
+pub mod copy;
 pub mod dot;
 mod error;
 pub mod hash;
@@ -71,6 +72,7 @@ mod tiles512;
 pub mod vector;
 
 pub use bf16::bf16_to_f32;
+pub use copy::copy_streaming;
 pub use error::KernelError;
 pub use isa::{Avx512Many, Isa};
 pub use kernels::Kernels;
