@@ -15,7 +15,7 @@ pub(crate) unsafe fn stream(dst: *mut u8, src: *const u8, len: usize) {
     while at < len {
         // SAFETY: at + STEP <= len (len is a multiple of STEP), so the eight halves from `at` lie
         // in both ranges (the contract); the loads are unaligned, the stores aligned to 32 bytes
-        // since `dst` and `at` are multiples of LINE.
+        // since `dst` and `at` are multiples of LINE and each `i * HALF` a multiple of 32.
         unsafe {
             let halves = [0, 1, 2, 3, 4, 5, 6, 7].map(|i| _mm256_loadu_si256(src.add(at + i * HALF).cast()));
             for (i, half) in halves.into_iter().enumerate() {

@@ -1,16 +1,19 @@
 //! Copies of large byte ranges with non-temporal stores: what stands in for a drive's DMA when
-//! reads are modeled (`--io sim:...`) or served from mapped pages, where the destination is a
-//! read buffer the compute threads take up later, not a range this core reads next.
+//! reads are modeled (`--io sim:...`), where the destination is a read buffer the compute threads
+//! take up later, not a range this core reads next.
 //!
 //! A plain copy (`memcpy`, which keeps regular stores up to copies of about the size of the last
-//! level cache) reads every destination line before it writes it, three streams through memory
-//! for two of data, and leaves the copied bytes in the caches the compute threads work from; the
-//! streaming stores write whole lines straight to memory. On one thread of an Intel Xeon VM
-//! (Emerald Rapids) 17.5 MB pieces copied at 6.0-6.7 GB/s with `memcpy` and 9.6-9.8 GB/s with
-//! 512-bit streaming stores (8.7-9.4 with 256-bit ones; docs/BENCHMARKS.md, "Streaming copies
-//! for modeled drives").
+//! level cache) reads every destination line before it writes it: three streams through memory
+//! for two of data. The streaming stores write whole lines straight to memory. On one thread of
+//! an Intel Xeon VM (Emerald Rapids), pieces of 1 MiB and 17.5 MB copied at 6.0-6.7 GB/s with
+//! `memcpy` and 9.6-9.8 GB/s with 512-bit streaming stores (8.7-9.4 with 256-bit ones;
+//! docs/BENCHMARKS.md, "Streaming copies for modeled drives"). What the plain copy gave besides
+//! (the copied bytes left in a large L3, which the compute threads read next, as a Xeon's DDIO
+//! leaves a real drive's DMA) the streaming copy gives up; the modeled cells measured there were
+//! faster all the same. Not measured on AMD hosts, where `memcpy` already ran 14-18 GB/s.
 //!
 //! The bytes are the copy's whatever the ISA (twin tests); only the path they take differs. The
+//! ISA is the host's best ([`Isa::best`], not `--isa`: a copy's bytes cannot differ). The
 //! streaming loops end with a store fence, so the copy is ordered before whatever the caller
 //! stores next (the completion another thread waits for).
 
@@ -31,7 +34,8 @@ pub(crate) const STEP: usize = 4 * LINE;
 /// [`LINE`], with streaming stores, then fences them.
 pub(crate) type StreamFn = unsafe fn(*mut u8, *const u8, usize);
 
-/// The streaming loop of one ISA (none: a plain copy).
+/// The streaming loop of one ISA (none: a plain copy). Built only by [`Fns::for_isa`], so
+/// `stream` is `Some` only for an ISA this host has.
 #[derive(Clone, Copy)]
 pub(crate) struct Fns {
     stream: Option<StreamFn>,
@@ -65,8 +69,7 @@ impl Fns {
             dst.copy_from_slice(src);
             return;
         };
-        let head = dst.as_ptr().align_offset(LINE).min(dst.len());
-        let body = (dst.len() - head) / STEP * STEP;
+        let (head, body) = split(dst.as_ptr().addr(), dst.len());
         let (dst_head, rest) = dst.split_at_mut(head);
         let (dst_body, dst_tail) = rest.split_at_mut(body);
         let (src_head, rest) = src.split_at(head);
@@ -80,6 +83,14 @@ impl Fns {
         }
         dst_tail.copy_from_slice(src_tail);
     }
+}
+
+/// `(head, body)` of a copy of `len` bytes to address `addr`: the bytes before the first line
+/// boundary (all of them if it lies past the end), then the whole steps from there. Address
+/// arithmetic, not `align_offset`, whose result the streaming stores' alignment must not rest on.
+pub(crate) fn split(addr: usize, len: usize) -> (usize, usize) {
+    let head = (addr.wrapping_neg() % LINE).min(len);
+    (head, (len - head) / STEP * STEP)
 }
 
 /// Copies `src` into `dst` (the same length) with streaming stores where the best ISA this host

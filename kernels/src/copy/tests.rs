@@ -1,8 +1,6 @@
 //! Twin tests: every ISA's copy gives `copy_from_slice`'s bytes for every length and alignment,
 //! and writes nothing outside its destination.
 
-#![allow(clippy::unwrap_used)]
-
 use super::*;
 
 fn every_isa() -> Vec<(Isa, Fns)> {
@@ -57,6 +55,24 @@ fn every_isa_copies_every_length_at_every_alignment_and_nothing_else() {
             }
         }
     }
+}
+
+#[test]
+fn every_copy_of_a_step_past_the_first_line_boundary_streams() {
+    for addr in 0..3 * LINE {
+        for len in 0..4 * STEP {
+            let (head, body) = split(addr, len);
+            assert!(head < LINE && head <= len, "{addr} + {len}: head {head}");
+            assert!(head == len || (addr + head).is_multiple_of(LINE), "{addr} + {len}: head {head} stops short");
+            assert!(body.is_multiple_of(STEP) && head + body <= len && len - head - body < STEP);
+            if len >= head + STEP {
+                assert!(body > 0 && (addr + head).is_multiple_of(LINE), "{addr} + {len}: no streamed body");
+            }
+        }
+    }
+    assert_eq!(split(64, 1000), (0, 768));
+    assert_eq!(split(65, 1000), (63, 768));
+    assert_eq!(split(100, 10), (10, 0));
 }
 
 #[test]

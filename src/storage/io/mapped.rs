@@ -10,6 +10,7 @@ use std::fs::File;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use super::modeled::Stores;
 use super::{AlignSource, Completion, DioAlign, IoError, IoStats, ReadBackend, ReadOp};
 use crate::storage::sigbus::MappedFile;
 
@@ -59,7 +60,8 @@ impl ReadBackend for MappedReader {
             return Err(IoError::BadOp { tag: op.tag, why: format!("min_len {} > len {}", op.min_len, op.len) });
         }
         let start = Instant::now();
-        let result = super::modeled::copy_counted(&self.paths, &self.maps, &op, &mut self.stats);
+        // A page-cache read's copy, as `read(2)` makes it: regular stores.
+        let result = super::modeled::copy_counted(&self.paths, &self.maps, &op, Stores::Plain, &mut self.stats);
         self.stats.sqes_submitted += 1;
         self.stats.busy_ns += start.elapsed().as_nanos() as u64;
         self.ready.push_back(Completion { tag: op.tag, result });

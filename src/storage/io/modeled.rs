@@ -3,9 +3,9 @@
 //!
 //! A read completes when the modeled drives would have delivered it; its bytes come from the
 //! files' pages already in memory (the caller warms them: [`warm_ranges`]) and are copied into
-//! the destination when the read falls due. That copy stands in for the DMA a real drive does; it
-//! costs the host CPU and memory bandwidth, which `bench`'s read-tax probe measures like any
-//! other read, so floors stay honest.
+//! the destination when the read falls due, with streaming stores (`Stores::Streaming`). That
+//! copy stands in for the DMA a real drive does; it costs the host CPU and memory bandwidth,
+//! which `bench`'s read-tax probe measures like any other read, so floors stay honest.
 //!
 //! # The model
 //!
@@ -234,9 +234,20 @@ impl ModeledReader {
     fn complete(&mut self, slot: usize, out: &mut Vec<Completion>) {
         let Some(Pending { op }) = self.slots[slot].take() else { return };
         self.free_slots.push(slot);
-        let result = copy_counted(&self.paths, &self.maps, &op, &mut self.stats);
+        let result = copy_counted(&self.paths, &self.maps, &op, Stores::Streaming, &mut self.stats);
         out.push(Completion { tag: op.tag, result });
     }
+}
+
+/// The stores [`copy_from_maps`] writes the destination with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Stores {
+    /// Regular stores (`copy_from_slice`): what a `read(2)` from the page cache does.
+    Plain,
+    /// Streaming stores ([`kernels::copy_streaming`]): a drive's DMA stand-in, 1.5x a plain
+    /// copy's rate on one thread of the Intel host (docs/BENCHMARKS.md, "Streaming copies for
+    /// modeled drives").
+    Streaming,
 }
 
 /// [`copy_from_maps`], counted in `stats` as one completed read (its bytes, or a failure).
@@ -244,10 +255,11 @@ pub(super) fn copy_counted(
     paths: &[PathBuf],
     maps: &[Option<MappedFile>],
     op: &ReadOp,
+    how: Stores,
     stats: &mut IoStats,
 ) -> Result<(), IoError> {
     stats.ops += 1;
-    match copy_from_maps(paths, maps, op) {
+    match copy_from_maps(paths, maps, op, how) {
         Ok(n) => {
             stats.bytes_read += n as u64;
             Ok(())
@@ -261,7 +273,12 @@ pub(super) fn copy_counted(
 
 /// Copies `op`'s bytes out of `maps` into `op.dst` with the real backends' EOF rule (`min_len`);
 /// returns the bytes copied.
-pub(super) fn copy_from_maps(paths: &[PathBuf], maps: &[Option<MappedFile>], op: &ReadOp) -> Result<usize, IoError> {
+pub(super) fn copy_from_maps(
+    paths: &[PathBuf],
+    maps: &[Option<MappedFile>],
+    op: &ReadOp,
+    how: Stores,
+) -> Result<usize, IoError> {
     let Some(map) = maps.get(op.file) else {
         return Err(IoError::BadOp { tag: op.tag, why: format!("file index {} out of range", op.file) });
     };
@@ -276,11 +293,10 @@ pub(super) fn copy_from_maps(paths: &[PathBuf], maps: &[Option<MappedFile>], op:
         // SAFETY: the `submit` contract gives the reader exclusive use of `dst..dst + len` until
         // the completion is returned, and `available <= len`.
         let dst = unsafe { std::slice::from_raw_parts_mut(op.dst, available) };
-        // Streaming stores, as a drive's DMA writes memory without reading it first or filling
-        // the compute threads' caches: 1.5x a plain copy's rate on one thread of the Intel host,
-        // and the copy is this model's cost to the host (docs/BENCHMARKS.md, "Streaming copies
-        // for modeled drives").
-        kernels::copy_streaming(dst, src);
+        match how {
+            Stores::Plain => dst.copy_from_slice(src),
+            Stores::Streaming => kernels::copy_streaming(dst, src),
+        }
     }
     Ok(available)
 }
