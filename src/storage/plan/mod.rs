@@ -121,6 +121,20 @@ pub const DEFAULT_PIECE_BYTES: u64 = 32 << 20;
 /// through spare expert slots on the 6-layer synth at 6 GB (11, plus the computing one).
 pub const SPREAD_RING_SLOTS: usize = 12;
 
+/// Bytes the spread ring holds at least where its pieces are small ([`spread_ring_slots`]): the
+/// device keeps reading ahead through a layer's attention and experts, which read no trunk. At
+/// 1.5 GB the 6-layer synth's pieces are the smallest block (4.3 MB), and 12 of them (52 MB)
+/// are 6 ms of two modeled 7 GB/s drives: the device idled once they were read, and a ring of
+/// 36 (155 MB) was 1.04-1.27x faster (docs/BENCHMARKS.md, "A ring of bytes, not of slots").
+pub const SPREAD_RING_BYTES: u64 = 160 << 20;
+
+/// Ring slots of `slot` bytes for spread pins: [`SPREAD_RING_SLOTS`], or as many as hold
+/// [`SPREAD_RING_BYTES`] where slots are small, up to an eighth of the budget.
+pub fn spread_ring_slots(slot: u64, budget: u64) -> usize {
+    let by_bytes = SPREAD_RING_BYTES.min(budget / 8) / slot.max(1);
+    SPREAD_RING_SLOTS.max(usize::try_from(by_bytes).unwrap_or(usize::MAX))
+}
+
 /// Expert slots below which no plan goes: one expert being computed while the next is read.
 pub const MIN_EXPERT_SLOTS: usize = 2;
 
@@ -583,7 +597,7 @@ impl Pieces<'_> {
     /// (what the ring, the small tensors and the preferred pool leave of `avail`, less the
     /// whole units no larger than a piece, which stay pinned) becomes the bytes of pinned
     /// pieces, rounded down to the arena's alignment, less the ring slots that bring the ring
-    /// to [`SPREAD_RING_SLOTS`] (or to the pieces left to stream, if fewer). Returns those
+    /// to [`spread_ring_slots`] (or to the pieces left to stream, if fewer). Returns those
     /// bytes and slots; `(0, 0)` leaves the choice of
     /// `pin` as it was, as does a room that would hold every split unit whole.
     fn spread(
@@ -608,7 +622,7 @@ impl Pieces<'_> {
         let big_bytes: u64 = big.iter().map(|u| u.1).sum();
         // No more ring than the pieces left to stream would fill.
         let left_to_stream = big_bytes.saturating_sub(room.saturating_sub(whole_bytes)).div_ceil(piece.max(1));
-        let ring_more = SPREAD_RING_SLOTS
+        let ring_more = spread_ring_slots(self.slot(piece), input.budget)
             .min(usize::try_from(left_to_stream).unwrap_or(usize::MAX))
             .saturating_sub(self.ring_slots);
         let room = room.saturating_sub(whole_bytes + ring_more as u64 * self.slot(piece));

@@ -390,3 +390,15 @@ fn spread_pins_hold_the_pinned_trunk_as_pieces_of_every_unit() {
         (b.pinned_piece_bytes, b.ring_slots, b.expert_slots)
     );
 }
+
+/// The spread ring holds [`SPREAD_RING_BYTES`] where its slots are small, within an eighth of
+/// the budget, and never fewer than [`SPREAD_RING_SLOTS`] slots.
+#[test]
+fn the_spread_ring_holds_its_bytes_where_pieces_are_small() {
+    let mib = 1u64 << 20;
+    assert_eq!(spread_ring_slots(4 * mib, 1536 * mib), 40, "160 MiB of 4 MiB slots");
+    assert_eq!(spread_ring_slots(34 * mib, 6144 * mib), SPREAD_RING_SLOTS, "large slots: the slot count");
+    assert_eq!(spread_ring_slots(2 * mib, 800 * mib), 50, "an eighth of 800 MiB in 2 MiB slots");
+    assert_eq!(spread_ring_slots(4 * mib, 400 * mib), SPREAD_RING_SLOTS, "a small budget: the slot count");
+    assert_eq!(spread_ring_slots(0, 1536 * mib), usize::try_from(SPREAD_RING_BYTES).unwrap(), "no slot size");
+}
