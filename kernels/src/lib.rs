@@ -65,6 +65,8 @@ mod out;
 mod par;
 mod peak;
 pub mod softmax;
+#[cfg(test)]
+mod testutil;
 #[cfg(target_arch = "x86_64")]
 mod tiled;
 #[cfg(target_arch = "x86_64")]

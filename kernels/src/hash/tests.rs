@@ -4,22 +4,11 @@
 #![allow(clippy::unwrap_used)]
 
 use super::*;
+use crate::testutil::bytes;
 
 fn every_isa() -> Vec<(Isa, Fns)> {
     // SAFETY: only the ISAs this host has.
     Isa::available().into_iter().map(|isa| (isa, unsafe { Fns::for_isa(isa) })).collect()
-}
-
-fn bytes(len: usize, salt: u64) -> Vec<u8> {
-    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ salt;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 /// Lengths around every boundary the algorithm has: the short paths (16, 128, 240), a stripe,
