@@ -10,16 +10,19 @@ pub const PIECE_RING_SLOTS: usize = 4;
 /// through spare expert slots on the 6-layer synth at 6 GB (11, plus the computing one).
 pub const SPREAD_RING_SLOTS: usize = 12;
 
-/// Bytes the spread ring holds at least where its pieces are small ([`spread_ring_slots`]): the
-/// device keeps reading ahead through a layer's attention and experts, which read no trunk. At
-/// 1.5 GB the 6-layer synth's pieces are the smallest block (4.3 MB), and 12 of them (52 MB)
-/// are 6 ms of two modeled 7 GB/s drives: the device idled once they were read, and a ring of
-/// 36 (155 MB) was 1.01-1.27x faster (docs/BENCHMARKS.md, "A ring of bytes, not of slots").
-pub const SPREAD_RING_BYTES: u64 = 160 << 20;
+/// Bytes the spread ring holds at least where its pieces are small ([`spread_ring_slots`]): as
+/// many as [`SPREAD_RING_SLOTS`] pieces of the default size hold, so that a plan of small pieces
+/// reads as far ahead as one of 32 MiB pieces. The device keeps reading ahead through a layer's
+/// attention and experts, which read no trunk. At 1.5 GB the 6-layer synth's pieces are the
+/// smallest block (4.3 MB); a ring of 12 (52 MB) is 6 ms of two modeled 7 GB/s drives and the
+/// device idled once it was read. Rings of 155 MB and then of a quarter of the budget (375 MB)
+/// each ran faster (docs/BENCHMARKS.md, "A ring of bytes, not of slots" and "A ring as long as
+/// the default piece's"). On a device too slow to idle the extra ring is only extra trunk read.
+pub const SPREAD_RING_BYTES: u64 = SPREAD_RING_SLOTS as u64 * super::DEFAULT_PIECE_BYTES;
 
 /// Ring slots of `slot` bytes for spread pins: [`SPREAD_RING_SLOTS`], or as many as hold
-/// [`SPREAD_RING_BYTES`] where slots are small, up to an eighth of the budget.
+/// [`SPREAD_RING_BYTES`] where slots are small, up to a quarter of the budget.
 pub fn spread_ring_slots(slot: u64, budget: u64) -> usize {
-    let by_bytes = SPREAD_RING_BYTES.min(budget / 8) / slot.max(1);
+    let by_bytes = SPREAD_RING_BYTES.min(budget / 4) / slot.max(1);
     SPREAD_RING_SLOTS.max(usize::try_from(by_bytes).unwrap_or(usize::MAX))
 }

@@ -391,14 +391,16 @@ fn spread_pins_hold_the_pinned_trunk_as_pieces_of_every_unit() {
     );
 }
 
-/// The spread ring holds [`SPREAD_RING_BYTES`] where its slots are small, within an eighth of
-/// the budget, and never fewer than [`SPREAD_RING_SLOTS`] slots.
+/// The spread ring holds [`SPREAD_RING_BYTES`] (12 default pieces, 384 MiB) where its slots are
+/// small, within a quarter of the budget, and never fewer than [`SPREAD_RING_SLOTS`] slots.
 #[test]
 fn the_spread_ring_holds_its_bytes_where_pieces_are_small() {
     let mib = 1u64 << 20;
-    assert_eq!(spread_ring_slots(4 * mib, 1536 * mib), 40, "160 MiB of 4 MiB slots");
+    assert_eq!(SPREAD_RING_BYTES, 384 * mib);
+    assert_eq!(spread_ring_slots(4 * mib, 2048 * mib), 96, "384 MiB of 4 MiB slots");
     assert_eq!(spread_ring_slots(34 * mib, 6144 * mib), SPREAD_RING_SLOTS, "large slots: the slot count");
-    assert_eq!(spread_ring_slots(2 * mib, 800 * mib), 50, "an eighth of 800 MiB in 2 MiB slots");
-    assert_eq!(spread_ring_slots(4 * mib, 400 * mib), SPREAD_RING_SLOTS, "a small budget: the slot count");
-    assert_eq!(spread_ring_slots(0, 1536 * mib), 160 << 20, "no slot size: one byte a slot");
+    assert_eq!(spread_ring_slots(32 * mib, 6144 * mib), SPREAD_RING_SLOTS, "default pieces: the slot count");
+    assert_eq!(spread_ring_slots(2 * mib, 800 * mib), 100, "a quarter of 800 MiB in 2 MiB slots");
+    assert_eq!(spread_ring_slots(4 * mib, 160 * mib), SPREAD_RING_SLOTS, "a small budget: the slot count");
+    assert_eq!(spread_ring_slots(0, 1536 * mib), 384 << 20, "no slot size: one byte a slot");
 }
