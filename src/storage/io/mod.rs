@@ -163,8 +163,10 @@ pub trait ReadBackend {
     unsafe fn submit(&mut self, op: ReadOp) -> Result<(), IoError>;
 
     /// Issues queued chunks and waits until at least `wait_for` logical reads have completed,
-    /// appending their completions to `out`. `wait_for == 0` only issues and collects what is
-    /// already done. `wait_for` must not exceed [`ReadBackend::in_flight`].
+    /// appending their completions to `out`. `wait_for == 0` only issues and collects some or all
+    /// of what is already done (the modeled drives return one: each costs a copy); a poller
+    /// calls it until nothing more comes back. `wait_for` must not exceed
+    /// [`ReadBackend::in_flight`].
     fn reap(&mut self, out: &mut Vec<Completion>, wait_for: usize) -> Result<(), IoError>;
 
     /// Logical reads accepted and not yet returned as completions.

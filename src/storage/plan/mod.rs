@@ -578,7 +578,11 @@ impl Pieces<'_> {
     /// pieces, rounded down to the arena's alignment, less the ring slots that bring the ring
     /// to [`spread_ring_slots`] (or to the pieces left to stream, if fewer). Returns those
     /// bytes and slots; `(0, 0)` leaves the choice of
-    /// `pin` as it was, as does a room that would hold every split unit whole.
+    /// `pin` as it was, as does a room that would hold every split unit whole. A ring that takes
+    /// the whole room (up to a quarter of the budget where pieces are small) also gives `(0, 0)`:
+    /// just above such a budget spread pins pin little and read up to that ring's bytes more
+    /// than the whole-unit plan just below. Accepted: that needs a budget under 4/3 of what it
+    /// holds besides pinned pieces, near the minimum, where nearly all the trunk streams anyway.
     fn spread(
         &self,
         input: &PlanInput,

@@ -10,7 +10,7 @@ pub const PIECE_RING_SLOTS: usize = 4;
 /// through spare expert slots on the 6-layer synth at 6 GB (11, plus the computing one).
 pub const SPREAD_RING_SLOTS: usize = 12;
 
-/// Bytes the spread ring holds at least where its pieces are small ([`spread_ring_slots`]): as
+/// Bytes the spread ring holds, up to a quarter of the budget, where its pieces are small ([`spread_ring_slots`]): as
 /// many as [`SPREAD_RING_SLOTS`] pieces of the default size hold, so that a plan of small pieces
 /// reads as far ahead as one of 32 MiB pieces. The device keeps reading ahead through a layer's
 /// attention and experts, which read no trunk. At 1.5 GB the 6-layer synth's pieces are the
